@@ -1,0 +1,378 @@
+// pybind11 module `nanovllm._C`. Every argument is validated here, at the boundary, so the
+// core's hot loops can trust their inputs and nothing a caller passes can crash the process.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <limits>
+#include <string>
+
+#include "block_pool.h"
+#include "scheduler.h"
+#include "xxhash64.h"
+
+namespace py = pybind11;
+using namespace nanovllm;
+
+namespace {
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+[[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
+
+int32_t checked_int32(int64_t v, const char* name, int64_t lo, int64_t hi = kInt32Max) {
+  if (v < lo || v > hi) {
+    value_error(std::string(name) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                "], got " + std::to_string(v));
+  }
+  return static_cast<int32_t>(v);
+}
+
+// Token ids from a list/tuple of ints or an integer numpy array, each in [0, vocab) (vocab 0:
+// no upper bound).
+std::vector<int32_t> token_vector(py::handle obj, const char* name, int64_t vocab) {
+  std::vector<int32_t> out;
+  const int64_t hi = vocab > 0 ? vocab - 1 : kInt32Max;
+  auto check = [&](int64_t v, size_t i) {
+    if (v < 0 || v > hi) {
+      value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
+                  " is outside the vocabulary [0, " + std::to_string(hi + 1) + ")");
+    }
+    out.push_back(static_cast<int32_t>(v));
+  };
+  if (py::isinstance<py::array>(obj)) {
+    auto arr = py::reinterpret_borrow<py::array>(obj);
+    const char kind = arr.dtype().kind();
+    if (kind != 'i' && kind != 'u') value_error(std::string(name) + " must hold integers, got dtype " + std::string(py::str(arr.dtype())));
+    if (arr.ndim() != 1) value_error(std::string(name) + " must be one-dimensional");
+    auto wide = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    if (kind == 'u') {
+      auto unsigned_view = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+      for (py::ssize_t i = 0; i < unsigned_view.size(); ++i) {
+        if (unsigned_view.data()[i] > static_cast<uint64_t>(kInt32Max)) check(-1, i);
+      }
+    }
+    out.reserve(wide.size());
+    for (py::ssize_t i = 0; i < wide.size(); ++i) check(wide.data()[i], i);
+    return out;
+  }
+  if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || !py::isinstance<py::sequence>(obj)) {
+    value_error(std::string(name) + " must be a sequence of token ids");
+  }
+  auto seq = py::reinterpret_borrow<py::sequence>(obj);
+  out.reserve(seq.size());
+  for (size_t i = 0; i < seq.size(); ++i) {
+    py::object item = seq[i];
+    if (!py::isinstance<py::int_>(item) || py::isinstance<py::bool_>(item)) {
+      value_error(std::string(name) + "[" + std::to_string(i) + "] must be an int, got " +
+                  std::string(py::str(py::type::of(item).attr("__name__"))));
+    }
+    int64_t v;
+    try {
+      v = item.cast<int64_t>();
+    } catch (const py::cast_error&) {
+      v = -1;
+    }
+    check(v, i);
+  }
+  return out;
+}
+
+template <typename T>
+py::array view(const T* data, std::vector<py::ssize_t> shape, py::handle owner) {
+  return py::array_t<T>(shape, data, owner);
+}
+
+Sequence& known(Scheduler& s, int64_t id) {
+  if (!s.contains(id)) throw py::key_error("unknown sequence id " + std::to_string(id));
+  return const_cast<Sequence&>(s.sequence(id));
+}
+
+void check_block(const BlockPool& pool, int64_t b) {
+  if (b < 0 || b >= pool.num_blocks()) {
+    throw py::index_error("block id " + std::to_string(b) + " out of range [0, " +
+                          std::to_string(pool.num_blocks()) + ")");
+  }
+}
+
+const char* status_name(SeqStatus s) {
+  switch (s) {
+    case SeqStatus::kWaiting: return "waiting";
+    case SeqStatus::kRunning: return "running";
+    case SeqStatus::kFinished: return "finished";
+  }
+  return "unknown";
+}
+
+py::dict scheduler_stats(const Scheduler& s) {
+  const BlockPool& pool = s.kv().pool();
+  py::dict d;
+  d["num_preemptions"] = s.stats().num_preemptions;
+  d["prefix_cache_queries"] = s.stats().prefix_cache_queries;
+  d["prefix_cache_hits"] = s.stats().prefix_cache_hits;
+  d["num_free_blocks"] = pool.num_free();
+  d["num_used_blocks"] = pool.num_used();
+  d["num_cached_blocks"] = pool.num_cached();
+  d["num_total_blocks"] = pool.num_blocks();
+  d["num_waiting"] = s.num_waiting();
+  d["num_running"] = s.num_running();
+  return d;
+}
+
+void bind_hashing(py::module_& m) {
+  m.def(
+      "xxh64",
+      [](py::bytes data, uint64_t seed) {
+        const std::string_view bytes = data;
+        return xxh64({reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()}, seed);
+      },
+      py::arg("data"), py::arg("seed") = 0, "XXH64 of `data`, equal to xxhash.xxh64(data, seed).intdigest().");
+  m.def(
+      "hash_block_tokens",
+      [](std::optional<uint64_t> parent, py::handle tokens) {
+        const auto ids = token_vector(tokens, "token_ids", 0);
+        return hash_block_tokens(parent.has_value(), parent.value_or(0), ids);
+      },
+      py::arg("parent_hash"), py::arg("token_ids"),
+      "XXH64(parent as 8 LE bytes || tokens as int64 LE); parent_hash=None for a first block.");
+  m.def(
+      "hash_prompt_blocks",
+      [](py::handle tokens, int64_t block_size) {
+        const int32_t bs = checked_int32(block_size, "block_size", 1);
+        Sequence seq;
+        seq.tokens = token_vector(tokens, "token_ids", 0);
+        KVCacheManager(1, bs, true).hash_full_blocks(seq);
+        return seq.block_hashes;
+      },
+      py::arg("token_ids"), py::arg("block_size"), "Chained hashes of every full block of token_ids.");
+}
+
+void bind_block_pool(py::module_& m) {
+  py::class_<BlockPool>(m, "BlockPool", "Physical KV blocks: ref counts, LRU free queue, hash -> block.")
+      .def(py::init([](int64_t num_blocks, int64_t block_size) {
+             const int32_t bs = checked_int32(block_size, "block_size", 1, 1 << 16);
+             const int32_t nb = checked_int32(num_blocks, "num_blocks", 1, kInt32Max / bs);
+             return BlockPool(nb, bs);
+           }),
+           py::arg("num_blocks"), py::arg("block_size"))
+      .def_property_readonly("num_blocks", &BlockPool::num_blocks)
+      .def_property_readonly("block_size", &BlockPool::block_size)
+      .def_property_readonly("num_free_blocks", &BlockPool::num_free)
+      .def_property_readonly("num_used_blocks", &BlockPool::num_used)
+      .def_property_readonly("num_cached_blocks", &BlockPool::num_cached)
+      .def("allocate",
+           [](BlockPool& p) {
+             if (p.num_free() == 0) throw py::value_error("no free block to allocate");
+             return p.allocate();
+           })
+      .def("touch", [](BlockPool& p, int64_t b) { check_block(p, b); p.touch(static_cast<int32_t>(b)); }, py::arg("block_id"))
+      .def("free",
+           [](BlockPool& p, int64_t b) {
+             check_block(p, b);
+             if (p.ref_count(static_cast<int32_t>(b)) == 0) value_error("block " + std::to_string(b) + " is already free");
+             p.free(static_cast<int32_t>(b));
+           },
+           py::arg("block_id"))
+      .def("register",
+           [](BlockPool& p, int64_t b, uint64_t hash, py::handle tokens) {
+             check_block(p, b);
+             const auto ids = token_vector(tokens, "token_ids", 0);
+             if (static_cast<int64_t>(ids.size()) != p.block_size()) {
+               value_error("a block holds " + std::to_string(p.block_size()) + " tokens, got " + std::to_string(ids.size()));
+             }
+             if (p.ref_count(static_cast<int32_t>(b)) == 0) value_error("block " + std::to_string(b) + " is free; only used blocks are registered");
+             return p.register_block(static_cast<int32_t>(b), hash, ids);
+           },
+           py::arg("block_id"), py::arg("block_hash"), py::arg("token_ids"))
+      .def("lookup",
+           [](const BlockPool& p, uint64_t hash, py::handle tokens) {
+             const auto ids = token_vector(tokens, "token_ids", 0);
+             if (static_cast<int64_t>(ids.size()) != p.block_size()) {
+               value_error("a block holds " + std::to_string(p.block_size()) + " tokens, got " + std::to_string(ids.size()));
+             }
+             return p.lookup(hash, ids);
+           },
+           py::arg("block_hash"), py::arg("token_ids"))
+      .def("ref_count", [](const BlockPool& p, int64_t b) { check_block(p, b); return p.ref_count(static_cast<int32_t>(b)); }, py::arg("block_id"))
+      .def("block_hash",
+           [](const BlockPool& p, int64_t b) -> std::optional<uint64_t> {
+             check_block(p, b);
+             if (!p.has_hash(static_cast<int32_t>(b))) return std::nullopt;
+             return p.hash_of(static_cast<int32_t>(b));
+           },
+           py::arg("block_id"))
+      .def("free_queue", &BlockPool::free_queue, "Free blocks, head (next evicted) first.");
+}
+
+void bind_step_plan(py::module_& m) {
+  using S = StepPlan;
+  auto section = [](S::Section sec, auto length) {
+    return [sec, length](py::object self) {
+      const S& p = self.cast<const S&>();
+      return view<int32_t>(p.section(sec), {static_cast<py::ssize_t>(length(p))}, self);
+    };
+  };
+  py::class_<S>(m, "StepPlan", "The flat arrays of one forward pass; numpy views valid until the next schedule().")
+      .def_property_readonly("num_seqs", &S::num_seqs)
+      .def_property_readonly("num_tokens", &S::num_tokens)
+      .def_property_readonly("num_prefill_tokens", &S::num_prefill_tokens)
+      .def_property_readonly("num_decode_tokens", &S::num_decode_tokens)
+      .def_property_readonly("num_decode_seqs", &S::num_decode_seqs)
+      .def_property_readonly("num_samples", &S::num_samples)
+      .def_property_readonly("num_copies", &S::num_copies)
+      .def_property_readonly("max_seqlen_q", &S::max_seqlen_q)
+      .def_property_readonly("max_seqlen_k", &S::max_seqlen_k)
+      .def_property_readonly("max_blocks_per_seq", &S::max_blocks_per_seq)
+      .def_property_readonly("used_size", &S::used_size)
+      .def_property_readonly("input_ids", section(S::kInputIds, [](const S& p) { return p.num_tokens(); }))
+      .def_property_readonly("positions", section(S::kPositions, [](const S& p) { return p.num_tokens(); }))
+      .def_property_readonly("slot_mapping", section(S::kSlotMapping, [](const S& p) { return p.num_tokens(); }))
+      .def_property_readonly("cu_seqlens_q", section(S::kCuSeqlensQ, [](const S& p) { return p.num_seqs() + 1; }))
+      .def_property_readonly("cu_seqlens_k", section(S::kCuSeqlensK, [](const S& p) { return p.num_seqs() + 1; }))
+      .def_property_readonly("context_lens", section(S::kContextLens, [](const S& p) { return p.num_seqs(); }))
+      .def_property_readonly("sample_indices", section(S::kSampleIndices, [](const S& p) { return p.num_samples(); }))
+      .def_property_readonly("block_copies",
+                             [](py::object self) {
+                               const S& p = self.cast<const S&>();
+                               return view<int32_t>(p.section(S::kBlockCopies), {p.num_copies(), 2}, self);
+                             })
+      .def_property_readonly("block_tables",
+                             [](py::object self) {
+                               const S& p = self.cast<const S&>();
+                               return view<int32_t>(p.section(S::kBlockTables), {p.num_seqs(), p.max_blocks_per_seq()}, self);
+                             })
+      .def_property_readonly("seq_ids",
+                             [](py::object self) {
+                               const S& p = self.cast<const S&>();
+                               return view<int64_t>(p.seq_ids().data(), {p.num_seqs()}, self);
+                             })
+      .def_property_readonly("sampled_seq_ids",
+                             [](py::object self) {
+                               const S& p = self.cast<const S&>();
+                               return view<int64_t>(p.sampled_seq_ids().data(), {p.num_samples()}, self);
+                             })
+      .def_property_readonly("buffer",
+                             [](py::object self) {
+                               const S& p = self.cast<const S&>();
+                               return view<int32_t>(p.buffer().data(), {static_cast<py::ssize_t>(p.buffer().size())}, self);
+                             })
+      .def_property_readonly("offsets", [](const S& p) {
+        py::dict d;
+        for (int s = 0; s < S::kNumSections; ++s) {
+          d[py::str(std::string(S::kSectionNames[s]))] = p.offset(static_cast<S::Section>(s));
+        }
+        return d;
+      });
+}
+
+void bind_scheduler(py::module_& m) {
+  py::class_<Scheduler>(m, "Scheduler", "Continuous batching, chunked prefill, prefix caching, preemption.")
+      .def(py::init([](int64_t num_blocks, int64_t block_size, int64_t max_num_seqs, int64_t max_num_batched_tokens,
+                       int64_t max_model_len, bool enable_prefix_caching, py::handle eos_token_ids, int64_t vocab_size) {
+             SchedulerConfig c;
+             c.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
+             c.num_blocks = checked_int32(num_blocks, "num_blocks", 1, kInt32Max / c.block_size);
+             c.max_num_seqs = checked_int32(max_num_seqs, "max_num_seqs", 1, 1 << 20);
+             c.max_num_batched_tokens = checked_int32(max_num_batched_tokens, "max_num_batched_tokens", 1, 1 << 24);
+             c.max_model_len = checked_int32(max_model_len, "max_model_len", 1, 1 << 24);
+             c.vocab_size = checked_int32(vocab_size, "vocab_size", 0);
+             c.enable_prefix_caching = enable_prefix_caching;
+             c.eos_token_ids = token_vector(eos_token_ids, "eos_token_ids", c.vocab_size);
+             return std::make_unique<Scheduler>(std::move(c));
+           }),
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"),
+           py::arg("max_model_len"), py::arg("enable_prefix_caching") = true,
+           py::arg("eos_token_ids") = py::tuple(), py::arg("vocab_size") = 0)
+      .def("add",
+           [](Scheduler& s, int64_t id, py::handle prompt, int64_t max_tokens, int64_t min_tokens, bool ignore_eos,
+              py::handle stop_token_ids) {
+             if (s.contains(id)) value_error("sequence id " + std::to_string(id) + " is already in use");
+             auto tokens = token_vector(prompt, "prompt_token_ids", s.config().vocab_size);
+             if (tokens.empty()) value_error("prompt_token_ids is empty: a prompt needs at least one token");
+             const int64_t n = static_cast<int64_t>(tokens.size());
+             if (n > s.config().max_model_len) {
+               value_error("prompt has " + std::to_string(n) + " tokens, more than max_model_len=" +
+                           std::to_string(s.config().max_model_len));
+             }
+             const int64_t pool_tokens = static_cast<int64_t>(s.config().num_blocks) * s.config().block_size;
+             if (n > pool_tokens) {
+               value_error("prompt has " + std::to_string(n) + " tokens but the whole KV cache holds only " +
+                           std::to_string(pool_tokens) + " (" + std::to_string(s.config().num_blocks) + " blocks of " +
+                           std::to_string(s.config().block_size) + ")");
+             }
+             StopParams stop;
+             stop.max_tokens = checked_int32(max_tokens, "max_tokens", 1);
+             stop.min_tokens = checked_int32(min_tokens, "min_tokens", 0, max_tokens);
+             stop.ignore_eos = ignore_eos;
+             stop.stop_token_ids = token_vector(stop_token_ids, "stop_token_ids", s.config().vocab_size);
+             s.add(id, std::move(tokens), std::move(stop));
+           },
+           py::arg("seq_id"), py::arg("prompt_token_ids"), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
+           py::arg("ignore_eos") = false, py::arg("stop_token_ids") = py::tuple())
+      .def("abort",
+           [](Scheduler& s, int64_t id) {
+             known(s, id);
+             s.abort(id);
+           },
+           py::arg("seq_id"), "Removes a waiting or running sequence and frees its blocks.")
+      .def("fork",
+           [](Scheduler& s, int64_t parent, int64_t child) {
+             const Sequence& p = known(s, parent);
+             if (s.contains(child)) value_error("sequence id " + std::to_string(child) + " is already in use");
+             if (p.in_batch) value_error("cannot fork sequence " + std::to_string(parent) + " while its step is in flight; call postprocess first");
+             s.fork(parent, child);
+           },
+           py::arg("parent_id"), py::arg("child_id"), "The child shares every block of the parent (copy-on-write).")
+      .def("schedule",
+           [](Scheduler& s) -> const StepPlan& {
+             if (s.in_flight()) throw std::runtime_error("schedule() called twice: postprocess() the step in flight first");
+             return s.schedule();
+           },
+           py::return_value_policy::reference_internal)
+      .def("postprocess",
+           [](Scheduler& s, py::handle sampled) {
+             if (!s.in_flight()) throw std::runtime_error("postprocess() called with no step in flight");
+             const auto tokens = token_vector(sampled, "sampled_token_ids", s.config().vocab_size);
+             if (static_cast<int64_t>(tokens.size()) != s.plan().num_samples()) {
+               value_error("expected " + std::to_string(s.plan().num_samples()) + " sampled token ids, got " +
+                           std::to_string(tokens.size()));
+             }
+             py::list out;
+             for (const FinishedSeq& f : s.postprocess(tokens)) {
+               const char* reason = f.reason == FinishReason::kStop ? "stop" : "length";
+               py::object stop_token = f.stop_token >= 0 ? py::object(py::int_(f.stop_token)) : py::object(py::none());
+               out.append(py::make_tuple(f.id, reason, stop_token));
+             }
+             return out;
+           },
+           py::arg("sampled_token_ids"),
+           "Appends one token per sample; returns (seq_id, 'stop' | 'length', stop token or None) per finished sequence.")
+      .def("has_unfinished", &Scheduler::has_unfinished)
+      .def_property_readonly("num_waiting", &Scheduler::num_waiting)
+      .def_property_readonly("num_running", &Scheduler::num_running)
+      .def_property_readonly("num_preemptions", [](const Scheduler& s) { return s.stats().num_preemptions; })
+      .def_property_readonly("num_free_blocks", [](const Scheduler& s) { return s.kv().pool().num_free(); })
+      .def_property_readonly("num_total_blocks", [](const Scheduler& s) { return s.kv().pool().num_blocks(); })
+      .def("token_ids", [](Scheduler& s, int64_t id) { return known(s, id).tokens; }, py::arg("seq_id"))
+      .def("num_computed_tokens", [](Scheduler& s, int64_t id) { return known(s, id).num_computed; }, py::arg("seq_id"))
+      .def("block_table", [](Scheduler& s, int64_t id) { return known(s, id).block_table; }, py::arg("seq_id"))
+      .def("status", [](Scheduler& s, int64_t id) { return status_name(known(s, id).status); }, py::arg("seq_id"))
+      .def("ref_count",
+           [](const Scheduler& s, int64_t b) {
+             check_block(s.kv().pool(), b);
+             return s.kv().pool().ref_count(static_cast<int32_t>(b));
+           },
+           py::arg("block_id"))
+      .def("free_queue", [](const Scheduler& s) { return s.kv().pool().free_queue(); })
+      .def("stats", &scheduler_stats);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "nanovllm's C++ engine core: block pool, KV cache manager, scheduler, step plan.";
+  bind_hashing(m);
+  bind_block_pool(m);
+  bind_step_plan(m);
+  bind_scheduler(m);
+}

@@ -1,0 +1,210 @@
+#include "scheduler.h"
+
+#include <algorithm>
+
+namespace nanovllm {
+
+namespace {
+
+int32_t blocks_per_seq(const SchedulerConfig& c) {
+  return (c.max_model_len + c.block_size - 1) / c.block_size;
+}
+
+}  // namespace
+
+Scheduler::Scheduler(SchedulerConfig config)
+    : config_(std::move(config)),
+      kv_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
+      plan_(config_.max_num_batched_tokens, config_.max_num_seqs, blocks_per_seq(config_), config_.block_size) {
+  batch_.reserve(config_.max_num_seqs);
+  running_.reserve(config_.max_num_seqs);
+  copies_.reserve(config_.max_num_seqs);
+}
+
+int32_t Scheduler::max_seq_len() const {
+  const int64_t pool_tokens = static_cast<int64_t>(config_.num_blocks) * config_.block_size;
+  return static_cast<int32_t>(std::min<int64_t>(config_.max_model_len, pool_tokens));
+}
+
+bool Scheduler::in_current_batch(int64_t id) const {
+  const auto it = seqs_.find(id);
+  return it != seqs_.end() && it->second->in_batch;
+}
+
+void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop) {
+  auto seq = std::make_unique<Sequence>();
+  seq->id = id;
+  seq->num_prompt_tokens = static_cast<int32_t>(prompt.size());
+  seq->tokens = std::move(prompt);
+  seq->tokens.reserve(std::min<size_t>(seq->tokens.size() + stop.max_tokens, config_.max_model_len));
+  seq->stop = std::move(stop);
+  waiting_.push_back(seq.get());
+  seqs_.emplace(id, std::move(seq));
+}
+
+void Scheduler::release(Sequence& seq) {
+  kv_.free(seq);
+  seq.status = SeqStatus::kFinished;
+}
+
+void Scheduler::abort(int64_t id) {
+  Sequence& seq = *seqs_.at(id);
+  if (seq.in_batch) {
+    seq.abort_pending = true;  // its tokens are in the plan in flight; postprocess releases it
+    return;
+  }
+  if (seq.status == SeqStatus::kWaiting) {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), &seq));
+  } else {
+    running_.erase(std::find(running_.begin(), running_.end(), &seq));
+  }
+  release(seq);
+  seqs_.erase(id);
+}
+
+void Scheduler::fork(int64_t parent_id, int64_t child_id) {
+  const Sequence& parent = *seqs_.at(parent_id);
+  auto child = std::make_unique<Sequence>();
+  child->id = child_id;
+  kv_.fork(parent, *child);
+  child->status = parent.status;
+  if (parent.status == SeqStatus::kRunning) {
+    child->admitted_at = ++admission_counter_;
+    running_.push_back(child.get());
+  } else {
+    // Right behind its parent, so the two are admitted together and share cached blocks.
+    waiting_.insert(std::find(waiting_.begin(), waiting_.end(), &parent) + 1, child.get());
+  }
+  seqs_.emplace(child_id, std::move(child));
+}
+
+void Scheduler::preempt(Sequence& seq) {
+  kv_.free(seq);
+  seq.status = SeqStatus::kWaiting;
+  waiting_.push_front(&seq);
+  ++stats_.num_preemptions;
+}
+
+void Scheduler::schedule_running(int32_t& budget, bool& preempted) {
+  for (size_t i = 0; i < running_.size() && budget > 0 && batch_.size() < plan_capacity(); ++i) {
+    Sequence* seq = running_[i];
+    const int32_t num_new = std::min(seq->num_tokens() - seq->num_computed, budget);
+    bool fits = true;
+    while (!kv_.allocate_slots(*seq, num_new, copies_)) {
+      // The newest running sequence sits last and has not been scheduled this step.
+      Sequence* victim = running_.back();
+      running_.pop_back();
+      preempt(*victim);
+      preempted = true;
+      if (victim == seq) {
+        fits = false;
+        break;
+      }
+    }
+    if (!fits) break;
+    batch_.push_back({seq, num_new, seq->num_computed + num_new == seq->num_tokens()});
+    budget -= num_new;
+  }
+}
+
+void Scheduler::schedule_waiting(int32_t& budget) {
+  while (!waiting_.empty() && budget > 0 && running_.size() < static_cast<size_t>(config_.max_num_seqs) &&
+         batch_.size() < plan_capacity()) {
+    Sequence* seq = waiting_.front();
+    const std::vector<int32_t> hits = kv_.find_cached_prefix(*seq);
+    const int32_t hit_tokens = static_cast<int32_t>(hits.size()) * config_.block_size;
+    const int32_t num_new = std::min(seq->num_tokens() - hit_tokens, budget);
+    if (!kv_.allocate_with_prefix(*seq, hits, num_new, copies_)) break;
+    if (config_.enable_prefix_caching) {
+      stats_.prefix_cache_queries += seq->num_tokens();
+      stats_.prefix_cache_hits += hit_tokens;
+    }
+    waiting_.pop_front();
+    seq->status = SeqStatus::kRunning;
+    seq->admitted_at = ++admission_counter_;
+    running_.push_back(seq);
+    batch_.push_back({seq, num_new, seq->num_computed + num_new == seq->num_tokens()});
+    budget -= num_new;
+  }
+}
+
+const StepPlan& Scheduler::schedule() {
+  batch_.clear();
+  copies_.clear();
+  int32_t budget = config_.max_num_batched_tokens;
+  bool preempted = false;
+  schedule_running(budget, preempted);
+  // Admitting while evicting would only preempt the newcomers again.
+  if (!preempted) schedule_waiting(budget);
+
+  // Decodes first, then prefill chunks, each group in scheduling order.
+  std::stable_partition(batch_.begin(), batch_.end(), [](const Scheduled& s) { return s.num_new == 1; });
+  plan_.begin();
+  bool decodes_done = false;
+  for (const Scheduled& s : batch_) {
+    if (!decodes_done && s.num_new != 1) {
+      plan_.mark_decodes_done();
+      decodes_done = true;
+    }
+    plan_.add_sequence(*s.seq, s.num_new, s.sample);
+    s.seq->in_batch = true;
+  }
+  if (!decodes_done) plan_.mark_decodes_done();
+  for (const auto& [src, dst] : copies_) plan_.add_copy(src, dst);
+  in_flight_ = true;
+  return plan_;
+}
+
+bool Scheduler::check_finished(const Sequence& seq, FinishedSeq& out) const {
+  const int32_t token = seq.tokens.back();
+  const int32_t num_output = seq.num_output_tokens();
+  out = {seq.id, FinishReason::kStop, -1};
+  if (num_output > seq.stop.min_tokens) {
+    const auto& eos = config_.eos_token_ids;
+    const auto& stop_ids = seq.stop.stop_token_ids;
+    const bool is_eos = !seq.stop.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end();
+    if (is_eos || std::find(stop_ids.begin(), stop_ids.end(), token) != stop_ids.end()) {
+      out.stop_token = token;
+      return true;
+    }
+  }
+  out.reason = FinishReason::kLength;
+  return num_output >= seq.stop.max_tokens || seq.num_tokens() >= max_seq_len();
+}
+
+std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled) {
+  std::vector<FinishedSeq> finished;
+  size_t next_sample = 0;
+  bool any_removed = false;
+  for (const Scheduled& s : batch_) {
+    Sequence& seq = *s.seq;
+    seq.in_batch = false;
+    seq.num_computed += s.num_new;
+    kv_.cache_full_blocks(seq);
+    if (seq.abort_pending) {
+      release(seq);
+      any_removed = true;
+      next_sample += s.sample;
+      continue;
+    }
+    if (!s.sample) continue;
+    seq.tokens.push_back(sampled[next_sample++]);
+    FinishedSeq f;
+    if (check_finished(seq, f)) {
+      finished.push_back(f);
+      release(seq);
+      any_removed = true;
+    }
+  }
+  if (any_removed) {
+    std::erase_if(running_, [](const Sequence* s) { return s->status == SeqStatus::kFinished; });
+    for (const Scheduled& s : batch_) {
+      if (s.seq->status == SeqStatus::kFinished) seqs_.erase(s.seq->id);
+    }
+  }
+  batch_.clear();
+  in_flight_ = false;
+  return finished;
+}
+
+}  // namespace nanovllm

@@ -1,0 +1,101 @@
+// Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+//
+// Each step: running sequences first (one decode token each, or their next prefill chunk), in
+// admission order; then waiting sequences in arrival order, each taking a prefill chunk that
+// fits the remaining token budget. When the pool runs dry, the most recently admitted running
+// sequence is preempted: its blocks are freed and it goes back to the front of the queue.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kv_cache_manager.h"
+#include "sequence.h"
+#include "step_plan.h"
+
+namespace nanovllm {
+
+struct SchedulerConfig {
+  int32_t num_blocks = 0;
+  int32_t block_size = 16;
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 8192;
+  int32_t max_model_len = 4096;
+  bool enable_prefix_caching = true;
+  std::vector<int32_t> eos_token_ids;
+  int32_t vocab_size = 0;  // 0: unknown
+};
+
+enum class FinishReason : uint8_t { kStop, kLength };
+
+struct FinishedSeq {
+  int64_t id;
+  FinishReason reason;
+  int32_t stop_token;  // -1 unless finished by an EOS or stop token id
+};
+
+struct SchedulerStats {
+  int64_t num_preemptions = 0;
+  int64_t prefix_cache_queries = 0;  // tokens looked up on admission
+  int64_t prefix_cache_hits = 0;     // of those, tokens served from the cache
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(SchedulerConfig config);
+
+  const SchedulerConfig& config() const { return config_; }
+  // The longest a sequence may grow: max_model_len, or what the whole pool holds if less.
+  int32_t max_seq_len() const;
+  bool contains(int64_t id) const { return seqs_.count(id) != 0; }
+  const Sequence& sequence(int64_t id) const { return *seqs_.at(id); }
+  bool in_flight() const { return in_flight_; }
+  bool in_current_batch(int64_t id) const;
+
+  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop);
+  void abort(int64_t id);
+  void fork(int64_t parent_id, int64_t child_id);
+  const StepPlan& schedule();
+  // One token per sample of the plan in flight, in plan order.
+  std::vector<FinishedSeq> postprocess(std::span<const int32_t> sampled);
+
+  const StepPlan& plan() const { return plan_; }
+  const KVCacheManager& kv() const { return kv_; }
+  const SchedulerStats& stats() const { return stats_; }
+  size_t num_waiting() const { return waiting_.size(); }
+  size_t num_running() const { return running_.size(); }
+  bool has_unfinished() const { return !seqs_.empty(); }
+
+ private:
+  struct Scheduled {
+    Sequence* seq;
+    int32_t num_new;
+    bool sample;
+  };
+
+  void schedule_running(int32_t& budget, bool& preempted);
+  void schedule_waiting(int32_t& budget);
+  void preempt(Sequence& seq);
+  bool check_finished(const Sequence& seq, FinishedSeq& out) const;
+  size_t plan_capacity() const { return static_cast<size_t>(config_.max_num_seqs); }
+  void release(Sequence& seq);
+
+  SchedulerConfig config_;
+  KVCacheManager kv_;
+  StepPlan plan_;
+  std::unordered_map<int64_t, std::unique_ptr<Sequence>> seqs_;
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;  // admission order
+  std::vector<Scheduled> batch_;    // the plan in flight, in plan order
+  std::vector<std::pair<int32_t, int32_t>> copies_;
+  uint64_t admission_counter_ = 0;
+  bool in_flight_ = false;
+  SchedulerStats stats_;
+};
+
+}  // namespace nanovllm

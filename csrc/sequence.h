@@ -1,0 +1,43 @@
+// Per-request token state that scheduling needs. Text and sampling settings live in Python.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace nanovllm {
+
+enum class SeqStatus : uint8_t { kWaiting, kRunning, kFinished };
+
+struct StopParams {
+  int32_t max_tokens = 16;
+  int32_t min_tokens = 0;
+  bool ignore_eos = false;
+  std::vector<int32_t> stop_token_ids;
+};
+
+struct Sequence {
+  int64_t id = 0;
+  std::vector<int32_t> tokens;  // prompt then generated tokens
+  int32_t num_prompt_tokens = 0;
+  // Tokens whose K/V are in the cache. The newest sampled token is never computed yet.
+  int32_t num_computed = 0;
+  std::vector<int32_t> block_table;
+  // Chained hashes of the first block_hashes.size() full blocks of `tokens`.
+  std::vector<uint64_t> block_hashes;
+  // Full, computed blocks already offered to the prefix cache.
+  int32_t num_registered_blocks = 0;
+  StopParams stop;
+  SeqStatus status = SeqStatus::kWaiting;
+  // Order of admission to running; the highest running one is preempted first.
+  uint64_t admitted_at = 0;
+  // Changes (to a value never used before) whenever block_table changes other than by
+  // appending, so a cached block-table row can tell whether it is still valid.
+  uint64_t table_epoch = 0;
+  bool in_batch = false;       // scheduled in the plan in flight
+  bool abort_pending = false;  // aborted while in flight: released by postprocess
+
+  int32_t num_tokens() const { return static_cast<int32_t>(tokens.size()); }
+  int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+};
+
+}  // namespace nanovllm

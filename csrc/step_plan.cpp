@@ -1,0 +1,84 @@
+#include "step_plan.h"
+
+#include <algorithm>
+
+namespace nanovllm {
+
+StepPlan::StepPlan(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks_per_seq, int32_t block_size)
+    : max_tokens_(max_tokens), max_seqs_(max_seqs), max_blocks_(max_blocks_per_seq), block_size_(block_size) {
+  const size_t sizes[kNumSections] = {
+      static_cast<size_t>(max_tokens), static_cast<size_t>(max_tokens), static_cast<size_t>(max_tokens),
+      static_cast<size_t>(max_seqs) + 1, static_cast<size_t>(max_seqs) + 1, static_cast<size_t>(max_seqs),
+      static_cast<size_t>(max_seqs), 2 * static_cast<size_t>(max_seqs),
+      static_cast<size_t>(max_seqs) * max_blocks_per_seq};
+  size_t total = 0;
+  for (int s = 0; s < kNumSections; ++s) {
+    offset_[s] = total;
+    total += sizes[s];
+  }
+  buffer_.assign(total, 0);
+  std::fill(buffer_.begin() + offset_[kBlockTables], buffer_.end(), -1);
+  seq_ids_.assign(max_seqs, 0);
+  sampled_seq_ids_.assign(max_seqs, 0);
+  row_epoch_.assign(max_seqs, 0);
+  row_len_.assign(max_seqs, 0);
+}
+
+void StepPlan::begin() {
+  num_seqs_ = num_tokens_ = num_samples_ = num_copies_ = 0;
+  num_decode_seqs_ = num_decode_tokens_ = 0;
+  max_seqlen_q_ = max_seqlen_k_ = 0;
+  at(kCuSeqlensQ)[0] = 0;
+  at(kCuSeqlensK)[0] = 0;
+}
+
+void StepPlan::add_sequence(const Sequence& seq, int32_t num_new, bool sample) {
+  const int32_t row = num_seqs_++;
+  const int32_t start = seq.num_computed;
+  const int32_t context = start + num_new;
+  int32_t* ids = at(kInputIds) + num_tokens_;
+  int32_t* pos = at(kPositions) + num_tokens_;
+  int32_t* slots = at(kSlotMapping) + num_tokens_;
+  const int32_t* table = seq.block_table.data();
+  for (int32_t i = 0; i < num_new; ++i) {
+    const int32_t p = start + i;
+    ids[i] = seq.tokens[p];
+    pos[i] = p;
+    slots[i] = table[p / block_size_] * block_size_ + p % block_size_;
+  }
+  num_tokens_ += num_new;
+  at(kCuSeqlensQ)[row + 1] = num_tokens_;
+  at(kCuSeqlensK)[row + 1] = at(kCuSeqlensK)[row] + context;
+  at(kContextLens)[row] = context;
+  seq_ids_[row] = seq.id;
+  if (sample) {
+    at(kSampleIndices)[num_samples_] = num_tokens_ - 1;
+    sampled_seq_ids_[num_samples_] = seq.id;
+    ++num_samples_;
+  }
+  max_seqlen_q_ = std::max(max_seqlen_q_, num_new);
+  max_seqlen_k_ = std::max(max_seqlen_k_, context);
+  write_block_table_row(row, seq);
+}
+
+void StepPlan::write_block_table_row(int32_t row, const Sequence& seq) {
+  int32_t* dst = at(kBlockTables) + static_cast<size_t>(row) * max_blocks_;
+  const int32_t len = static_cast<int32_t>(seq.block_table.size());
+  int32_t from = 0;
+  if (row_epoch_[row] == seq.table_epoch) {
+    from = row_len_[row];  // same table, only appended to since this row was written
+  } else if (row_len_[row] > len) {
+    std::fill(dst + len, dst + row_len_[row], -1);
+  }
+  std::copy(seq.block_table.begin() + from, seq.block_table.end(), dst + from);
+  row_epoch_[row] = seq.table_epoch;
+  row_len_[row] = len;
+}
+
+void StepPlan::add_copy(int32_t src, int32_t dst) {
+  int32_t* pair = at(kBlockCopies) + 2 * static_cast<size_t>(num_copies_++);
+  pair[0] = src;
+  pair[1] = dst;
+}
+
+}  // namespace nanovllm

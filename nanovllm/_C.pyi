@@ -1,0 +1,114 @@
+"""Type stubs for the C++ engine core (`csrc/`, built as `nanovllm._C`).
+
+Every method validates its arguments and raises ValueError (bad value), KeyError (unknown
+sequence id) or IndexError (block id out of range) with a message naming the problem.
+"""
+
+from typing import Sequence as Seq
+
+import numpy as np
+import numpy.typing as npt
+
+def xxh64(data: bytes, seed: int = 0) -> int:
+    """XXH64 of `data`, bit-exact with `xxhash.xxh64(data, seed).intdigest()`."""
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int]) -> int:
+    """One link of the prefix-cache chain: XXH64(parent as 8 LE bytes || tokens as int64 LE).
+
+    `parent_hash=None` for block 0 (no prefix bytes)."""
+
+def hash_prompt_blocks(token_ids: Seq[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of `token_ids`."""
+
+class BlockPool:
+    """Physical KV blocks: ref counts, LRU free queue, hash -> block map."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None: ...
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int       # ref count 0 (includes cached free blocks)
+    num_used_blocks: int       # ref count > 0
+    num_cached_blocks: int     # blocks holding a hash (used or free)
+    def allocate(self) -> int: ...           # head of the free queue; evicts its hash
+    def touch(self, block_id: int) -> None: ...   # ref + 1, leaves the free queue if free
+    def free(self, block_id: int) -> None: ...    # ref - 1; cached -> tail, uncached -> head
+    def register(self, block_id: int, block_hash: int, token_ids: Seq[int]) -> bool: ...
+    def lookup(self, block_hash: int, token_ids: Seq[int]) -> int: ...  # block id or -1
+    def ref_count(self, block_id: int) -> int: ...
+    def block_hash(self, block_id: int) -> int | None: ...
+    def free_queue(self) -> list[int]: ...   # head (next evicted) first
+
+class StepPlan:
+    """The flat arrays for one forward pass; views into one persistent int32 buffer.
+
+    Valid until the next `schedule()`; the arrays are numpy views, not copies."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int   # decodes (query length 1) come first in the batch
+    num_decode_seqs: int
+    num_samples: int
+    num_copies: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    max_blocks_per_seq: int  # block_tables row stride
+    input_ids: npt.NDArray[np.int32]       # [num_tokens]
+    positions: npt.NDArray[np.int32]       # [num_tokens]
+    slot_mapping: npt.NDArray[np.int32]    # [num_tokens]
+    cu_seqlens_q: npt.NDArray[np.int32]    # [num_seqs + 1]
+    cu_seqlens_k: npt.NDArray[np.int32]    # [num_seqs + 1]
+    context_lens: npt.NDArray[np.int32]    # [num_seqs]
+    sample_indices: npt.NDArray[np.int32]  # [num_samples]
+    block_copies: npt.NDArray[np.int32]    # [num_copies, 2] (src, dst)
+    block_tables: npt.NDArray[np.int32]    # [num_seqs, max_blocks_per_seq], -1 padded
+    seq_ids: npt.NDArray[np.int64]         # [num_seqs] batch order
+    sampled_seq_ids: npt.NDArray[np.int64] # [num_samples]
+    # The whole persistent buffer and where each array lives in it, so a runner can move a plan
+    # to the device with one copy of buffer[:used_size] and take views there.
+    buffer: npt.NDArray[np.int32]
+    used_size: int
+    offsets: dict[str, int]
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        eos_token_ids: Seq[int] = (),
+        vocab_size: int = 0,   # 0: token ids only checked >= 0
+    ) -> None: ...
+    def add(
+        self,
+        seq_id: int,
+        prompt_token_ids: Seq[int] | npt.NDArray[np.integer],
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        stop_token_ids: Seq[int] = (),
+    ) -> None: ...
+    def abort(self, seq_id: int) -> None: ...
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+    def schedule(self) -> StepPlan: ...
+    def postprocess(self, sampled_token_ids: npt.NDArray[np.integer] | Seq[int]) -> list[tuple[int, str, int | None]]:
+        """(seq_id, "stop" | "length", stop token id or None) for each sequence that finished."""
+    def finish(self, seq_id: int) -> None: ...  # finished by the caller (e.g. a stop string)
+    def has_unfinished(self) -> bool: ...
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    def token_ids(self, seq_id: int) -> list[int]: ...
+    def num_computed_tokens(self, seq_id: int) -> int: ...
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def status(self, seq_id: int) -> str: ...  # "waiting" | "running"
+    def stats(self) -> dict[str, int]:
+        """num_preemptions, prefix_cache_queries, prefix_cache_hits (tokens), num_free_blocks,
+        num_used_blocks, num_cached_blocks, num_total_blocks, num_waiting, num_running."""
+    def ref_count(self, block_id: int) -> int: ...
+    def free_queue(self) -> list[int]: ...   # the pool's free queue, head (next evicted) first
+    num_free_blocks: int
+    num_total_blocks: int
