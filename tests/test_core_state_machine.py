@@ -1,0 +1,179 @@
+"""A hypothesis state machine over the core: add (often sharing prefixes), fork, abort,
+schedule and postprocess in random interleavings, checking the core's invariants after every
+operation against a Python model of each sequence and of the KV cache contents."""
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from nanovllm import _C
+
+EOS = 1
+VOCAB = 12
+PREFIXES = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 3], [5, 5, 5, 5, 2, 2], []]
+
+
+class CoreMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        num_blocks=st.integers(min_value=6, max_value=40),
+        budget=st.integers(min_value=1, max_value=24),
+        max_num_seqs=st.integers(min_value=1, max_value=6),
+        prefix_caching=st.booleans(),
+    )
+    def setup(self, block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool) -> None:
+        self.bs = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = 24
+        self.core = _C.Scheduler(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=prefix_caching,
+            eos_token_ids=[EOS],
+            vocab_size=VOCAB,
+        )
+        self.tokens: dict[int, list[int]] = {}  # the model of every live sequence
+        self.next_id = 0
+        self.plan: _C.StepPlan | None = None
+        self.in_batch: set[int] = set()
+        # Simulated KV cache: per slot, a fingerprint of the full prefix whose last token it holds.
+        self.kv: list[int | None] = [None] * (num_blocks * block_size)
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(2, VOCAB - 1), min_size=1, max_size=10),
+          max_tokens=st.integers(1, 8), ignore_eos=st.booleans())
+    def add(self, prefix: list[int], tail: list[int], max_tokens: int, ignore_eos: bool) -> None:
+        prompt = (prefix + tail)[: self.max_model_len]
+        sid = self.next_id
+        self.next_id += 1
+        if len(prompt) > self.num_blocks * self.bs:
+            try:
+                self.core.add(sid, prompt, max_tokens=max_tokens)
+            except ValueError:
+                return
+            raise AssertionError("a prompt larger than the pool was accepted")
+        self.core.add(sid, prompt, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        self.tokens[sid] = list(prompt)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        candidates = sorted(set(self.tokens) - self.in_batch)
+        if not candidates:
+            return
+        parent = data.draw(st.sampled_from(candidates))
+        child = self.next_id
+        self.next_id += 1
+        self.core.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.core.abort(sid)
+        if sid not in self.in_batch:
+            del self.tokens[sid]
+        else:
+            self.aborted_in_flight.add(sid)
+
+    @precondition(lambda self: self.plan is None)
+    @rule()
+    def schedule(self) -> None:
+        plan = self.core.schedule()
+        self.plan = plan
+        self.aborted_in_flight: set[int] = set()
+        n, s = plan.num_tokens, plan.num_seqs
+        seq_ids = plan.seq_ids.tolist()
+        assert len(set(seq_ids)) == s
+        self.in_batch = set(seq_ids)
+        cu_q, cu_k, ctx = plan.cu_seqlens_q, plan.cu_seqlens_k, plan.context_lens
+        assert cu_q[0] == 0 and cu_q[-1] == n and (np.diff(cu_q) >= 1).all()
+        assert cu_k[0] == 0 and (np.diff(cu_k) == ctx).all()
+        q_lens = np.diff(cu_q)
+        assert plan.max_seqlen_q == (q_lens.max() if s else 0)
+        assert plan.max_seqlen_k == (ctx.max() if s else 0)
+        assert plan.num_decode_tokens + plan.num_prefill_tokens == n
+        assert (q_lens[: plan.num_decode_seqs] == 1).all() and (q_lens[plan.num_decode_seqs :] > 1).all()
+        slots = plan.slot_mapping.tolist()
+        assert len(set(slots)) == n, "a slot appears twice in one plan"
+        # Copy-on-write copies happen before the forward.
+        for src, dst in plan.block_copies.tolist():
+            b = self.bs
+            self.kv[dst * b : (dst + 1) * b] = self.kv[src * b : (src + 1) * b]
+        sampled = []
+        for row, sid in enumerate(seq_ids):
+            toks = self.tokens[sid]
+            table = self.core.block_table(sid)
+            assert plan.block_tables[row].tolist() == table + [-1] * (plan.max_blocks_per_seq - len(table))
+            assert len(table) == math.ceil(ctx[row] / self.bs)
+            for i in range(cu_q[row], cu_q[row + 1]):
+                pos = int(plan.positions[i])
+                assert pos == ctx[row] - (cu_q[row + 1] - i)
+                assert plan.input_ids[i] == toks[pos]
+                assert slots[i] // self.bs == table[pos // self.bs], "slot outside the sequence's own block"
+                assert slots[i] % self.bs == pos % self.bs
+                self.kv[slots[i]] = hash(tuple(toks[: pos + 1]))
+            if ctx[row] == len(toks):
+                sampled.append(sid)
+        assert plan.sampled_seq_ids.tolist() == sampled
+        assert plan.sample_indices.tolist() == [int(cu_q[seq_ids.index(sid) + 1]) - 1 for sid in sampled]
+        assert plan.num_copies <= s
+
+    @precondition(lambda self: self.plan is not None)
+    @rule(data=st.data())
+    def postprocess(self, data: st.DataObject) -> None:
+        plan = self.plan
+        sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=plan.num_samples, max_size=plan.num_samples))
+        finished = self.core.postprocess(np.array(sampled, dtype=np.int32))
+        for sid, tok in zip(plan.sampled_seq_ids.tolist(), sampled):
+            if sid in self.tokens and sid not in self.aborted_in_flight:
+                self.tokens[sid].append(tok)
+        for sid in self.aborted_in_flight:
+            del self.tokens[sid]
+        for sid, reason, stop in finished:
+            assert reason in ("stop", "length")
+            assert (stop is not None) == (reason == "stop")
+            del self.tokens[sid]
+        self.plan = None
+        self.in_batch = set()
+        self.aborted_in_flight = set()
+
+    @invariant()
+    def sequences_match_model(self) -> None:
+        for sid, toks in self.tokens.items():
+            assert self.core.token_ids(sid) == toks
+            if self.plan is None:
+                table = self.core.block_table(sid)
+                computed = self.core.num_computed_tokens(sid)
+                assert len(table) == math.ceil(computed / self.bs)
+                # Every computed position's slot holds that very prefix's K/V.
+                for pos in range(computed):
+                    slot = table[pos // self.bs] * self.bs + pos % self.bs
+                    assert self.kv[slot] == hash(tuple(toks[: pos + 1])), f"seq {sid} pos {pos} reads wrong KV"
+
+    @invariant()
+    def block_accounting(self) -> None:
+        stats = self.core.stats()
+        refs = [self.core.ref_count(b) for b in range(self.num_blocks)]
+        table_entries = sum(len(self.core.block_table(sid)) for sid in self.tokens)
+        assert sum(refs) == table_entries
+        assert stats["num_free_blocks"] + stats["num_used_blocks"] == stats["num_total_blocks"] == self.num_blocks
+        free = self.core.free_queue()
+        assert sorted(free) == [b for b, r in enumerate(refs) if r == 0]
+        assert stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
+        assert stats["num_running"] + stats["num_waiting"] == len(self.tokens)
+        if not self.tokens:
+            assert stats["num_free_blocks"] == self.num_blocks
+            assert not self.core.has_unfinished()
+
+
+CoreMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestCoreStateMachine = CoreMachine.TestCase
