@@ -1,0 +1,105 @@
+"""`nanovllm` command line: `bench` (the throughput workload) and `generate` (one completion)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--num-kvcache-blocks", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+
+
+def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM imported lazily
+    from nanovllm.llm import LLM
+
+    return LLM(
+        model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
+        enforce_eager=args.enforce_eager, seed=args.seed, device=args.device,
+    )
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from nanovllm.builtin_model import ensure_default_model
+    from nanovllm.entrypoints.bench import make_workload, run_engine
+
+    model = args.model or str(ensure_default_model())
+    llm = _make_llm(args, model)
+    on_gpu = llm.engine.device.type == "cuda"
+    num_seqs = args.num_seqs or (256 if on_gpu else 64)
+    max_input = args.max_input_len or (1024 if on_gpu else 256)
+    max_output = args.max_output_len or (1024 if on_gpu else 128)
+    workload = make_workload(num_seqs, max_input, max_output, llm.engine.vocab_size, seed=args.seed)
+    print(f"model: {model}\ndevice: {llm.engine.device} ({torch.get_num_threads()} threads), "
+          f"{num_seqs} sequences, input [100, {max_input}], output [100, {max_output}]")
+    result = run_engine(llm, workload)
+    print(f"Total: {result.output_tokens} output tokens in {result.seconds:.2f}s, "
+          f"Throughput: {result.output_tok_s:.2f} tok/s (prompt+output {result.total_tok_s:.2f} tok/s)")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from nanovllm.sampling_params import SamplingParams
+
+    llm = _make_llm(args, args.model)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed)
+    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description="LLM inference with a C++ scheduling core")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="throughput on random prompts (built-in model unless --model)")
+    bench.add_argument("--model", default=None, help="a Hugging Face model directory")
+    bench.add_argument("--num-seqs", type=int, default=None)
+    bench.add_argument("--max-input-len", type=int, default=None)
+    bench.add_argument("--max-output-len", type=int, default=None)
+    _engine_args(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+    gen = sub.add_parser("generate", help="print one completion")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    _engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"nanovllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

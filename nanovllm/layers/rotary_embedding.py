@@ -1,0 +1,94 @@
+"""Rotary position embedding (neox / rotate-half style, as in Llama, Qwen2, Qwen3).
+
+cos/sin are computed from the positions on the fly in fp32 (a [T, head_dim/2] outer product is
+cheap next to the matmuls) so there is no maximum-length cache to size, and the values are
+bit-identical to transformers' which computes them the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanovllm.model_config import RopeConfig
+
+
+def _default_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, a smooth ramp between."""
+    inv_freq = _default_inv_freq(head_dim, theta, scaling)
+    try:
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"llama3 rope scaling is missing key {e.args[0]!r}") from e
+    low_freq_wavelen = old_len / low
+    high_freq_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_INV_FREQ: dict[str, Callable[[int, float, dict[str, Any]], torch.Tensor]] = {
+    "default": _default_inv_freq,
+    "llama3": _llama3_inv_freq,
+}
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        if rope.rope_type not in _INV_FREQ:
+            raise ValueError(
+                f"unsupported rope type {rope.rope_type!r} (supported: {sorted(_INV_FREQ)})"
+            )
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        if float(rope.scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial rotary embeddings are not supported")
+        self.head_dim = head_dim
+        self.rope = rope
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", self._compute_inv_freq(), persistent=False)
+
+    def _compute_inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        inv = _INV_FREQ[self.rope.rope_type](self.head_dim, self.rope.theta, self.rope.scaling)
+        return inv.to(device=device, dtype=torch.float32)
+
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> RotaryEmbedding:
+        # model.to(bfloat16) would round inv_freq; recompute it in fp32 on the new device instead.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._compute_inv_freq(self.inv_freq.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[T]`; q `[T, Hq, D]`, k `[T, Hkv, D]` -> rotated (q, k), same dtypes."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.rope.theta}, type={self.rope.rope_type}"
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,126 @@
+"""`LLM`: the offline entry point, with vLLM's names so users can switch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.llm_engine import LLMEngine, PromptType
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
+        num_kvcache_blocks: int | None = None,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        device: str = "auto",
+    ) -> None:
+        self.engine = LLMEngine(EngineConfig(
+            model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, num_kvcache_blocks=num_kvcache_blocks,
+            enforce_eager=enforce_eager, seed=seed, device=device,
+        ))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; pass one or one per prompt"
+                )
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template")
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+                ids = list(ids["input_ids"])
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = engine.next_request_id()
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except BaseException:
+            # A bad prompt rejects the whole call and leaves nothing behind in the engine.
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # a single prompt of token ids
+    return prompts

@@ -1,0 +1,164 @@
+"""The model hyperparameters the engine needs, read from a Hugging Face `config.json`.
+
+We parse the JSON ourselves instead of going through `transformers.AutoConfig`: the fields we need
+are few, and the file format differs between transformers versions (v4 writes `rope_theta` and
+`rope_scaling` at the top level and `torch_dtype`; v5 writes a `rope_parameters` dict and `dtype`).
+Reading the raw file lets us accept both and report problems naming the exact file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. `scaling` holds the type-specific keys (e.g. llama3's factors)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    scaling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: Path
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    torch_dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read `<model_dir>/config.json`. Raises FileNotFoundError / ValueError naming the path."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"config.json not found in model directory: {cfg_file}")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"invalid JSON in {cfg_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object at the top level")  # noqa: TRY004
+    return parse_model_config(raw, path)
+
+
+def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
+    where = model_dir / "config.json"
+
+    def need(key: str) -> Any:
+        if key not in raw or raw[key] is None:
+            raise ValueError(f"{where}: missing required key {key!r}")
+        return raw[key]
+
+    archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not archs:
+        raise ValueError(f"{where}: missing 'architectures' (e.g. ['Qwen3ForCausalLM'])")
+
+    hidden_size = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    # `head_dim` is explicit in Qwen3 (and may differ from hidden/heads); older configs omit it.
+    head_dim = raw.get("head_dim") or hidden_size // num_heads
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{where}: num_attention_heads ({num_heads}) is not a multiple of "
+            f"num_key_value_heads ({num_kv_heads})"
+        )
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"{where}: sliding-window attention is not supported")
+
+    return ModelConfig(
+        model_dir=model_dir,
+        architecture=str(archs[0]),
+        model_type=str(raw.get("model_type", "")),
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden_size,
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=int(need("num_hidden_layers")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rope=_parse_rope(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        torch_dtype=_parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32", where),
+        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        raw=raw,
+    )
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    # v5: {"rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}}
+    # v4: {"rope_theta": ..., "rope_scaling": {"rope_type" or "type": ..., ...} or null}
+    params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
+    params.update(raw.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    return RopeConfig(theta=float(theta), rope_type=str(rope_type), scaling=params)
+
+
+def _parse_dtype(value: Any, where: Path) -> torch.dtype:
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"{where}: unsupported dtype {value!r} (supported: {sorted(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto") -> torch.dtype:
+    """`"auto"` means the checkpoint's dtype; otherwise a torch dtype or its name ("bfloat16")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return config.torch_dtype
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (use 'auto' or one of {sorted(_DTYPES)})")
+    return _DTYPES[name]

@@ -1,0 +1,183 @@
+"""One decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families.
+
+They differ only in a few switches (`ArchFlags`): biases on the attention and MLP projections,
+and Qwen3's per-head RMSNorm on q and k before rotary. Module names mirror the Hugging Face
+checkpoints (`model.layers.N.self_attn...`) so the loader maps tensors by name, except the packed
+`qkv_proj` and `gate_up_proj`, described by `packed_modules_mapping`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ArchFlags:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before rotary
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=flags.qkv_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=flags.o_bias
+        )
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.rope)
+        self.attn = Attention(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            layer_idx,
+            backend,
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        t = hidden.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=flags.mlp_bias
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=flags.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, flags, layer_idx, backend)
+        self.mlp = DecoderMLP(config, flags)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream); the next layer's norm adds them (fused)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, flags: ArchFlags, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, flags, i, backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        if residual is None:  # zero layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """`model(input_ids [T], positions [T], meta) -> hidden [T, H]`; `compute_logits(hidden [S, H])`."""
+
+    # checkpoint module name -> (our packed module name, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint tensors that are deliberately not loaded (name suffixes)
+    ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: ModelConfig, flags: ArchFlags, attn_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.flags = flags
+        self.model = DecoderModel(config, flags, attn_backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden `[S, H]` (rows already selected at sample_indices) -> fp32 logits `[S, vocab]`."""
+        return self.lm_head(hidden).float()
+
+    def set_attention_backend(self, name: str) -> None:
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.set_backend(name)

@@ -1,0 +1,129 @@
+"""Load Hugging Face safetensors checkpoints into our models.
+
+Only `*.safetensors` is accepted: pickle-based `.bin` checkpoints can execute code on load. Every
+checkpoint tensor must map to exactly one parameter (or packed shard) and every parameter must be
+filled; anything else is an error naming the tensor and the file, so a wrong or damaged
+checkpoint fails loudly instead of leaving random weights in the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from nanovllm.layers.linear import ShardId, get_weight_loader
+from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
+from nanovllm.models.decoder import DecoderForCausalLM
+from nanovllm.models.registry import build_model
+
+
+@dataclass(frozen=True)
+class _Target:
+    param_name: str
+    shard_id: ShardId
+
+
+def find_weight_files(model_dir: str | Path) -> list[Path]:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+            raise ValueError(
+                f"{path} has only pickle checkpoints (.bin/.pt); safetensors is required "
+                "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
+            )
+        raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    return files
+
+
+def validate_weight_files(files: list[Path]) -> None:
+    """Check that every file is a readable safetensors file, before any memory is reserved.
+
+    Reads only the headers: a truncated or corrupt file (header damaged, or data not covering
+    what the header declares) raises ValueError naming the file.
+    """
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+                    f.get_slice(name).get_shape()
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+
+
+def checkpoint_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
+    """Every checkpoint tensor name the model expects -> the parameter (and shard) it fills."""
+    packed: dict[str, list[tuple[str, ShardId]]] = {}
+    for ckpt_module, (our_module, shard) in model.packed_modules_mapping.items():
+        packed.setdefault(our_module, []).append((ckpt_module, shard))
+    targets: dict[str, _Target] = {}
+    # named_parameters() lists a tied weight once, under the embedding's name.
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module in packed:
+            for ckpt_module, shard_id in packed[module]:
+                ckpt_name = ".".join([*parts[:-2], ckpt_module, parts[-1]])
+                targets[ckpt_name] = _Target(name, shard_id)
+        else:
+            targets[name] = _Target(name, None)
+    return targets
+
+
+def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from the safetensors files in `model_dir`."""
+    files = find_weight_files(model_dir)
+    targets = checkpoint_targets(model)
+    params = dict(model.named_parameters())
+    ignored_names = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    loaded: dict[str, Path] = {}
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for damaged headers
+            raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+                if name in ignored_names or name.endswith(model.ignored_checkpoint_suffixes):
+                    continue
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(
+                        f"unexpected tensor {name!r} in {file} (not part of the model)"
+                    )
+                if name in loaded:
+                    raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {file}")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
+                param = params[target.param_name]
+                try:
+                    get_weight_loader(param)(param, tensor, target.shard_id)
+                except ValueError as e:
+                    raise ValueError(f"tensor {name!r} in {file}: {e}") from e
+                loaded[name] = file
+    missing = sorted(set(targets) - set(loaded))
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:10])
+        more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        raise ValueError(f"checkpoint in {Path(model_dir)} is missing tensors: {shown}{more}")
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | str = "cpu",
+    attn_backend: str = "torch",
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Read config.json, build the architecture and load its weights. Returns (model, config)."""
+    config = load_model_config(model_dir)
+    find_weight_files(model_dir)  # fail on missing weights before allocating the model
+    model = build_model(config, resolve_dtype(config, dtype), device, attn_backend)
+    load_weights(model, model_dir)
+    return model, config
