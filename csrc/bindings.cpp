@@ -6,6 +6,7 @@
 
 #include <limits>
 #include <string>
+#include <unordered_set>
 
 #include "block_pool.h"
 #include "scheduler.h"
@@ -102,6 +103,37 @@ const char* status_name(SeqStatus s) {
     case SeqStatus::kFinished: return "finished";
   }
   return "unknown";
+}
+
+std::vector<ForkRequest> parse_forks(const Scheduler& s, py::handle forks) {
+  std::vector<ForkRequest> out;
+  if (!py::isinstance<py::sequence>(forks)) value_error("forks must be a sequence of (parent_id, child_id, token)");
+  const auto& plan = s.plan();
+  const int64_t* sampled_begin = plan.sampled_seq_ids().data();
+  const int64_t* sampled_end = sampled_begin + plan.num_samples();
+  std::unordered_set<int64_t> children;
+  for (py::handle item : py::reinterpret_borrow<py::sequence>(forks)) {
+    if (!py::isinstance<py::tuple>(item) && !py::isinstance<py::list>(item)) value_error("each fork must be (parent_id, child_id, token)");
+    auto t = py::reinterpret_borrow<py::sequence>(item);
+    if (t.size() != 3) value_error("each fork must be (parent_id, child_id, token)");
+    ForkRequest f{};
+    try {
+      f.parent = t[0].cast<int64_t>();
+      f.child = t[1].cast<int64_t>();
+    } catch (const py::cast_error&) {
+      value_error("fork ids must be integers");
+    }
+    f.token = token_vector(py::make_tuple(t[2]), "fork token", s.config().vocab_size)[0];
+    if (!s.contains(f.parent)) throw py::key_error("unknown sequence id " + std::to_string(f.parent));
+    if (std::find(sampled_begin, sampled_end, f.parent) == sampled_end || s.sequence(f.parent).abort_pending) {
+      value_error("cannot fork sequence " + std::to_string(f.parent) + ": it is not sampled in the step in flight");
+    }
+    if (s.contains(f.child) || !children.insert(f.child).second) {
+      value_error("sequence id " + std::to_string(f.child) + " is already in use");
+    }
+    out.push_back(f);
+  }
+  return out;
 }
 
 py::dict scheduler_stats(const Scheduler& s) {
@@ -330,23 +362,27 @@ void bind_scheduler(py::module_& m) {
            },
            py::return_value_policy::reference_internal)
       .def("postprocess",
-           [](Scheduler& s, py::handle sampled) {
+           [](Scheduler& s, py::handle sampled, py::handle forks) {
              if (!s.in_flight()) throw std::runtime_error("postprocess() called with no step in flight");
-             const auto tokens = token_vector(sampled, "sampled_token_ids", s.config().vocab_size);
+             const int32_t vocab = s.config().vocab_size;
+             const auto tokens = token_vector(sampled, "sampled_token_ids", vocab);
              if (static_cast<int64_t>(tokens.size()) != s.plan().num_samples()) {
                value_error("expected " + std::to_string(s.plan().num_samples()) + " sampled token ids, got " +
                            std::to_string(tokens.size()));
              }
+             const std::vector<ForkRequest> fork_requests = parse_forks(s, forks);
              py::list out;
-             for (const FinishedSeq& f : s.postprocess(tokens)) {
+             for (const FinishedSeq& f : s.postprocess(tokens, fork_requests)) {
                const char* reason = f.reason == FinishReason::kStop ? "stop" : "length";
                py::object stop_token = f.stop_token >= 0 ? py::object(py::int_(f.stop_token)) : py::object(py::none());
                out.append(py::make_tuple(f.id, reason, stop_token));
              }
              return out;
            },
-           py::arg("sampled_token_ids"),
-           "Appends one token per sample; returns (seq_id, 'stop' | 'length', stop token or None) per finished sequence.")
+           py::arg("sampled_token_ids"), py::arg("forks") = py::tuple(),
+           "Appends one token per sample; `forks` is a sequence of (parent_id, child_id, token): each child "
+           "shares its parent's blocks and takes `token` (the parent must be sampled in this step). Returns "
+           "(seq_id, 'stop' | 'length', stop token or None) per finished sequence, children included.")
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)

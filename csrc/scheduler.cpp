@@ -172,7 +172,28 @@ bool Scheduler::check_finished(const Sequence& seq, FinishedSeq& out) const {
   return num_output >= seq.stop.max_tokens || seq.num_tokens() >= max_seq_len();
 }
 
-std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled) {
+bool Scheduler::append_and_check(Sequence& seq, int32_t token, std::vector<FinishedSeq>& finished) {
+  seq.tokens.push_back(token);
+  FinishedSeq f;
+  if (!check_finished(seq, f)) return false;
+  finished.push_back(f);
+  release(seq);
+  return true;
+}
+
+void Scheduler::fork_in_step(const Sequence& parent, int64_t child_id, int32_t token,
+                             std::vector<FinishedSeq>& finished) {
+  auto child = std::make_unique<Sequence>();
+  child->id = child_id;
+  kv_.fork(parent, *child);
+  if (append_and_check(*child, token, finished)) return;  // done at once: never runs
+  child->status = SeqStatus::kRunning;
+  child->admitted_at = ++admission_counter_;
+  running_.push_back(child.get());
+  seqs_.emplace(child_id, std::move(child));
+}
+
+std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled, std::span<const ForkRequest> forks) {
   std::vector<FinishedSeq> finished;
   size_t next_sample = 0;
   bool any_removed = false;
@@ -188,13 +209,10 @@ std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled
       continue;
     }
     if (!s.sample) continue;
-    seq.tokens.push_back(sampled[next_sample++]);
-    FinishedSeq f;
-    if (check_finished(seq, f)) {
-      finished.push_back(f);
-      release(seq);
-      any_removed = true;
+    for (const ForkRequest& f : forks) {
+      if (f.parent == seq.id) fork_in_step(seq, f.child, f.token, finished);
     }
+    any_removed |= append_and_check(seq, sampled[next_sample++], finished);
   }
   if (any_removed) {
     std::erase_if(running_, [](const Sequence* s) { return s->status == SeqStatus::kFinished; });

@@ -39,6 +39,14 @@ struct FinishedSeq {
   int32_t stop_token;  // -1 unless finished by an EOS or stop token id
 };
 
+// A new sequence forked from a parent sampled in the step in flight: it shares the parent's
+// blocks and takes `token` where the parent takes its own sample (parallel sampling, beams).
+struct ForkRequest {
+  int64_t parent;
+  int64_t child;
+  int32_t token;
+};
+
 struct SchedulerStats {
   int64_t num_preemptions = 0;
   int64_t prefix_cache_queries = 0;  // tokens looked up on admission
@@ -61,8 +69,10 @@ class Scheduler {
   void abort(int64_t id);
   void fork(int64_t parent_id, int64_t child_id);
   const StepPlan& schedule();
-  // One token per sample of the plan in flight, in plan order.
-  std::vector<FinishedSeq> postprocess(std::span<const int32_t> sampled);
+  // One token per sample of the plan in flight, in plan order. `forks` name parents sampled in
+  // this step; each child is forked after the parent's tokens of this step are computed and
+  // before the parent appends its own sample.
+  std::vector<FinishedSeq> postprocess(std::span<const int32_t> sampled, std::span<const ForkRequest> forks = {});
 
   const StepPlan& plan() const { return plan_; }
   const KVCacheManager& kv() const { return kv_; }
@@ -81,6 +91,9 @@ class Scheduler {
   void schedule_running(int32_t& budget, bool& preempted);
   void schedule_waiting(int32_t& budget);
   void preempt(Sequence& seq);
+  // Appends the token and, if the sequence is done, releases it and records why.
+  bool append_and_check(Sequence& seq, int32_t token, std::vector<FinishedSeq>& finished);
+  void fork_in_step(const Sequence& parent, int64_t child_id, int32_t token, std::vector<FinishedSeq>& finished);
   bool check_finished(const Sequence& seq, FinishedSeq& out) const;
   size_t plan_capacity() const { return static_cast<size_t>(config_.max_num_seqs); }
   void release(Sequence& seq);

@@ -94,9 +94,17 @@ class Scheduler:
     def abort(self, seq_id: int) -> None: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
     def schedule(self) -> StepPlan: ...
-    def postprocess(self, sampled_token_ids: npt.NDArray[np.integer] | Seq[int]) -> list[tuple[int, str, int | None]]:
-        """(seq_id, "stop" | "length", stop token id or None) for each sequence that finished."""
-    def finish(self, seq_id: int) -> None: ...  # finished by the caller (e.g. a stop string)
+    def postprocess(
+        self,
+        sampled_token_ids: npt.NDArray[np.integer] | Seq[int],
+        forks: Seq[tuple[int, int, int]] = (),
+    ) -> list[tuple[int, str, int | None]]:
+        """Appends one token per sample of the step in flight.
+
+        `forks`: (parent_id, child_id, token) for parents sampled in this step; each child shares
+        the parent's blocks (copy-on-write) and takes `token` (parallel sampling, beam search).
+        Returns (seq_id, "stop" | "length", stop token id or None) for each sequence that
+        finished, forked children included."""
     def has_unfinished(self) -> bool: ...
     num_waiting: int
     num_running: int

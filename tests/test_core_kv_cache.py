@@ -2,6 +2,7 @@
 copy-on-write, freeing order. Hand-worked examples with exact expected values."""
 
 import numpy as np
+import pytest
 
 from core_helpers import make_scheduler, step
 
@@ -161,3 +162,48 @@ def test_block_table_rows_stay_correct_when_batch_shifts() -> None:
             expected = table + [-1] * (plan.max_blocks_per_seq - len(table))
             assert plan.block_tables[row].tolist() == expected
         s.postprocess(np.full(plan.num_samples, 1, dtype=np.int64))
+
+
+def test_parallel_samples_fork_in_postprocess_and_copy_on_first_write() -> None:
+    s = make_scheduler(num_blocks=8, block_size=4)
+    s.add(0, [1, 2, 3, 4, 5, 6, 7], max_tokens=8)
+    s.schedule()
+    # The prompt is prefilled once; its one logits row gave three samples.
+    assert s.postprocess([8], forks=[(0, 1, 9), (0, 2, 10)]) == []
+    assert [s.token_ids(i)[-1] for i in range(3)] == [8, 9, 10]
+    assert s.block_table(0) == s.block_table(1) == s.block_table(2) == [0, 1]
+    assert (s.ref_count(0), s.ref_count(1)) == (3, 3)
+    plan = s.schedule()
+    # Each writes position 7 into shared block 1: two private copies, the last writer keeps it.
+    assert plan.block_copies.tolist() == [[1, 2], [1, 3]]
+    assert plan.slot_mapping.tolist() == [2 * 4 + 3, 3 * 4 + 3, 1 * 4 + 3]
+    assert (s.ref_count(0), s.ref_count(1)) == (3, 1)
+
+
+def test_fork_child_that_finishes_at_once_never_runs() -> None:
+    s = make_scheduler(num_blocks=8, block_size=4, eos_token_ids=(2,))
+    s.add(0, [5, 6, 7], max_tokens=4)
+    s.schedule()
+    assert s.postprocess([8], forks=[(0, 1, 2)]) == [(1, "stop", 2)]
+    assert s.num_running == 1 and s.ref_count(0) == 1
+
+
+def test_postprocess_fork_validation() -> None:
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=4, vocab_size=50)
+    s.add(0, [1, 2], max_tokens=8)
+    s.add(1, [1, 2, 3, 4, 5], max_tokens=8)  # only partly prefilled: not sampled
+    s.schedule()
+    with pytest.raises(ValueError, match="not sampled"):
+        s.postprocess([3], forks=[(1, 9, 3)])
+    with pytest.raises(KeyError):
+        s.postprocess([3], forks=[(7, 9, 3)])
+    with pytest.raises(ValueError, match="already in use"):
+        s.postprocess([3], forks=[(0, 1, 3)])
+    with pytest.raises(ValueError, match="already in use"):
+        s.postprocess([3], forks=[(0, 9, 3), (0, 9, 4)])
+    with pytest.raises(ValueError, match="outside"):
+        s.postprocess([3], forks=[(0, 9, 50)])
+    with pytest.raises(ValueError, match="parent_id, child_id, token"):
+        s.postprocess([3], forks=[(0, 9)])
+    assert s.postprocess([3], forks=[(0, 9, 4)]) == []
+    assert s.token_ids(9) == [1, 2, 4]

@@ -1,6 +1,7 @@
-"""A hypothesis state machine over the core: add (often sharing prefixes), fork, abort,
-schedule and postprocess in random interleavings, checking the core's invariants after every
-operation against a Python model of each sequence and of the KV cache contents."""
+"""A hypothesis state machine over the core: add (often sharing prefixes), fork (between steps
+and within postprocess), abort, schedule and postprocess in random interleavings, checking the
+core's invariants after every operation against a Python model of each sequence and of the KV
+cache contents."""
 
 import math
 
@@ -130,10 +131,19 @@ class CoreMachine(RuleBasedStateMachine):
     def postprocess(self, data: st.DataObject) -> None:
         plan = self.plan
         sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=plan.num_samples, max_size=plan.num_samples))
-        finished = self.core.postprocess(np.array(sampled, dtype=np.int32))
+        # Parallel samples / beams: some sampled parents fork children that take other tokens.
+        forkable = [sid for sid in plan.sampled_seq_ids.tolist() if sid not in self.aborted_in_flight]
+        forks = []
+        for parent in data.draw(st.lists(st.sampled_from(forkable), max_size=3)) if forkable else []:
+            forks.append((parent, self.next_id, data.draw(st.integers(0, VOCAB - 1))))
+            self.next_id += 1
+        parent_tokens = {sid: list(self.tokens[sid]) for sid in forkable}
+        finished = self.core.postprocess(np.array(sampled, dtype=np.int32), forks=forks)
         for sid, tok in zip(plan.sampled_seq_ids.tolist(), sampled):
             if sid in self.tokens and sid not in self.aborted_in_flight:
                 self.tokens[sid].append(tok)
+        for parent, child, tok in forks:
+            self.tokens[child] = parent_tokens[parent] + [tok]
         for sid in self.aborted_in_flight:
             del self.tokens[sid]
         for sid, reason, stop in finished:
