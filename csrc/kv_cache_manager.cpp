@@ -31,7 +31,7 @@ void KVCacheManager::hash_full_blocks(Sequence& seq) const {
 
 std::vector<int32_t> KVCacheManager::find_cached_prefix(Sequence& seq) const {
   std::vector<int32_t> hits;
-  if (!prefix_caching_) return hits;
+  if (!prefix_caching_ || !seq.use_prefix_cache) return hits;
   // The last token is always computed: it has to produce the logits of the next one.
   const size_t max_blocks = static_cast<size_t>(seq.num_tokens() - 1) / block_size_;
   hash_blocks_up_to(seq, max_blocks, block_size_);

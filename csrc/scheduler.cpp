@@ -31,13 +31,14 @@ bool Scheduler::in_current_batch(int64_t id) const {
   return it != seqs_.end() && it->second->in_batch;
 }
 
-void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop) {
+void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache) {
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->num_prompt_tokens = static_cast<int32_t>(prompt.size());
   seq->tokens = std::move(prompt);
   seq->tokens.reserve(std::min<size_t>(seq->tokens.size() + stop.max_tokens, config_.max_model_len));
   seq->stop = std::move(stop);
+  seq->use_prefix_cache = use_prefix_cache;
   waiting_.push_back(seq.get());
   seqs_.emplace(id, std::move(seq));
 }

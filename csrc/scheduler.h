@@ -65,7 +65,7 @@ class Scheduler {
   bool in_flight() const { return in_flight_; }
   bool in_current_batch(int64_t id) const;
 
-  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop);
+  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache = true);
   void abort(int64_t id);
   void fork(int64_t parent_id, int64_t child_id);
   const StepPlan& schedule();

@@ -33,6 +33,8 @@ struct Sequence {
   // Changes (to a value never used before) whenever block_table changes other than by
   // appending, so a cached block-table row can tell whether it is still valid.
   uint64_t table_epoch = 0;
+  // False for requests that need every prompt position computed (prompt logprobs).
+  bool use_prefix_cache = true;
   bool in_batch = false;       // scheduled in the plan in flight
   bool abort_pending = false;  // aborted while in flight: released by postprocess
 

@@ -207,3 +207,13 @@ def test_postprocess_fork_validation() -> None:
         s.postprocess([3], forks=[(0, 9)])
     assert s.postprocess([3], forks=[(0, 9, 4)]) == []
     assert s.token_ids(9) == [1, 2, 4]
+
+
+def test_sequence_can_opt_out_of_prefix_cache_reads() -> None:
+    s = make_scheduler(num_blocks=8, block_size=4)
+    s.add(0, list(range(9)), max_tokens=1)
+    step(s)
+    s.add(1, list(range(9)), max_tokens=1, use_prefix_cache=False)
+    plan = s.schedule()
+    assert plan.positions.tolist() == list(range(9))
+    assert s.stats()["prefix_cache_hits"] == 0
