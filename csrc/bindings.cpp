@@ -385,6 +385,9 @@ void bind_scheduler(py::module_& m) {
            "shares its parent's blocks and takes `token` (the parent must be sampled in this step). Returns "
            "(seq_id, 'stop' | 'length', stop token or None) per finished sequence, children included.")
       .def("has_unfinished", &Scheduler::has_unfinished)
+      .def_property_readonly("in_flight", &Scheduler::in_flight, "Whether a scheduled step awaits postprocess().")
+      .def_property_readonly("plan", &Scheduler::plan, py::return_value_policy::reference_internal,
+                             "The most recent plan (valid until the next schedule()).")
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_preemptions", [](const Scheduler& s) { return s.stats().num_preemptions; })

@@ -107,6 +107,8 @@ class Scheduler:
         Returns (seq_id, "stop" | "length", stop token id or None) for each sequence that
         finished, forked children included."""
     def has_unfinished(self) -> bool: ...
+    in_flight: bool  # a scheduled step awaits postprocess()
+    plan: StepPlan   # the most recent plan
     num_waiting: int
     num_running: int
     num_preemptions: int

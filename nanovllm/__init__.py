@@ -1,7 +1,24 @@
 """nanovllm: an LLM inference engine whose per-step hot path runs in a C++ core."""
 
 from nanovllm.llm import LLM
-from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "Logprob",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+]

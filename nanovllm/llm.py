@@ -10,8 +10,9 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
-from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.engine.beam_search import run_beam_search
+from nanovllm.outputs import BeamSearchOutput, RequestOutput
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -83,6 +84,10 @@ class LLM:
             text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` sequences per prompt, best first."""
+        return run_beam_search(self.engine, _as_prompt_list(prompts), params)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Per generated (or prompt) token: token id -> its Logprob.
+SampleLogprobs = list[dict[int, "Logprob"]]
+PromptLogprobs = list[dict[int, "Logprob"] | None]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
 
 @dataclass
 class RequestMetrics:
@@ -17,8 +28,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop token id (or, later, stop string)
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -32,3 +45,19 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt and generated tokens, as vLLM returns them
+    logprobs: SampleLogprobs
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]

@@ -2,24 +2,41 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# As vLLM: how many top log-probabilities a request may ask for per token.
+MAX_LOGPROBS = 20
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     min_p: float = 0.0
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     max_tokens: int = 16
     min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
@@ -30,13 +47,16 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_number(v: object) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.n) or self.n < 1:
             fail("n", "an integer >= 1")
-        if self.n > 1:
-            raise ValueError(f"n={self.n}: parallel sampling (n > 1) is not supported yet; use n=1")
-        if not is_number(self.temperature) or not 0.0 <= self.temperature < float("inf"):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                fail(name, "in [-2, 2]")
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            fail("repetition_penalty", "a number > 0")
+        if not is_number(self.temperature) or self.temperature < 0.0:
             fail("temperature", "a finite number >= 0")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "in (0, 1]")
@@ -46,15 +66,57 @@ class SamplingParams:
             fail("min_p", "in [0, 1]")
         if self.seed is not None and not is_int(self.seed):
             fail("seed", "None or an integer")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            fail("stop", "a non-empty string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative token ids")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             fail("max_tokens", "an integer >= 1")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             fail("min_tokens", "an integer in [0, max_tokens]")
-        if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", "a bool")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                if token < 0 or not is_number(bias) or not -100.0 <= bias <= 100.0:
+                    fail("logit_bias", "a map of token id -> bias in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _token_key(key: object) -> int:
+    """logit_bias keys may arrive as strings (JSON objects have string keys)."""
+    try:
+        return int(key)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")

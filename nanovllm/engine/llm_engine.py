@@ -1,14 +1,16 @@
 """LLMEngine: requests in, outputs out, one `step()` at a time.
 
-    plan = core.schedule()                      # C++: who runs, blocks, flat arrays
-    tokens = runner.execute(plan, sampling)     # tensors, CoW copies, forward, sample
-    finished = core.postprocess(tokens)         # C++: append, stop checks, free blocks
+    plan = core.schedule()                          # C++: who runs, blocks, flat arrays
+    hidden = runner.forward(plan)                   # tensors, CoW copies, forward
+    tokens = sample(process(logits(hidden)))        # penalties, bias, min_tokens; n samples per
+                                                    # row when a prompt fans out into n > 1
+    finished = core.postprocess(tokens, forks)      # C++: append, fork samples, stop, free
+    deltas = detokenizer.process(seqs, tokens)      # Cython: text increments, stop strings
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,25 +19,19 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm import _C
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from nanovllm.detokenizer import build_token_table
+from nanovllm._core import Detokenizer
+from nanovllm.engine.request_state import Completion, Request
 from nanovllm.engine.sampling_table import SamplingTable, SequenceIds
 from nanovllm.executor.model_runner import ModelRunner
+from nanovllm.layers.logits_processors import PenaltyRows, apply_logit_bias, apply_penalties, mask_tokens
+from nanovllm.layers.logprobs import gather_logprobs
 from nanovllm.model_config import load_model_config
 from nanovllm.models.loader import find_weight_files, validate_weight_files
-from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm.outputs import Logprob, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
-
-
-@dataclass
-class _Request:
-    request_id: str
-    seq_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    output_token_ids: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -55,6 +51,7 @@ class LLMEngine:
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
         self.core = _C.Scheduler(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -62,13 +59,16 @@ class LLMEngine:
             max_num_batched_tokens=budget,
             max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
-            eos_token_ids=sorted(t for t in eos if 0 <= t < self.vocab_size),
+            eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
         )
+        self.token_table = build_token_table(self.tokenizer, vocab_size=self.vocab_size)
+        self.detokenizer = Detokenizer(self.token_table)
         self.sampling = SamplingTable(self.device)
         self._seq_ids = SequenceIds()
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
+        self._requests: dict[str, Request] = {}
+        self._by_seq: dict[int, tuple[Request, Completion]] = {}
+        self._fanout: dict[int, Request] = {}  # parent sequence -> request awaiting n samples
         self._request_counter = 0
 
     def _num_kv_blocks(self, budget: int) -> int:
@@ -107,75 +107,242 @@ class LLMEngine:
         return str(self._request_counter - 1)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, stream: bool = False) -> None:
+        """Queues a request. A streamed request's outputs carry only what is new since the last."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
+        self._check_params(params)
         sid = self._seq_ids.acquire()
         try:
             self.core.add(sid, token_ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-                          ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids)
+                          ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
+                          use_prefix_cache=params.prompt_logprobs is None)
         except ValueError:
             self._seq_ids.release(sid)
             raise
-        self.sampling.set(sid, params)
-        req = _Request(request_id, sid, text, token_ids, params, RequestMetrics(arrival_time or time.time()))
+        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), stream,
+                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                      fanned_out=params.n == 1)
+        self._add_completion(req, sid)
+        if params.n > 1:
+            self._fanout[sid] = req
         self._requests[request_id] = req
-        self._by_seq[sid] = req
+
+    def _check_params(self, params: SamplingParams) -> None:
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in tokens if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+
+    def _add_completion(self, req: Request, sid: int, generator: torch.Generator | None = None) -> Completion:
+        params = req.params
+        comp = Completion(len(req.completions), sid)
+        if params.logprobs is not None:
+            comp.logprobs, comp.cumulative_logprob = [], 0.0
+        req.completions.append(comp)
+        self.sampling.set(sid, params, generator)
+        self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
+                             include_stop_str_in_output=params.include_stop_str_in_output)
+        self._by_seq[sid] = (req, comp)
+        return comp
 
     def abort_request(self, request_id: str) -> None:
-        req = self._requests.get(request_id)
+        req = self._requests.pop(request_id, None)
         if req is None:
             return
-        self.core.abort(req.seq_id)
-        self._forget(req)
+        for comp in req.completions:
+            if not comp.finished:
+                comp.finish_reason = "abort"
+                self.core.abort(comp.seq_id)
+                self._release(comp)
 
-    def _forget(self, req: _Request) -> None:
-        del self._requests[req.request_id]
-        del self._by_seq[req.seq_id]
-        self.sampling.clear(req.seq_id)
-        self._seq_ids.release(req.seq_id)
+    def _release(self, comp: Completion) -> None:
+        self._by_seq.pop(comp.seq_id, None)
+        self._fanout.pop(comp.seq_id, None)
+        self.detokenizer.remove(comp.seq_id)
+        self.sampling.clear(comp.seq_id)
+        self._seq_ids.release(comp.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
     # The step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one forward pass; returns the outputs of the requests that finished in it."""
+        """Runs one forward pass. Returns an output for every streamed request that gained
+        something and for every other request that finished."""
         plan = self.core.schedule()
-        sids = plan.sampled_seq_ids
+        sids = plan.sampled_seq_ids.copy()
         try:
-            tokens = self.runner.execute(plan, self.sampling.batch(sids))
+            v, hidden = self.runner.forward(plan)
+            if any(r.prompt_logprobs_pending for r in self._requests.values()):
+                self._collect_prompt_logprobs(plan, hidden)
+            counts = np.ones(len(sids), dtype=np.int64)
+            for i, sid in enumerate(sids.tolist()) if self._fanout else ():
+                req = self._fanout.get(sid)
+                if req is not None:
+                    counts[i] = req.params.n
+            rows = np.repeat(sids, counts)
+            tokens_t = torch.empty(0, dtype=torch.int64)
+            raw = None
+            if len(sids):
+                raw = self.runner.logits(hidden[v.sample_indices])
+                if len(rows) != len(sids):
+                    raw = raw[torch.from_numpy(np.repeat(np.arange(len(sids)), counts)).to(raw.device)]
+                tokens_t = self.runner.sample(self._process_logits(raw, rows), self.sampling.batch(rows))
         except BaseException:
             # The batch's KV state is unknown now: drop its requests, keep the engine consistent.
-            for sid in plan.seq_ids.tolist():
-                self.core.abort(sid)
-                self._forget(self._by_seq[sid])
+            doomed = {self._by_seq[sid][0].request_id for sid in plan.seq_ids.tolist() if sid in self._by_seq}
+            for request_id in doomed:
+                self.abort_request(request_id)
             self.core.postprocess(np.zeros(plan.num_samples, dtype=np.int32))
             raise
-        sids = sids.tolist()
-        finished = self.core.postprocess(tokens)
+        tokens = tokens_t.to(torch.int32).cpu().numpy()
+        first_rows = np.cumsum(counts) - counts
+        forks = []
+        row_sids = rows.copy()
+        for i in np.flatnonzero(counts > 1).tolist():
+            parent = int(sids[i])
+            req = self._fanout.pop(parent)
+            req.fanned_out = True
+            for r in range(first_rows[i] + 1, first_rows[i] + counts[i]):
+                child = self._seq_ids.acquire()
+                forks.append((parent, child, int(tokens[r])))
+                self._add_completion(req, child, self.sampling.generators.get(parent))
+                row_sids[r] = child
+        finished = self.core.postprocess(tokens[first_rows], forks=forks)
+        live = np.fromiter((sid in self._by_seq for sid in row_sids.tolist()), dtype=bool, count=len(row_sids))
+        if not live.all():  # aborted while the step ran
+            keep = torch.from_numpy(np.flatnonzero(live)).to(tokens_t.device)
+            row_sids, tokens, raw, tokens_t = row_sids[live], tokens[live], raw[keep], tokens_t[keep]
+        if len(row_sids):
+            self._record_tokens(row_sids, tokens, raw, tokens_t)
+        return self._finish_step(row_sids, tokens, finished)
+
+    def _process_logits(self, raw: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        todo = np.flatnonzero(self.sampling.needs_processing[rows]).tolist()
+        if not todo:
+            return raw
+        logits = raw.clone()
+        pen = PenaltyRows([], [], [], [], [], [])
+        bias_rows, biases, mask_rows, masks = [], [], [], []
+        for row in todo:
+            req, comp = self._by_seq[int(rows[row])]
+            p = req.params
+            if p.has_penalties:
+                pen.rows.append(row)
+                pen.prompt_tokens.append(req.prompt_token_ids)
+                pen.output_tokens.append(comp.token_ids)
+                pen.presence.append(p.presence_penalty)
+                pen.frequency.append(p.frequency_penalty)
+                pen.repetition.append(p.repetition_penalty)
+            if p.logit_bias:
+                bias_rows.append(row)
+                biases.append(p.logit_bias)
+            if len(comp.token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                mask_rows.append(row)
+                masks.append(sorted(stops))
+        apply_penalties(logits, pen)
+        apply_logit_bias(logits, bias_rows, biases)
+        mask_tokens(logits, mask_rows, masks)
+        return logits
+
+    def _record_tokens(self, row_sids: np.ndarray, tokens: np.ndarray, raw: torch.Tensor,
+                       tokens_t: torch.Tensor) -> None:
         now = time.time()
-        for sid, tok in zip(sids, tokens.tolist()):
-            req = self._by_seq.get(sid)
-            if req is None:
-                continue
-            if not req.output_token_ids:
+        want = self.sampling.logprobs[row_sids]
+        lp_rows = np.flatnonzero(want >= 0)
+        lp = None
+        if len(lp_rows):
+            idx = torch.from_numpy(lp_rows).to(raw.device)
+            lp = gather_logprobs(raw[idx], tokens_t[idx], int(want[lp_rows].max()))
+        lp_pos = {int(r): i for i, r in enumerate(lp_rows.tolist())}
+        for r, (sid, tok) in enumerate(zip(row_sids.tolist(), tokens.tolist())):
+            req, comp = self._by_seq[sid]
+            if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            req.output_token_ids.append(tok)
+            comp.token_ids.append(tok)
+            if lp is not None and r in lp_pos:
+                i = lp_pos[r]
+                k = req.params.logprobs or 0
+                entry = {tid: Logprob(val, rank + 1, self.token_table.decode_token(tid))
+                         for rank, (tid, val) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k]))}
+                entry[tok] = Logprob(lp.chosen_logprob[i], lp.chosen_rank[i], self.token_table.decode_token(tok))
+                comp.logprobs.append(entry)
+                comp.cumulative_logprob += lp.chosen_logprob[i]
+
+    def _finish_step(self, row_sids: np.ndarray, tokens: np.ndarray,
+                     finished: list[tuple[int, str, int | None]]) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        for sid, delta, stop_str in self.detokenizer.process(row_sids, tokens):
+            req, comp = self._by_seq[sid]
+            comp.text += delta
+            touched[req.request_id] = req
+            if stop_str is not None:
+                comp.finish_reason, comp.stop_reason = "stop", stop_str
+        core_done = {sid: (reason, stop) for sid, reason, stop in finished}
+        now = time.time()
+        for req in touched.values():
+            for comp in req.completions:
+                if comp.seq_id not in self._by_seq or self._by_seq[comp.seq_id][1] is not comp:
+                    continue
+                done = core_done.get(comp.seq_id)
+                if comp.finished and done is None:
+                    self.core.abort(comp.seq_id)  # a stop string: free its blocks now
+                elif done is not None and not comp.finished:
+                    comp.finish_reason, comp.stop_reason = done
+                if comp.finished:
+                    comp.text += self.detokenizer.flush(comp.seq_id)
+                    self._release(comp)
+            if req.finished:
+                req.metrics.finished_time = now
         outputs = []
-        for sid, reason, stop_token in finished:
-            req = self._by_seq[sid]
-            req.metrics.finished_time = now
-            outputs.append(self._make_output(req, reason, stop_token))
-            self._forget(req)
+        for req in touched.values():
+            if req.stream or req.finished:
+                outputs.append(req.output())
+            if req.finished:
+                self._requests.pop(req.request_id, None)
         return outputs
 
-    def _make_output(self, req: _Request, reason: str, stop_reason: int | None) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        completion = CompletionOutput(0, text, list(req.output_token_ids), reason, stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True, req.metrics)
+    def _collect_prompt_logprobs(self, plan: _C.StepPlan, hidden: torch.Tensor) -> None:
+        """Logprobs of each prompt token given the ones before it, as its chunk is computed."""
+        seq_ids = plan.seq_ids
+        cu_q = plan.cu_seqlens_q
+        positions = plan.positions
+        flat: list[int] = []
+        owners: list[tuple[Request, int]] = []
+        for req in self._requests.values():
+            if not req.prompt_logprobs_pending:
+                continue
+            match = np.flatnonzero(seq_ids == req.completions[0].seq_id)
+            if not len(match):
+                continue
+            row = int(match[0])
+            for i in range(int(cu_q[row]), int(cu_q[row + 1])):
+                target = int(positions[i]) + 1
+                # Positions already collected (a recompute after preemption) are skipped.
+                if len(req.prompt_logprobs) <= target < len(req.prompt_token_ids):
+                    flat.append(i)
+                    owners.append((req, target))
+        if not flat:
+            return
+        idx = torch.as_tensor(flat, device=hidden.device)
+        targets = torch.as_tensor([req.prompt_token_ids[t] for req, t in owners], device=hidden.device)
+        k = max(req.params.prompt_logprobs or 0 for req, _ in owners)
+        lp = gather_logprobs(self.runner.logits(hidden[idx]), targets, k)
+        for i, (req, target) in enumerate(owners):
+            tok = req.prompt_token_ids[target]
+            kk = req.params.prompt_logprobs or 0
+            entry = {tid: Logprob(val, rank + 1, self.token_table.decode_token(tid))
+                     for rank, (tid, val) in enumerate(zip(lp.top_ids[i][:kk], lp.top_logprobs[i][:kk]))}
+            entry[tok] = Logprob(lp.chosen_logprob[i], lp.chosen_rank[i], self.token_table.decode_token(tok))
+            req.prompt_logprobs.append(entry)
 
     def stats(self) -> dict[str, int]:
         s = dict(self.core.stats())

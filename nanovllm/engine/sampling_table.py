@@ -34,6 +34,9 @@ class SamplingTable:
         self.top_k = np.zeros(capacity, dtype=np.int64)
         self.top_p = np.ones(capacity, dtype=np.float32)
         self.min_p = np.zeros(capacity, dtype=np.float32)
+        # Rows needing logit processing (penalties, bias, min_tokens) and top-k logprobs (-1: none).
+        self.needs_processing = np.zeros(capacity, dtype=bool)
+        self.logprobs = np.full(capacity, -1, dtype=np.int64)
         self.generators: dict[int, torch.Generator] = {}
 
     def _grow(self, sid: int) -> None:
@@ -45,17 +48,23 @@ class SamplingTable:
         self.top_k = np.concatenate([self.top_k, np.zeros(extra, np.int64)])
         self.top_p = np.concatenate([self.top_p, np.ones(extra, np.float32)])
         self.min_p = np.concatenate([self.min_p, np.zeros(extra, np.float32)])
+        self.needs_processing = np.concatenate([self.needs_processing, np.zeros(extra, bool)])
+        self.logprobs = np.concatenate([self.logprobs, np.full(extra, -1, np.int64)])
 
-    def set(self, sid: int, params: SamplingParams) -> None:
+    def set(self, sid: int, params: SamplingParams, generator: torch.Generator | None = None) -> None:
+        """Records a sequence's settings; `generator` shares a sibling's seeded stream (n > 1)."""
         self._grow(sid)
         self.temperature[sid] = params.temperature
         self.top_k[sid] = max(params.top_k, 0)
         self.top_p[sid] = params.top_p
         self.min_p[sid] = params.min_p
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-            self.generators[sid] = gen
+        self.needs_processing[sid] = params.has_penalties or bool(params.logit_bias) or params.min_tokens > 0
+        self.logprobs[sid] = -1 if params.logprobs is None else params.logprobs
+        if generator is None and params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        if generator is not None:
+            self.generators[sid] = generator
         else:
             self.generators.pop(sid, None)
 

@@ -102,7 +102,9 @@ class ModelRunner:
         src, dst = copies[:, 0].long(), copies[:, 1].long()
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _forward(self, plan: _C.StepPlan) -> tuple[PlanViews, torch.Tensor]:
+    @torch.inference_mode()
+    def forward(self, plan: _C.StepPlan) -> tuple[PlanViews, torch.Tensor]:
+        """Copy-on-write copies, then the model over the flattened batch: (views, hidden states)."""
         v = self._views(plan)
         if v.num_copies:
             self._copy_blocks(v.block_copies)
@@ -117,15 +119,19 @@ class ModelRunner:
         return v, self.model(v.input_ids, v.positions, meta)
 
     @torch.inference_mode()
-    def compute_logits(self, plan: _C.StepPlan) -> torch.Tensor:
-        """Runs one step; returns the logits at the plan's sampled positions, [num_samples, vocab]."""
-        v, hidden = self._forward(plan)
-        return self.model.compute_logits(hidden[v.sample_indices])
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given hidden-state rows, [rows, vocab]."""
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        return self.sampler(logits, sampling)
 
     @torch.inference_mode()
     def execute(self, plan: _C.StepPlan, sampling: SamplingBatch) -> np.ndarray:
-        """Runs one step; returns the sampled token ids (int32, one per sample of the plan)."""
-        logits = self.compute_logits(plan)
-        if logits.shape[0] == 0:
+        """One plain step: forward, logits at the sampled positions, one token each (int32)."""
+        v, hidden = self.forward(plan)
+        if v.num_samples == 0:
             return np.empty(0, dtype=np.int32)
-        return self.sampler(logits, sampling).to(torch.int32).cpu().numpy()
+        tokens = self.sample(self.logits(hidden[v.sample_indices]), sampling)
+        return tokens.to(torch.int32).cpu().numpy()

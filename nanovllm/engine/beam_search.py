@@ -1,0 +1,154 @@
+"""Beam search over the engine's core: beams are core sequences, so surviving beams fork
+(sharing every block, copying only on write) and dropped beams free theirs at once; memory
+follows the live beams.
+
+Each step, every live beam's top 2 * beam_width next tokens become candidates; per prompt the
+best beam_width candidates by cumulative log-probability survive. A candidate ending in EOS is
+complete (unless ignore_eos); the others continue. Completed beams are ranked by
+cum_logprob / len(tokens) ** length_penalty (EOS not counted), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nanovllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
+from nanovllm.sampling_params import BeamSearchParams
+
+
+@dataclass
+class _Beam:
+    sid: int
+    tokens: list[int]  # prompt + generated
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Group:
+    prompt_len: int
+    live: dict[int, _Beam] = field(default_factory=dict)  # by sequence id
+    done: list[_Beam] = field(default_factory=list)
+
+
+def beam_score(beam: _Beam, eos: int | None, length_penalty: float) -> float:
+    length = len(beam.tokens) - (1 if eos is not None and beam.tokens[-1] == eos else 0)
+    return beam.cum_logprob / (max(length, 1) ** length_penalty)
+
+
+def run_beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:  # noqa: ANN001
+    """`engine` is an idle LLMEngine (beam search owns the core while it runs)."""
+    if engine.has_unfinished_requests():
+        raise ValueError("beam search needs an idle engine; finish or abort the running requests first")
+    core, runner = engine.core, engine.runner
+    eos = None if params.ignore_eos else engine.tokenizer.eos_token_id
+    groups: list[_Group] = []
+    owner: dict[int, _Group] = {}
+    try:
+        for prompt in prompts:
+            _, ids = engine.tokenize_prompt(prompt)
+            sid = engine._seq_ids.acquire()
+            try:
+                # EOS is handled here (a beam ending in EOS is complete), so the core ignores it.
+                core.add(sid, ids, max_tokens=params.max_tokens, ignore_eos=True)
+            except ValueError:
+                engine._seq_ids.release(sid)
+                raise
+            group = _Group(len(ids))
+            group.live[sid] = _Beam(sid, list(ids), [], 0.0)
+            groups.append(group)
+            owner[sid] = group
+        while any(g.live for g in groups):
+            _step(engine, core, runner, params, eos, owner)
+    except BaseException:
+        for sid in list(owner):
+            core.abort(sid)
+            engine._seq_ids.release(sid)
+        if core.in_flight:  # interrupted mid-step: let the core release what it holds
+            core.postprocess(np.zeros(core.plan.num_samples, dtype=np.int32))
+        raise
+    outputs = []
+    for g in groups:
+        ranked = sorted(g.done, key=lambda b: beam_score(b, eos, params.length_penalty), reverse=True)
+        seqs = [
+            BeamSearchSequence(b.tokens, b.logprobs, b.cum_logprob,
+                               engine.tokenizer.decode(b.tokens, skip_special_tokens=True), b.finish_reason,
+                               eos if b.finish_reason == "stop" else None)
+            for b in ranked[: params.beam_width]
+        ]
+        outputs.append(BeamSearchOutput(seqs))
+    return outputs
+
+
+def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # noqa: ANN001
+          owner: dict[int, _Group]) -> None:
+    plan = core.schedule()
+    sids = plan.sampled_seq_ids.tolist()
+    v, hidden = runner.forward(plan)
+    if not sids:  # only prefill chunks this step
+        core.postprocess(np.empty(0, dtype=np.int32))
+        return
+    logits = runner.logits(hidden[v.sample_indices])
+    if params.temperature > 0:
+        logits = logits / params.temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
+    k = min(2 * params.beam_width, logprobs.shape[1])
+    top_lp, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+
+    by_group: dict[int, list[tuple[float, int, int, float]]] = {}
+    for row, sid in enumerate(sids):
+        beam = owner[sid].live[sid]
+        for tok, lp in zip(top_ids[row], top_lp[row]):
+            by_group.setdefault(id(owner[sid]), []).append((beam.cum_logprob + lp, sid, tok, lp))
+    # Per parent beam: the tokens its surviving continuations take.
+    keep: dict[int, list[tuple[int, float]]] = {sid: [] for sid in sids}
+    for cands in by_group.values():
+        cands.sort(key=lambda c: c[0], reverse=True)
+        for cum, sid, tok, lp in cands[: params.beam_width]:
+            group = owner[sid]
+            if eos is not None and tok == eos:
+                parent = group.live[sid]
+                group.done.append(_Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}],
+                                        cum, "stop"))
+            else:
+                keep[sid].append((tok, lp))
+
+    first_tokens = np.zeros(len(sids), dtype=np.int32)
+    forks = []
+    dropped = []
+    new_beams: list[_Beam] = []
+    for row, sid in enumerate(sids):
+        group = owner[sid]
+        parent = group.live[sid]
+        choices = keep[sid]
+        if not choices:  # dropped: its blocks are freed by postprocess
+            core.abort(sid)
+            del group.live[sid]
+            del owner[sid]
+            dropped.append(sid)
+            continue
+        for i, (tok, lp) in enumerate(choices):
+            child_sid = sid if i == 0 else engine._seq_ids.acquire()
+            if i == 0:
+                first_tokens[row] = tok
+            else:
+                forks.append((sid, child_sid, tok))
+            new_beams.append(_Beam(child_sid, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}],
+                                   parent.cum_logprob + lp))
+            owner[child_sid] = group
+    for b in new_beams:
+        owner[b.sid].live[b.sid] = b
+    finished = core.postprocess(first_tokens, forks=forks)
+    # Ids are recycled only now: the core held the dropped sequences until postprocess.
+    for sid in dropped:
+        engine._seq_ids.release(sid)
+    for sid, reason, _ in finished:
+        group = owner.pop(sid)
+        beam = group.live.pop(sid)
+        beam.finish_reason = reason
+        group.done.append(beam)
+        engine._seq_ids.release(sid)

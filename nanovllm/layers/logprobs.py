@@ -1,0 +1,33 @@
+"""Log-probabilities of sampled tokens and of the top-k alternatives, as vLLM reports them:
+computed from the model's raw logits (before penalties, temperature and truncation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    """For each row: the chosen token's logprob and rank, and the top-k ids and logprobs."""
+
+    chosen_logprob: list[float]
+    chosen_rank: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> TokenLogprobs:
+    """logits [R, V] (raw), chosen [R] token ids; one device->host transfer for all of it."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen_lp = logprobs.gather(1, chosen.view(-1, 1).long())
+    # Rank 1 is the most likely token; ties count in the chosen token's favour.
+    rank = (logprobs > chosen_lp).sum(dim=1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen.view(-1, 1)[:, :0].long())
+    return TokenLogprobs(
+        chosen_logprob=chosen_lp.view(-1).tolist(),
+        chosen_rank=rank.tolist(),
+        top_ids=top_ids.tolist(),
+        top_logprobs=top_lp.tolist(),
+    )
