@@ -33,9 +33,15 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, (str, list, tuple, type(None))):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id -> bias, got {self.logit_bias!r}")
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
 

@@ -166,6 +166,10 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
         llm.generate([good, 3.5], use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([good, good], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate([good, good], SamplingParams(logit_bias={VOCAB: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([good], SamplingParams(stop_token_ids=[VOCAB + 3]), use_tqdm=False)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["num_requests"] == 0
@@ -176,7 +180,10 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-     ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("n", 0), ("stop_token_ids", [-1])],
+     ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("n", 0), ("stop_token_ids", [-1]),
+     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+     ("logprobs", 21), ("prompt_logprobs", -1), ("stop", [""]), ("stop", 5), ("logit_bias", {1: 200.0}),
+     ("logit_bias", {"x": 1.0}), ("skip_special_tokens", 1), ("temperature", float("nan"))],
 )
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
