@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "block_pool.h"
+#include "cpu_attention.h"
 #include "scheduler.h"
 #include "xxhash64.h"
 
@@ -407,6 +408,54 @@ void bind_scheduler(py::module_& m) {
       .def("stats", &scheduler_stats);
 }
 
+void bind_cpu_attention(py::module_& m) {
+  m.def(
+      "paged_decode_attention_cpu",
+      [](uintptr_t query, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t context_lens,
+         uintptr_t out, int64_t block_table_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+         int64_t head_dim, int64_t block_size, int64_t num_blocks, double scale, int64_t num_threads) {
+        DecodeAttentionArgs a{};
+        a.num_seqs = checked_int32(num_seqs, "num_seqs", 0);
+        a.num_heads = checked_int32(num_heads, "num_heads", 1);
+        a.num_kv_heads = checked_int32(num_kv_heads, "num_kv_heads", 1);
+        if (a.num_heads % a.num_kv_heads != 0) value_error("num_heads must be a multiple of num_kv_heads");
+        a.head_dim = checked_int32(head_dim, "head_dim", 1, 1 << 12);
+        a.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
+        a.block_table_stride = checked_int32(block_table_stride, "block_table_stride", 0);
+        checked_int32(num_blocks, "num_blocks", 1);
+        if (!query || !k_cache || !v_cache || !out || (a.num_seqs > 0 && (!block_tables || !context_lens))) {
+          value_error("null pointer passed to paged_decode_attention_cpu");
+        }
+        a.query = reinterpret_cast<const float*>(query);
+        a.k_cache = reinterpret_cast<const float*>(k_cache);
+        a.v_cache = reinterpret_cast<const float*>(v_cache);
+        a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
+        a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
+        a.out = reinterpret_cast<float*>(out);
+        a.scale = static_cast<float>(scale);
+        // Every block the kernel will read must exist: one pass over the used table entries.
+        for (int32_t i = 0; i < a.num_seqs; ++i) {
+          const int64_t ctx = a.context_lens[i];
+          const int64_t used = (ctx + a.block_size - 1) / a.block_size;
+          if (ctx < 0 || used > a.block_table_stride) value_error("context_lens[" + std::to_string(i) + "] out of range");
+          const int32_t* row = a.block_tables + static_cast<int64_t>(i) * a.block_table_stride;
+          for (int64_t b = 0; b < used; ++b) {
+            if (row[b] < 0 || row[b] >= num_blocks) {
+              throw py::index_error("block_tables[" + std::to_string(i) + ", " + std::to_string(b) + "] = " +
+                                    std::to_string(row[b]) + " is not a block of the cache");
+            }
+          }
+        }
+        py::gil_scoped_release release;
+        paged_decode_attention(a, static_cast<int>(std::max<int64_t>(1, num_threads)));
+      },
+      py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+      py::arg("out"), py::arg("block_table_stride"), py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"),
+      py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("scale"), py::arg("num_threads") = 1,
+      "fp32 decode attention over the paged cache, from raw pointers of contiguous host tensors "
+      "(nanovllm.attention.cpu_backend checks the tensors before calling).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -415,4 +464,5 @@ PYBIND11_MODULE(_C, m) {
   bind_block_pool(m);
   bind_step_plan(m);
   bind_scheduler(m);
+  bind_cpu_attention(m);
 }

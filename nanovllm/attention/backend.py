@@ -1,7 +1,7 @@
 """Choosing an attention backend by name.
 
 A backend is any module (or object) with `write_kv_cache` and `paged_attention` functions of the
-signatures in `torch_backend`. "torch" is the reference; "cuda" is provided by
+signatures in `torch_backend`. "torch" is the reference; "cpu" is the fast CPU path; "cuda" is provided by
 `nanovllm.attention.cuda_backend` where the custom kernels are built.
 """
 
@@ -16,6 +16,7 @@ from nanovllm.attention.metadata import AttentionMetadata
 
 _BACKEND_MODULES: dict[str, str] = {
     "torch": "nanovllm.attention.torch_backend",
+    "cpu": "nanovllm.attention.cpu_backend",
     "cuda": "nanovllm.attention.cuda_backend",
 }
 

@@ -38,7 +38,10 @@ class KVCacheSpec:
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int) -> None:
         self.device = device
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=device)
+        # On CPU the fast backend (C++ decode kernel); the torch reference elsewhere until the
+        # CUDA kernels take over.
+        backend = "cpu" if device.type == "cpu" else "torch"
+        self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = block_size
