@@ -34,7 +34,6 @@ import gc
 import glob
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -44,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from bench_report import machine, markdown_table
 
 from nanovllm._core import Detokenizer
 from nanovllm.detokenizer import build_token_table
@@ -292,34 +293,14 @@ COLUMNS = [
 
 
 def table_md(records: list[Record]) -> str:
-    def cell(v):
-        return "-" if v is None else str(v)
-
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in records:
-        row = asdict(r)
-        lines.append("| " + " | ".join(cell(row[c]) for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    return markdown_table((asdict(r) for r in records), COLUMNS)
 
 
-def machine() -> str:
+def machine_line() -> str:
     import tokenizers
     import transformers
 
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (
-        f"{model}, {cpus} CPUs, Python {platform.python_version()}, tokenizers "
-        f"{tokenizers.__version__}, transformers {transformers.__version__}"
-    )
+    return machine(tokenizers=tokenizers.__version__, transformers=transformers.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizers_.append((BUILTIN_NAME, lambda: AutoTokenizer.from_pretrained(ensure_default_model())))
     if args.tokenizer in ("large", "all"):
         tokenizers_.append(("bpe-32k (stdlib)", lambda: train_large_tokenizer(texts)))
-    print(f"machine: {machine()}")
+    print(f"machine: {machine_line()}")
     print(f"{args.num_seqs} sequences, context {args.context}, one new token each per step\n")
     records: list[Record] = []
     for name, load in tokenizers_:

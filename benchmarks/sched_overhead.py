@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,8 @@ from functools import partial
 
 import numpy as np
 import torch
+
+from bench_report import cpu_busy_seconds, machine, markdown_table
 
 from nanovllm._C import Scheduler, StepPlan
 
@@ -365,37 +365,11 @@ def table(records: list[Record]) -> str:
             return "-"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in records:
-        row = asdict(r)
-        lines.append("| " + " | ".join(cell(row[c]) for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    return markdown_table((asdict(r) for r in records), COLUMNS, cell)
 
 
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{model}, {cpus} CPUs, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"numpy {np.__version__}")
-
-
-def cpu_busy_seconds() -> float | None:
-    """CPU seconds spent busy by the whole machine so far (Linux /proc/stat), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+def machine_line() -> str:
+    return machine(torch=torch.__version__, numpy=np.__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -434,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     records = [merged[key].record(*key) for key, _ in configs]
 
     print(f"# Scheduler overhead ({'quick smoke run, timings not meaningful' if args.quick else 'full run'})")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine_line()}")
     print(f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, {rounds} round(s) in {elapsed:.1f} s"
           f"{background}\n")
     print("median microseconds per step (us_total = schedule + postprocess)\n")

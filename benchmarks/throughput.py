@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +35,8 @@ from typing import Any
 
 import torch
 import transformers
+
+from bench_report import cpu_busy_seconds, cpu_model
 
 from nanovllm.builtin_model import ensure_default_model
 from nanovllm.entrypoints.bench import (
@@ -77,17 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cpu_model() -> str:
-    """lscpu's "Model name" (from /proc/cpuinfo), else whatever platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 @dataclass
 class OtherCpu:
     """CPU seconds that processes other than this one used while a block ran (None where
@@ -95,16 +85,6 @@ class OtherCpu:
     badly so for OpenMP threads that spin-wait on a shared core; this makes it visible."""
 
     seconds: float | None = None
-
-
-def _busy_s() -> float | None:
-    """CPU seconds the whole machine has been busy, from /proc/stat."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _own_s() -> float:
@@ -115,9 +95,9 @@ def _own_s() -> float:
 @contextmanager
 def other_cpu() -> Iterator[OtherCpu]:
     result = OtherCpu()
-    busy0, own0 = _busy_s(), _own_s()
+    busy0, own0 = cpu_busy_seconds(), _own_s()
     yield result
-    busy = _busy_s()
+    busy = cpu_busy_seconds()
     if busy is not None and busy0 is not None:
         result.seconds = max(0.0, (busy - busy0) - (_own_s() - own0))
 

@@ -1,0 +1,46 @@
+"""What every benchmark script reports the same way: the machine, how busy the rest of it was,
+and a markdown table of records."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def cpu_model() -> str:
+    """lscpu's "Model name" (from /proc/cpuinfo), else whatever platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(**versions: str) -> str:
+    """"MODEL, N CPUs, Python X" plus the given package versions."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    extra = "".join(f", {name} {version}" for name, version in versions.items())
+    return f"{cpu_model()}, {cpus} CPUs, Python {platform.python_version()}{extra}"
+
+
+def cpu_busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy so far (Linux /proc/stat), else None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def markdown_table(rows: Iterable[dict[str, Any]], columns: Sequence[str],
+                   cell: Callable[[Any], str] = lambda v: "-" if v is None else str(v)) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row[c]) for c in columns) + " |")
+    return "\n".join(lines)
