@@ -1,0 +1,66 @@
+"""Type stubs for the Cython text side (`nanovllm/_core.pyx`, built as `nanovllm._core`)."""
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+class TokenTable:
+    """Bytes of every token id plus how the tokenizer's decoder joins them; built once per
+    tokenizer by `nanovllm.detokenizer.build_token_table`."""
+
+    def __init__(
+        self,
+        pieces: Sequence[bytes | None],
+        *,
+        byte_level: bool,
+        special_ids: Sequence[int] = (),
+        byte_ids: Mapping[int, int] | None = None,
+        first_pieces: Sequence[bytes | None] | None = None,
+        strip_char: str = " ",
+        strip_left: int = 0,
+        cleanup: Sequence[tuple[str, str]] = (),
+    ) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def kind(self) -> str: ...  # "byte_level" | "pieces"
+    byte_level: bool
+    metaspace_first: bool
+    strip_left: int
+    strip_char: str
+    cleanup: tuple[tuple[str, str], ...]
+    special_ids: frozenset[int]
+    def piece(self, token_id: int) -> bytes | None: ...
+    def is_special(self, token_id: int) -> bool: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...  # == tokenizer.decode
+    def decode_token(self, token_id: int) -> str: ...  # == tokenizer.decode([token_id])
+    def decode_tokens(self, ids: Sequence[int]) -> list[str]: ...
+
+class Detokenizer:
+    """Incremental detokenization and stop strings for many sequences, one call per step."""
+
+    def __init__(self, table: TokenTable) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, key: int) -> bool: ...
+    def add(
+        self,
+        key: int,
+        *,
+        skip_special_tokens: bool = True,
+        stop: str | Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None: ...
+    def remove(self, key: int) -> None: ...
+    def process(
+        self,
+        keys: npt.NDArray[np.int64] | Sequence[int],
+        tokens: npt.NDArray[np.int32] | Sequence[int],
+        cu_tokens: npt.NDArray[np.integer] | Sequence[int] | None = None,
+    ) -> list[tuple[int, str, str | None]]:
+        """Appends tokens[i] to sequence keys[i] (or the tokens cu_tokens[i]:cu_tokens[i+1]);
+        returns (key, new text, stop string or None) for every key. Text that may still become
+        part of a stop string, a partial character or an unfinished byte run is held back."""
+    def flush(self, key: int) -> str: ...  # releases everything held back; the sequence ends
+    def text(self, key: int) -> str: ...   # tokenizer.decode of its tokens so far, cut at a stop
+    def stop_reason(self, key: int) -> str | None: ...
+    def is_finished(self, key: int) -> bool: ...
