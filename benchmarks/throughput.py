@@ -57,9 +57,10 @@ TARGET_RATIO = 3.0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a Hugging Face model directory (default: the built-in model)")
+    # nano-vllm's lengths; N scaled down from its 256 so the CPU comparison takes minutes, not an hour.
     p.add_argument("--num-seqs", type=int, default=64)
-    p.add_argument("--max-input-len", type=int, default=256)
-    p.add_argument("--max-output-len", type=int, default=128)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--min-len", type=int, default=100,
                    help="lower bound of both length ranges (nano-vllm's bench uses 100)")
     p.add_argument("--max-num-seqs", type=int, default=64,
