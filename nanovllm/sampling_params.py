@@ -66,14 +66,14 @@ class SamplingParams:
             fail("temperature", "a finite number >= 0")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            fail("top_k", "-1 (off), 0 (off) or a positive integer")
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            fail("top_k", "-1 (off), 0 (off) or a positive integer below 2**31")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "in [0, 1]")
         if self.seed is not None and not is_int(self.seed):
             fail("seed", "None or an integer")
-        if not all(isinstance(s, str) and s for s in self.stop_strings):
-            fail("stop", "a non-empty string or a list of non-empty strings")
+        if not all(isinstance(s, str) and s and _encodable(s) for s in self.stop_strings):
+            fail("stop", "a non-empty string or a list of non-empty strings (valid Unicode)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
@@ -99,6 +99,14 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # e.g. a lone surrogate from a JSON "\\ud800"
+        return False
+    return True
 
 
 def _token_key(key: object) -> int:

@@ -172,7 +172,8 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
         llm.generate([good], SamplingParams(stop_token_ids=[VOCAB + 3]), use_tqdm=False)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert stats["num_requests"] == 0
+    assert stats["num_requests"] == 0 and stats["num_waiting"] == 0
+    assert len(llm.engine.detokenizer) == 0  # no half-registered request left on the text side
     out = llm.generate([good], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -183,7 +184,8 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
      ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("n", 0), ("stop_token_ids", [-1]),
      ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
      ("logprobs", 21), ("prompt_logprobs", -1), ("stop", [""]), ("stop", 5), ("logit_bias", {1: 200.0}),
-     ("logit_bias", {"x": 1.0}), ("skip_special_tokens", 1), ("temperature", float("nan"))],
+     ("logit_bias", {"x": 1.0}), ("skip_special_tokens", 1), ("temperature", float("nan")),
+     ("stop", ["\ud800"]), ("top_k", 2**63)],
 )
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):

@@ -113,18 +113,23 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_params(params)
+        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), stream,
+                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                      fanned_out=params.n == 1)
         sid = self._seq_ids.acquire()
+        # The Python side first, then the core: whatever fails, nothing is left behind.
+        try:
+            comp = self._add_completion(req, sid)
+        except BaseException:
+            self._seq_ids.release(sid)
+            raise
         try:
             self.core.add(sid, token_ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                           ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
                           use_prefix_cache=params.prompt_logprobs is None)
-        except ValueError:
-            self._seq_ids.release(sid)
+        except BaseException:
+            self._release(comp)
             raise
-        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), stream,
-                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                      fanned_out=params.n == 1)
-        self._add_completion(req, sid)
         if params.n > 1:
             self._fanout[sid] = req
         self._requests[request_id] = req
@@ -140,10 +145,10 @@ class LLMEngine:
         comp = Completion(len(req.completions), sid)
         if params.logprobs is not None:
             comp.logprobs, comp.cumulative_logprob = [], 0.0
-        req.completions.append(comp)
         self.sampling.set(sid, params, generator)
         self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                              include_stop_str_in_output=params.include_stop_str_in_output)
+        req.completions.append(comp)
         self._by_seq[sid] = (req, comp)
         return comp
 

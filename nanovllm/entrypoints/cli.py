@@ -1,8 +1,11 @@
-"""`nanovllm` command line: `bench` (the throughput workload) and `generate` (one completion)."""
+"""`nanovllm` command line: `bench` (the throughput workload), `generate` (one completion) and
+`serve` (the OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -67,6 +70,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from nanovllm.entrypoints.openai.api_server import ServerConfig, run_server
+    except ImportError as e:
+        print(f"nanovllm: error: `serve` needs the serve extra (pip install 'nanovllm[serve]'): {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.model is None:
+        from nanovllm.builtin_model import BUILTIN_NAME, ensure_default_model
+
+        model = str(ensure_default_model())
+        names = args.served_model_name or [BUILTIN_NAME]
+    else:
+        model = args.model
+        names = args.served_model_name or [model]
+    if args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    config = ServerConfig(model_path=model, served_model_names=names, host=args.host, port=args.port,
+                          api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
+                          max_queued_requests=args.max_queued_requests, log_level=args.log_level,
+                          access_log=not args.disable_access_log)
+    run_server(_make_llm(args, model).engine, config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="LLM inference with a C++ scheduling core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     _engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (built-in model unless MODEL_DIR)")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL_DIR", help="a Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $NANOVLLM_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the name(s) clients pass as `model` (default: MODEL_DIR); the first is reported")
+    serve.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="answer 503 when this many sequences already wait for the scheduler")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--disable-access-log", action="store_true")
+    _engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -1,0 +1,338 @@
+"""AsyncLLMEngine: one background thread steps the LLMEngine while asyncio code adds requests.
+
+Why a dedicated thread: `LLMEngine.step()` blocks for a whole forward pass, and the engine is not
+thread-safe (an abort while a step runs would free blocks that step is writing). So exactly one
+thread ever touches the engine. It applies queued adds and aborts between steps, steps while there
+is work, and sleeps on its command queue when there is none (no busy spin). The event loop only
+enqueues commands and receives outputs through `call_soon_threadsafe`: it never waits on the
+model, and a request that arrives during a step joins the very next batch, so concurrent requests
+are batched by the scheduler rather than served one after another.
+
+Every request is added with `stream=True`, so each output carries only what is new (a delta);
+callers that want the whole completion accumulate the deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from nanovllm.engine.llm_engine import LLMEngine, PromptType
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting for the scheduler; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or an unexpected error); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """The step running this request raised; the engine dropped the request and kept going."""
+
+
+class RequestObserver(Protocol):
+    """Sees every output as it is delivered (e.g. to keep metrics); called on the event loop."""
+
+    def on_output(self, output: RequestOutput, now: float) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
+
+
+@dataclass
+class _Add:
+    """Requests admitted together: all of them between the same two steps, or none."""
+
+    requests: list[tuple[str, PromptType, SamplingParams]]
+    arrival_time: float
+    future: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+_Command = _Add | _Abort | object
+
+
+class RequestGroup:
+    """The outputs of requests added together, in the order the engine produced them.
+
+    Iterating yields `RequestOutput` deltas until every request of the group finished. `abort()`
+    (idempotent, synchronous) drops whatever is unfinished; call it in a `finally` so that a
+    cancelled or abandoned consumer frees its KV blocks at once.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_ids: Sequence[str], outputs: asyncio.Queue) -> None:
+        self._engine = engine
+        self.request_ids = list(request_ids)
+        self._pending = set(request_ids)
+        self._outputs = outputs
+
+    def __aiter__(self) -> RequestGroup:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._pending:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self._pending.clear()  # the engine already dropped them
+            raise item
+        if item.finished:
+            self._pending.discard(item.request_id)
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self._pending
+
+    def abort(self) -> None:
+        if self._pending:
+            self._engine.abort(list(self._pending))
+            self._pending.clear()
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
+                 observer: RequestObserver | None = None) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.observer = observer
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}  # event-loop side: request id -> its group's queue
+        self._live: set[str] = set()  # engine-thread side: requests the engine holds
+        self._stats = engine.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # Lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    def stats(self) -> dict[str, int]:
+        """The engine's counters as of the end of the last step (a snapshot: reading the core
+        while a step runs would race with it)."""
+        return self._stats
+
+    # Requests ----------------------------------------------------------------------------
+
+    async def add_requests(self, requests: Sequence[tuple[str, PromptType, SamplingParams]],
+                           arrival_time: float | None = None) -> RequestGroup:
+        """Queues requests and waits until the engine admitted all of them, or none: the first
+        rejection (ValueError for a bad prompt or parameter, QueueFullError) is raised. Admission
+        happens between two steps, so it waits at most one step."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._error
+        arrival = arrival_time if arrival_time is not None else time.time()
+        outputs: asyncio.Queue = asyncio.Queue()
+        ids = [rid for rid, _, _ in requests]
+        if len(set(ids)) != len(ids) or any(rid in self._sinks for rid in ids):
+            raise ValueError("request ids must be unique")
+        for rid in ids:
+            self._sinks[rid] = outputs
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Add(list(requests), arrival, future))
+        group = RequestGroup(self, ids, outputs)
+        try:
+            await future
+        except asyncio.CancelledError:  # the caller left; if the add went through, undo it
+            group.abort()
+            raise
+        except BaseException:  # rejected: the engine thread already took back whatever it added
+            for rid in ids:
+                self._sinks.pop(rid, None)
+            raise
+        return group
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """The output deltas of one request. Closing or cancelling the iterator aborts it."""
+        group = await self.add_requests([(request_id, prompt, params)], arrival_time)
+        try:
+            async for out in group:
+                yield out
+        finally:
+            group.abort()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Drops requests (unknown or finished ids are ignored); their blocks are freed before the
+        next step. Call from the event loop."""
+        for rid in request_ids:
+            if self._sinks.pop(rid, None) is not None:
+                self._commands.put(_Abort(rid))
+                if self.observer is not None:
+                    self.observer.on_abort(rid)
+
+    # Event-loop side of the hand-off -------------------------------------------------------
+
+    def _post(self, fn: object, *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[arg-type]
+        except RuntimeError:  # the loop closed during shutdown: nobody is left to tell
+            pass
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue  # aborted by its consumer; the engine drops it before the next step
+            if self.observer is not None:
+                try:
+                    self.observer.on_output(out, now)
+                except Exception:  # metrics must never cost a request its output
+                    logger.exception("request observer failed")
+            sink.put_nowait(out)
+            if out.finished:
+                del self._sinks[out.request_id]
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink.put_nowait(error)
+                if self.observer is not None:
+                    self.observer.on_abort(rid)
+
+    @staticmethod
+    def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+        if fut.done():  # the caller gave up waiting (cancelled)
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    # Engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as e:  # a bug outside step(): stop serving rather than hang requests
+            logger.exception("engine thread crashed")
+            self._error = e
+            self._abort_live(EngineDeadError(f"the engine thread crashed: {e!r}"))
+        finally:
+            if self._error is None:
+                self._error = EngineDeadError("the engine was shut down")
+            try:
+                self._abort_live(EngineDeadError("the engine was shut down"))
+            except Exception:
+                logger.exception("could not abort the requests in flight")
+            # Adds still queued would otherwise wait forever.
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add):
+                    self._post(self._settle, cmd.future, EngineDeadError("the engine was shut down"))
+
+    def _iterate(self) -> bool:
+        """Applies the queued commands, runs one step if there is work; False once told to stop."""
+        engine = self.engine
+        # Sleep on the queue when idle; otherwise only take what is already there.
+        block = not engine.has_unfinished_requests()
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in commands:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                self._apply_add(cmd)
+            elif isinstance(cmd, _Abort):
+                engine.abort_request(cmd.request_id)
+                self._live.discard(cmd.request_id)
+        outputs: list[RequestOutput] = []
+        if engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except Exception as e:
+                # step() dropped its batch and left the engine consistent; fail everything in
+                # flight (simplest sound choice: we cannot tell which requests were in the batch).
+                logger.exception("engine step failed")
+                self._abort_live(RequestFailedError(f"the engine step failed: {e!r}"))
+        now = time.time()
+        self._stats = engine.stats()
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        if outputs:
+            self._post(self._deliver, outputs, now)
+        return True
+
+    def _apply_add(self, cmd: _Add) -> None:
+        if cmd.future.cancelled():
+            return  # its caller is gone (and has dropped its outputs)
+        added: list[str] = []
+        error: BaseException | None = None
+        for rid, prompt, params in cmd.requests:
+            if self.max_queued_requests is not None and \
+                    self.engine.stats()["num_waiting"] >= self.max_queued_requests:
+                error = QueueFullError(f"the server is at capacity: {self.max_queued_requests} sequences are "
+                                       "already waiting to be scheduled; retry later")
+                break
+            try:
+                self.engine.add_request(rid, prompt, params, arrival_time=cmd.arrival_time, stream=True)
+            except ValueError as e:
+                error = e
+                break
+            except Exception as e:  # anything else is still only this request's problem
+                logger.exception("add_request failed")
+                error = ValueError(str(e))
+                break
+            added.append(rid)
+        if error is not None:
+            for rid in added:  # all or nothing
+                self.engine.abort_request(rid)
+        else:
+            self._live.update(added)
+        self._post(self._settle, cmd.future, error)
+
+    def _abort_live(self, error: BaseException) -> None:
+        rids = list(self._live)
+        for rid in rids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("abort_request(%r) failed", rid)
+        self._live.clear()
+        self._stats = self.engine.stats()
+        if rids:
+            self._post(self._fail, rids, error)

@@ -1,0 +1,152 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine, run by uvicorn.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all /v1 routes need
+`Authorization: Bearer <key>` when an API key is set), GET /health, GET /version, GET /metrics
+(Prometheus), POST /tokenize, POST /detokenize.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from nanovllm.engine.async_engine import AsyncLLMEngine
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.entrypoints.openai.errors import error_response, install_error_handlers
+from nanovllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from nanovllm.entrypoints.openai.serving_base import ServingContext
+from nanovllm.entrypoints.openai.serving_chat import ChatServing
+from nanovllm.entrypoints.openai.serving_completion import CompletionServing
+from nanovllm.entrypoints.openai.serving_tokenize import TokenizeServing
+
+logger = logging.getLogger("nanovllm.server")
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class ServerConfig:
+    model_path: str
+    served_model_names: list[str] = field(default_factory=list)  # default: [model_path]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    log_level: str = "info"
+    access_log: bool = True
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on every /v1 route (plain ASGI, so that streaming
+    responses and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+            given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response(401, "Unauthorized: a valid `Authorization: Bearer <api key>` header "
+                                               "is required")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    names = config.served_model_names or [config.model_path]
+    if config.max_queued_requests < 1:
+        raise ValueError(f"max_queued_requests must be >= 1, got {config.max_queued_requests}")
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=config.max_queued_requests)
+    metrics = ServerMetrics(async_engine.stats, names[0])
+    async_engine.observer = metrics
+    ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_names=names,
+                         model_path=config.model_path, max_model_len=engine.max_model_len)
+    completions = CompletionServing(ctx)
+    chat = ChatServing(ctx)
+    tokenize = TokenizeServing(ctx, engine.vocab_size)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        s = engine.stats()
+        logger.info("serving %s as %s on http://%s:%d (KV cache: %d blocks of %d tokens = %d tokens; "
+                    "max_model_len %d; device %s; at most %d queued requests%s)",
+                    config.model_path, ", ".join(names), config.host, config.port, s["num_total_blocks"],
+                    s["block_size"], s["num_total_blocks"] * s["block_size"], s["max_model_len"], engine.device,
+                    config.max_queued_requests, "; API key required on /v1" if config.api_key else "")
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="nanovllm OpenAI-compatible server", version=VERSION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return tokenize.models()
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenize.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenize.detokenize(body)
+
+    return app
+
+
+def run_server(engine: LLMEngine, config: ServerConfig) -> None:
+    app = build_app(engine, config)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                        access_log=config.access_log, timeout_graceful_shutdown=5)
+    uvicorn.Server(uv).run()

@@ -1,0 +1,291 @@
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra fields.
+
+Requests validate types strictly (a string where a number belongs is a 400, not a silent
+coercion) but ignore unknown fields, as vLLM does, so clients that send fields we do not use
+(`user`, `tools`, ...) keep working. Value ranges are checked by `SamplingParams`, whose messages
+name the field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
+
+from nanovllm.sampling_params import SamplingParams
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # strict floats still accept JSON integers
+Bool = StrictBool
+Str = StrictStr
+
+# torch generators take 64-bit seeds.
+Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+# Requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Bool | None = False
+    continuous_usage_stats: Bool | None = False  # vLLM: usage on every chunk
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The fields completions and chat share: everything that becomes a SamplingParams."""
+
+    model: Str | None = None
+    n: Annotated[int, Strict(), Field(ge=1, le=128)] = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    seed: Seed | None = None
+    stop: Str | list[Str] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[Str, Float] | None = None
+    stream: Bool | None = False
+    stream_options: StreamOptions | None = None
+    user: Str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: Annotated[int, Strict(), Field(le=2**31 - 1)] | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: Bool | None = None
+    skip_special_tokens: Bool | None = None
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range."""
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        # A lone surrogate cannot be matched against UTF-8 text; refuse it here, by name.
+        for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"stop must hold valid Unicode strings, got {s!r}") from None
+
+        return SamplingParams(
+            n=self.n,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, -1),
+            min_p=pick(self.min_p, 0.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            ignore_eos=pick(self.ignore_eos, False),
+            max_tokens=max_tokens,
+            min_tokens=pick(self.min_tokens, 0),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=pick(self.skip_special_tokens, True),
+            include_stop_str_in_output=pick(self.include_stop_str_in_output, False),
+            # JSON keys are strings; SamplingParams turns them into token ids (or names the bad one).
+            logit_bias=cast(Any, dict(self.logit_bias)) if self.logit_bias else None,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+PromptInput = Str | list[Str] | list[Int] | list[list[Int]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: PromptInput
+    max_tokens: Int | None = 16
+    echo: Bool | None = False
+    logprobs: Int | None = None
+    best_of: Int | None = None
+    suffix: Str | None = None
+
+
+class ContentPart(OpenAIBaseModel):
+    type: Str
+    text: Str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Str
+    content: Str | list[ContentPart] | None = None
+    name: Str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
+    # vLLM's chat-template controls.
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[Str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's /tokenize: either `prompt` or `messages` (rendered with the chat template)."""
+
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Str | None = None
+    tokens: list[Int]
+
+
+# Responses -------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    # A plain dict so that absent fields stay absent ({"content": "x"}), as OpenAI sends them.
+    delta: dict[str, Any]
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "nanovllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

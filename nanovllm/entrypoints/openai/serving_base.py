@@ -1,0 +1,238 @@
+"""What the completion, chat and tokenizer endpoints share: the served model, request checks,
+prompt rendering, admission into the engine, and how a response outlives (or not) its client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
+
+from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestGroup
+from nanovllm.engine.llm_engine import PromptType
+from nanovllm.entrypoints.openai.errors import OpenAIError, error_body
+from nanovllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAIBaseModel,
+)
+from nanovllm.outputs import CompletionOutput, Logprob
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# JSON has no -inf: a token the model rules out entirely is reported with this logprob (as vLLM).
+MIN_LOGPROB = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+# What can still go wrong once a stream has started: reported as an error event, then [DONE].
+STREAM_ERRORS = (RequestFailedError, EngineDeadError)
+
+
+def stream_error(error: BaseException) -> str:
+    return sse(error_body(503 if isinstance(error, EngineDeadError) else 500, str(error)))
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # None when the client sent token ids (or a conversation)
+
+    def for_engine(self) -> PromptType:
+        # The engine gets token ids only: the tokenizer is used on the event loop and never
+        # concurrently from the engine thread.
+        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    tokenizer: PreTrainedTokenizerBase
+    model_names: list[str]  # the first is the name responses report
+    model_path: str
+    max_model_len: int
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
+                                   f"{', '.join(repr(n) for n in self.model_names)}.", param="model")
+
+    def warn_ignored(self, request: OpenAIBaseModel) -> None:
+        ignored = request.ignored_fields()
+        if ignored:
+            logger.debug("ignoring unsupported request fields: %s", ", ".join(ignored))
+
+    def max_tokens(self, prompt: Prompt, requested: int | None) -> int:
+        """The completion budget; a request that cannot fit max_model_len is a 400, as in vLLM."""
+        n = len(prompt.token_ids)
+        if n == 0:
+            raise OpenAIError(400, "the prompt is empty: it needs at least one token", param="prompt")
+        if n >= self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
+                                   f"tokens, but the prompt has {n} tokens; leave room for at least one "
+                                   "generated token.", param="prompt")
+        if requested is None:
+            return self.max_model_len - n
+        if requested < 1:
+            raise OpenAIError(400, f"max_tokens must be an integer >= 1, got {requested}", param="max_tokens")
+        if n + requested > self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
+                                   f"tokens. However, you requested {n + requested} tokens ({n} in the prompt, "
+                                   f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+                              param="max_tokens")
+        return requested
+
+    def sampling_params(self, make: Any, *args: Any, **kwargs: Any) -> SamplingParams:
+        try:
+            return make(*args, **kwargs)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool, extra: dict[str, Any] | None = None) -> Prompt:
+        """Applies the tokenizer's chat template, as `LLM.chat` does."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        if add_generation_prompt and continue_final_message:
+            raise OpenAIError(400, "add_generation_prompt and continue_final_message cannot both be true")
+        conversation = [_message_dict(m) for m in messages]
+        kwargs: dict[str, Any] = dict(extra or {})
+        kwargs.update(add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            rendered: Any = self.tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs)
+        except Exception as e:  # jinja errors, bad roles, ...: the conversation's fault
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        # Newer transformers return a BatchEncoding, older ones the list of ids.
+        ids = rendered if isinstance(rendered, list) else list(rendered["input_ids"])
+        return Prompt([int(t) for t in ids], None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot take
+            raise OpenAIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
+
+    def decode_token(self, token_id: int) -> str:
+        # The engine's token table: the same strings its logprobs carry (read-only, thread-safe).
+        return self.engine.engine.token_table.decode_token(token_id)
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else str(self.tokenizer.decode(prompt.token_ids))
+
+    async def submit(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+                     arrival_time: float) -> RequestGroup:
+        """Admits requests into the engine; a rejected prompt or parameter is a 400."""
+        try:
+            return await self.engine.add_requests(
+                [(rid, prompt.for_engine(), params) for rid, prompt, params in requests], arrival_time)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
+
+
+@dataclass
+class ChoiceState:
+    """One choice of a non-streamed response, accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    d: dict[str, Any] = dict(message.model_extra or {})
+    d["role"] = message.role
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise OpenAIError(400, f"only text content parts are supported, got type {part.type!r}",
+                                  param="messages")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    d["content"] = content if content is not None else ""
+    if message.name is not None:
+        d["name"] = message.name
+    return d
+
+
+_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+
+def _leading_field(message: str) -> str | None:
+    """SamplingParams' and the engine's messages start with the field they are about
+    ("top_p must be ...", "stop_token_ids holds ...")."""
+    head = message.split(" ", 1)[0]
+    return head if head in _REQUEST_FIELDS else None
+
+
+def event_stream(events: AsyncIterator[str], group: RequestGroup) -> StreamingResponse:
+    """An SSE response. The generator aborts its requests in its `finally`; a generator that
+    never started (the client left before the first byte) has no frame to run it, so its
+    collection aborts them too."""
+    weakref.finalize(events, group.abort)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work` unless the client hangs up first; then cancels it (whose cleanup aborts the
+    engine requests) instead of finishing a completion nobody will read."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        # The response goes nowhere; 499 is what nginx logs for this.
+        raise OpenAIError(499, "client disconnected")
+    return task.result()

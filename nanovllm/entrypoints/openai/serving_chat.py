@@ -1,0 +1,137 @@
+"""POST /v1/chat/completions: the conversation goes through the tokenizer's chat template (as
+`LLM.chat` does) and becomes one engine request with the request's `n`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nanovllm.engine.async_engine import RequestGroup
+from nanovllm.entrypoints.openai.errors import OpenAIError
+from nanovllm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from nanovllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    STREAM_ERRORS,
+    ChoiceState,
+    Prompt,
+    ServingContext,
+    event_stream,
+    json_logprob,
+    sse,
+    stream_error,
+    until_disconnected,
+)
+from nanovllm.outputs import Logprob
+
+
+class ChatServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.time()
+        ctx = self.ctx
+        ctx.check_model(req.model)
+        ctx.warn_ignored(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        prompt = ctx.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                 req.chat_template_kwargs)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        group = await ctx.submit([(request_id, prompt, params)], arrival)
+        if req.stream:
+            return event_stream(self._stream(req, request_id, group, prompt), group)
+        response = await until_disconnected(raw, self._collect(req, request_id, group, prompt))
+        return JSONResponse(response.model_dump())
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> ChatChoiceLogprobs:
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            chosen = entry[tid]
+            token = chosen.decoded_token or self.ctx.decode_token(tid)
+            top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
+                         key=lambda item: item[1].rank or 0)
+            content.append(TokenLogprob(
+                token=token, logprob=json_logprob(chosen.logprob), bytes=list(token.encode("utf-8")),
+                top_logprobs=[TopLogprob(token=(s := lp.decoded_token or self.ctx.decode_token(t)),
+                                         logprob=json_logprob(lp.logprob), bytes=list(s.encode("utf-8")))
+                              for t, lp in top],
+            ))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _collect(self, req: ChatCompletionRequest, request_id: str, group: RequestGroup,
+                       prompt: Prompt) -> ChatCompletionResponse:
+        states = [ChoiceState() for _ in range(req.n)]
+        try:
+            async for out in group:
+                for c in out.outputs:
+                    states[c.index].add(c)
+        finally:
+            group.abort()
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [
+            ChatChoice(index=j, message=ChatResponseMessage(content=st.text),
+                       logprobs=self._logprobs(st.token_ids, st.logprobs, k) if k is not None else None,
+                       finish_reason=st.finish_reason, stop_reason=st.stop_reason)
+            for j, st in enumerate(states)
+        ]
+        return ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+                                      usage=_usage(prompt, sum(len(st.token_ids) for st in states)))
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, group: RequestGroup,
+                      prompt: Prompt) -> AsyncIterator[str]:
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        created = int(time.time())
+        model = self.ctx.model_name
+        completion_tokens = 0
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                           usage=usage))
+
+        try:
+            # As OpenAI: each choice opens with the assistant role and empty content.
+            for j in range(req.n):
+                yield chunk([ChatStreamChoice(index=j, delta={"role": "assistant", "content": ""})],
+                            _usage(prompt, 0) if req.continuous_usage else None)
+            async for out in group:
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None and not (k is not None and c.token_ids):
+                        continue  # a stop string may hold text back; nothing to say yet
+                    logprobs = self._logprobs(c.token_ids, c.logprobs or [], k) if k is not None else None
+                    yield chunk([ChatStreamChoice(index=c.index, delta={"content": c.text} if c.text else {},
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason)],
+                                _usage(prompt, completion_tokens) if req.continuous_usage else None)
+            if req.include_usage:
+                yield chunk([], _usage(prompt, completion_tokens))
+            yield SSE_DONE
+        except STREAM_ERRORS as e:
+            yield stream_error(e)
+            yield SSE_DONE
+        finally:
+            group.abort()  # also on client disconnect: free the blocks before the next step
+
+
+def _usage(prompt: Prompt, completion_tokens: int) -> UsageInfo:
+    n = len(prompt.token_ids)
+    return UsageInfo(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)

@@ -1,0 +1,183 @@
+"""POST /v1/completions: one engine request per prompt (each with the request's `n`); choice
+`i * n + j` is sample j of prompt i, as OpenAI and vLLM number them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from nanovllm.engine.async_engine import RequestGroup
+from nanovllm.entrypoints.openai.errors import OpenAIError
+from nanovllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from nanovllm.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    STREAM_ERRORS,
+    ChoiceState,
+    Prompt,
+    ServingContext,
+    event_stream,
+    json_logprob,
+    sse,
+    stream_error,
+    until_disconnected,
+)
+from nanovllm.outputs import Logprob
+
+# Per token: its logprob entry, or None for the first prompt token (nothing precedes it).
+LogprobEntries = list[dict[int, Logprob] | None]
+
+
+class CompletionServing:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.time()
+        ctx = self.ctx
+        ctx.check_model(req.model)
+        ctx.warn_ignored(req)
+        if req.suffix:
+            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError(400, "best_of must be unset or equal n (no best-of selection)", param="best_of")
+        prompts = self._prompts(req)
+        k = req.logprobs
+        echo = bool(req.echo)
+        params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, req.max_tokens), k,
+                                      k if echo and k is not None else None) for p in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = await ctx.submit(list(zip(rids, prompts, params)), arrival)
+        if req.stream:
+            return event_stream(self._stream(req, request_id, group, prompts), group)
+        response = await until_disconnected(raw, self._collect(req, request_id, group, prompts))
+        return JSONResponse(response.model_dump())
+
+    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return [Prompt(self.ctx.encode(prompt), prompt)]
+        if not prompt:
+            raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
+        if isinstance(prompt[0], str):
+            return [Prompt(self.ctx.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+        if isinstance(prompt[0], int):
+            return [Prompt(list(prompt), None)]  # type: ignore[arg-type]
+        return [Prompt(list(p), None) for p in prompt]  # type: ignore[union-attr]
+
+    def _logprobs(self, token_ids: list[int], entries: LogprobEntries, k: int,
+                  offset: int) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's legacy logprobs: per token its text, logprob, text offset and the top `k`
+        alternatives (plus the chosen token, as vLLM reports it)."""
+        out = CompletionLogprobs()
+        for tid, entry in zip(token_ids, entries):
+            chosen = entry.get(tid) if entry is not None else None
+            token = (chosen.decoded_token if chosen is not None else None) or self.ctx.decode_token(tid)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if entry is None or chosen is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(json_logprob(chosen.logprob))
+            out.top_logprobs.append({
+                (lp.decoded_token or self.ctx.decode_token(t)): json_logprob(lp.logprob)
+                for t, lp in entry.items() if t == tid or (lp.rank is not None and lp.rank <= k)
+            })
+        return out, offset
+
+    def _echo(self, prompt: Prompt, prompt_logprobs: LogprobEntries | None) -> tuple[str, list[int], LogprobEntries]:
+        entries: LogprobEntries = [None] * len(prompt.token_ids)
+        if prompt_logprobs is not None:
+            entries = list(prompt_logprobs)
+        return self.ctx.prompt_text(prompt), list(prompt.token_ids), entries
+
+    async def _collect(self, req: CompletionRequest, request_id: str, group: RequestGroup,
+                       prompts: list[Prompt]) -> CompletionResponse:
+        n = req.n
+        index = {rid: i for i, rid in enumerate(group.request_ids)}
+        states = [[ChoiceState() for _ in range(n)] for _ in prompts]
+        prompt_logprobs: list[LogprobEntries | None] = [None] * len(prompts)
+        try:
+            async for out in group:
+                i = index[out.request_id]
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
+                for c in out.outputs:
+                    states[i][c.index].add(c)
+        finally:
+            group.abort()
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for j, st in enumerate(states[i]):
+                text, ids = st.text, st.token_ids
+                entries: LogprobEntries = list(st.logprobs)
+                if req.echo:
+                    head, head_ids, head_entries = self._echo(prompt, prompt_logprobs[i])
+                    text, ids, entries = head + text, head_ids + ids, head_entries + entries
+                logprobs = self._logprobs(ids, entries, req.logprobs, 0)[0] if req.logprobs is not None else None
+                choices.append(CompletionChoice(index=i * n + j, text=text, logprobs=logprobs,
+                                                finish_reason=st.finish_reason, stop_reason=st.stop_reason))
+        return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+                                  usage=_usage(prompts, sum(len(st.token_ids) for row in states for st in row)))
+
+    async def _stream(self, req: CompletionRequest, request_id: str, group: RequestGroup,
+                      prompts: list[Prompt]) -> AsyncIterator[str]:
+        n, k = req.n, req.logprobs
+        created = int(time.time())
+        model = self.ctx.model_name
+        index = {rid: i for i, rid in enumerate(group.request_ids)}
+        offsets: dict[int, int] = {}  # choice -> text offset of its next token (for logprobs)
+        completion_tokens = 0
+        try:
+            async for out in group:
+                i = index[out.request_id]
+                for c in out.outputs:
+                    choice = i * n + c.index
+                    completion_tokens += len(c.token_ids)
+                    text, ids = c.text, list(c.token_ids)
+                    entries: LogprobEntries = list(c.logprobs or [])
+                    if req.echo and choice not in offsets:  # the first chunk of a choice repeats the prompt
+                        head, head_ids, head_entries = self._echo(prompts[i], out.prompt_logprobs)
+                        text, ids, entries = head + text, head_ids + ids, head_entries + entries
+                    offsets.setdefault(choice, 0)
+                    if not text and c.finish_reason is None and not (k is not None and ids):
+                        continue  # a stop string may hold text back; nothing to say yet
+                    logprobs = None
+                    if k is not None:
+                        logprobs, offsets[choice] = self._logprobs(ids, entries, k, offsets[choice])
+                    chunk = CompletionResponse(
+                        id=request_id, created=created, model=model,
+                        choices=[CompletionChoice(index=choice, text=text, logprobs=logprobs,
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                        usage=_usage(prompts, completion_tokens) if req.continuous_usage else None,
+                    )
+                    yield sse(chunk)
+            if req.include_usage:
+                yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                             usage=_usage(prompts, completion_tokens)))
+            yield SSE_DONE
+        except STREAM_ERRORS as e:
+            yield stream_error(e)
+            yield SSE_DONE
+        finally:
+            # Also runs when the client disconnects (the response task is cancelled): the
+            # requests leave the engine and free their blocks before its next step.
+            group.abort()
+
+
+def _usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)

@@ -1,0 +1,513 @@
+"""The OpenAI-compatible server end to end: a real `nanovllm serve` process on a tiny model,
+driven by the official `openai` client (and raw httpx where the client would not send it), its
+outputs checked against `LLM.generate` / `LLM.chat` in this process with the same engine options."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+from tiny_models import make_tiny_model
+
+from nanovllm import LLM, SamplingParams
+
+ENGINE_ARGS = {"num_kvcache_blocks": 256, "max_model_len": 512, "block_size": 16}
+CLI_ARGS = ["--num-kvcache-blocks", "256", "--max-model-len", "512", "--block-size", "16"]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("server_model"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("server"), *CLI_ARGS,
+                        "--served-model-name", MODEL, "other-name")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), device="cpu", **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_messages(*turns: tuple[str, str]) -> Any:
+    """[{"role", "content"}, ...] (typed Any: the client's message TypedDicts are a union)."""
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+HI: Any = chat_messages(("user", "hi"))
+
+
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def expected_text(llm: LLM, prompt: str | list[int], max_tokens: int) -> tuple[str, str]:
+    out = llm.generate(prompt, greedy(max_tokens), use_tqdm=False)[0].outputs[0]
+    return out.text, out.finish_reason
+
+
+# Basics -------------------------------------------------------------------------------------
+
+
+def test_health_models_version(server: ServerProcess, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL, "other-name"]
+    assert models.data[0].max_model_len == 512  # type: ignore[attr-defined]
+    # The startup log says where it listens and how big the KV pool is.
+    assert f"http://127.0.0.1:{server.port}" in server.log() and "KV cache: 256 blocks" in server.log()
+
+
+def test_completion_greedy_matches_llm(client: openai.OpenAI, llm: LLM) -> None:
+    for prompt, max_tokens in (("Hello, my name is", 12), ("The capital of France", 20), ("a", 5)):
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        text, reason = expected_text(llm, prompt, max_tokens)
+        assert resp.object == "text_completion" and resp.model == MODEL and resp.id.startswith("cmpl-")
+        assert resp.choices[0].text == text
+        assert resp.choices[0].finish_reason == reason
+        n_prompt = len(llm.get_tokenizer().encode(prompt))
+        n_out = len(llm.generate(prompt, greedy(max_tokens), use_tqdm=False)[0].outputs[0].token_ids)
+        assert resp.usage is not None
+        assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (n_prompt, n_out)
+        assert resp.usage.total_tokens == n_prompt + n_out
+
+
+def test_completion_any_served_name_and_no_model(server: ServerProcess, client: openai.OpenAI) -> None:
+    resp = client.completions.create(model="other-name", prompt="hi", max_tokens=2)
+    assert resp.model == MODEL  # the first name is the one reported
+    r = httpx.post(f"{server.base_url}/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None
+
+
+def test_completion_stream_equals_non_stream(server: ServerProcess, client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in [c for c in chunks if c.choices][:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()  # type: ignore[union-attr]
+    assert all(c.usage is None for c in chunks[:-1])
+    # The raw event stream: `data: {...}` events, the last one `data: [DONE]`.
+    with httpx.stream("POST", f"{server.base_url}/completions", json={**kw, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-1])
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == full.choices[0].text
+
+
+def test_chat_matches_llm_chat(client: openai.OpenAI, llm: LLM) -> None:
+    messages = chat_messages(("system", "You are terse."), ("user", "Say something."))
+    expected = llm.chat(messages, greedy(16), use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.outputs[0].text
+    assert resp.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert resp.usage is not None and resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    # max_completion_tokens wins over the deprecated max_tokens.
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3,
+                                           max_tokens=100, temperature=0)
+    assert short.usage is not None and short.usage.completion_tokens == 3
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.outputs[0].finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_chat_without_max_tokens_may_fill_the_context(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=chat_messages(("user", "x")),
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage is not None and resp.usage.total_tokens == 512
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_token_id_prompts(client: openai.OpenAI, llm: LLM) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (3, 17, 40)]
+    resp = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0)
+    expected = llm.generate(prompts, greedy(10), use_tqdm=False)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.text for c in resp.choices] == [e.outputs[0].text for e in expected]
+    one = client.completions.create(model=MODEL, prompt=prompts[1], max_tokens=10, temperature=0)
+    assert one.choices[0].text == expected[1].outputs[0].text
+    assert one.usage is not None and one.usage.prompt_tokens == 17
+
+
+def test_n_and_seed(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompts = ["Tell me", "Another"]
+    kw: dict[str, Any] = {"model": MODEL, "prompt": prompts, "max_tokens": 12, "temperature": 1.0, "n": 3,
+                          "extra_body": {"ignore_eos": True}}
+    a = client.completions.create(seed=1234, **kw)
+    b = client.completions.create(seed=1234, **kw)
+    c = client.completions.create(seed=99, **kw)
+    assert [ch.index for ch in a.choices] == list(range(6))
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert [ch.text for ch in a.choices] != [ch.text for ch in c.choices]
+    assert len({ch.text for ch in a.choices}) > 1  # the n samples differ
+    prompt_tokens = sum(len(httpx.post(f"{server.url}/tokenize", json={"prompt": p}).json()["tokens"])
+                        for p in prompts)
+    assert a.usage is not None and (a.usage.prompt_tokens, a.usage.completion_tokens) == (prompt_tokens, 6 * 12)
+    # Streaming n > 1: every choice arrives, each once finished, same texts as non-streamed.
+    chunks = list(client.completions.create(seed=1234, stream=True, **kw))
+    texts: dict[int, str] = {}
+    finished: dict[int, int] = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason is not None:
+                finished[choice.index] = finished.get(choice.index, 0) + 1
+    assert [texts[i] for i in range(6)] == [ch.text for ch in a.choices]
+    assert finished == {i: 1 for i in range(6)}
+    chat = client.chat.completions.create(model=MODEL, messages=HI,
+                                          n=2, max_tokens=5, temperature=1.0, seed=5)
+    assert [ch.index for ch in chat.choices] == [0, 1]
+
+
+def test_stop_strings(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "Once upon a time there was"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    # A stop string of two ASCII letters from the middle of the greedy text.
+    starts = [i for i in range(3, len(full) - 2) if full[i:i + 2].isascii() and full[i:i + 2].isalpha()]
+    assert starts, f"no ASCII letters in {full!r}"
+    stop = full[starts[len(starts) // 2]:starts[len(starts) // 2] + 2]
+    cut = full[:full.index(stop)]
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stop=[stop, "\x00zz"],
+                                     extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == cut
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].stop_reason == stop  # type: ignore[attr-defined]
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut
+    kept = client.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop
+
+
+def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
+    prompt = "The quick brown fox"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    expected = llm.generate(prompt, greedy(8, logprobs=3), use_tqdm=False)[0].outputs[0]
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == len(expected.token_ids) == 8
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for tok_id, got, top, entry in zip(expected.token_ids, lp.token_logprobs, lp.top_logprobs, expected.logprobs or []):
+        assert got == pytest.approx(entry[tok_id].logprob, abs=1e-4)
+        assert 1 <= len(top) <= 4 and got == pytest.approx(max(top.values()), abs=1e-5)  # greedy: chosen is best
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    n_prompt = len(llm.get_tokenizer().encode(prompt))
+    elp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(prompt)
+    assert elp is not None and elp.token_logprobs is not None
+    assert len(elp.token_logprobs) == n_prompt + 4 and elp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
+
+    chat = client.chat.completions.create(model=MODEL, messages=HI,
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 5
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
+        assert t.bytes == list(t.token.encode())
+    streamed = client.chat.completions.create(model=MODEL, messages=HI,
+                                              max_tokens=5, temperature=0, logprobs=True, top_logprobs=2, stream=True)
+    tokens = [t.token for c in streamed if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.content or []]
+    assert tokens == [t.token for t in content]
+
+
+def test_vllm_sampling_extras(client: openai.OpenAI) -> None:
+    base: dict[str, Any] = {"model": MODEL, "prompt": "Hello", "temperature": 0}
+    r = client.completions.create(max_tokens=40, extra_body={"ignore_eos": True}, **base)
+    assert r.usage is not None and r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(max_tokens=10, extra_body={"top_k": 5, "min_p": 0.01, "repetition_penalty": 1.2,
+                                                             "min_tokens": 10}, **base)
+    assert r.usage is not None and r.usage.completion_tokens == 10
+    # logit_bias: +100 on one token makes greedy pick it every time.
+    r = client.completions.create(max_tokens=5, logit_bias={"77": 100}, extra_body={"ignore_eos": True}, logprobs=0,
+                                  **base)
+    tok77 = r.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert tok77 is not None and len(set(tok77)) == 1
+    # stop_token_ids: the biased token is also a stop token.
+    r = client.completions.create(max_tokens=20, extra_body={"stop_token_ids": [77]}, logit_bias={"77": 100}, **base)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == 77  # type: ignore[attr-defined]
+    assert r.usage is not None and r.usage.completion_tokens == 1
+    r = client.completions.create(max_tokens=8, presence_penalty=1.5, frequency_penalty=-0.5, top_p=0.9, **base)
+    assert r.usage is not None and r.usage.completion_tokens >= 1
+
+
+def test_tokenize_detokenize(server: ServerProcess, llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello world") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 512 and len(body["token_strs"]) == body["count"]
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages})
+    assert r.json()["tokens"] == llm.chat(messages, greedy(1), use_tqdm=False)[0].prompt_token_ids
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello world"}
+
+
+# Concurrency -------------------------------------------------------------------------------
+
+
+def test_64_concurrent_streaming_clients_match_llm(server: ServerProcess, llm: LLM) -> None:
+    rng = random.Random(7)
+    words = ["the", "a", "of", "cat", "dog", "house", "river", "mountain", "quick", "slow", "red", "green", "blue",
+             "sings", "runs"]
+    requests: list[tuple[str | list[int], int]] = []
+    for i in range(64):
+        max_tokens = rng.randrange(4, 33)
+        if i % 2:
+            requests.append(([rng.randrange(3, 512) for _ in range(rng.randrange(1, 120))], max_tokens))
+        else:
+            requests.append((" ".join(rng.choice(words) for _ in range(rng.randrange(1, 60))), max_tokens))
+    expected = llm.generate([p for p, _ in requests], [greedy(m) for _, m in requests], use_tqdm=False)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str | list[int], max_tokens: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True)
+        text, reason = "", None
+        async for chunk in stream:
+            for c in chunk.choices:
+                text += c.text
+                reason = c.finish_reason or reason
+        return text, reason
+
+    async def run() -> tuple[list[tuple[str, str | None]], float]:
+        peak = 0.0
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            nonlocal peak
+            async with httpx.AsyncClient() as http:
+                while not done.is_set():
+                    text = (await http.get(f"{server.url}/metrics")).text
+                    for line in text.splitlines():
+                        if line.startswith("nanovllm:num_requests_running{"):
+                            peak = max(peak, float(line.split()[-1]))
+                    await asyncio.sleep(0.01)
+
+        # The client's default pool (1000 connections) lets all 64 streams be open at once.
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        watcher = asyncio.create_task(watch())
+        try:
+            results = await asyncio.gather(*(one(client, p, m) for p, m in requests))
+        finally:
+            done.set()
+            await watcher
+            await client.close()
+        return list(results), peak
+
+    start = time.monotonic()
+    results, peak = asyncio.run(run())
+    elapsed = time.monotonic() - start
+    for i, ((text, reason), exp) in enumerate(zip(results, expected)):
+        assert text == exp.outputs[0].text, f"request {i} differs"
+        assert reason == exp.outputs[0].finish_reason
+    assert peak >= 8, f"requests were not batched together (peak running {peak}, {elapsed:.1f}s)"
+    server.wait_blocks_free()
+
+
+# Bad requests ------------------------------------------------------------------------------
+
+CHAT_OK = {"messages": [{"role": "user", "content": "hi"}]}
+BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
+    # (name, path, body (bytes are sent raw), status, param)
+    ("malformed json", "/v1/completions", b'{"prompt": "hi",', 400, None),
+    ("not an object", "/v1/completions", b"[1, 2, 3]", 400, None),
+    ("empty body", "/v1/completions", b"", 400, None),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("prompt of wrong type", "/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("max_tokens of wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("n of wrong type", "/v1/completions", {"prompt": "hi", "n": True}, 400, "n"),
+    ("n = 0", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("temperature < 0", "/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top_p > 1", "/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("presence_penalty > 2", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("logprobs > 20", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("max_tokens = 0", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("min_tokens > max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
+     "min_tokens"),
+    ("stop of wrong type", "/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop"),
+    ("empty stop string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 100000]}, 400, None),
+    ("negative token id", "/v1/completions", {"prompt": [[1, -2]]}, 400, None),
+    ("stop_token_ids out of vocab", "/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400,
+     "stop_token_ids"),
+    ("logit_bias key not a token id", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400,
+     "logit_bias"),
+    ("logit_bias out of range", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("seed too large", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("prompt over max_model_len", "/v1/completions", {"prompt": list(range(1, 501)) * 2}, 400, "prompt"),
+    ("prompt + max_tokens over max_model_len", "/v1/completions", {"prompt": list(range(1, 401)), "max_tokens": 200},
+     400, "max_tokens"),
+    ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("chat: no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("chat: message without role", "/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages"),
+    ("chat: image content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("chat: top_logprobs without logprobs", "/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("chat: top_logprobs > 20", "/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 30}, 400,
+     "logprobs"),
+    ("chat: unknown model", "/v1/chat/completions", {**CHAT_OK, "model": "nope"}, 404, "model"),
+    ("chat: over max_model_len", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "prompt"),
+    ("chat: max_tokens over max_model_len", "/v1/chat/completions", {**CHAT_OK, "max_tokens": 10_000}, 400,
+     "max_tokens"),
+    ("detokenize out of vocab", "/detokenize", {"tokens": [1, 100000]}, 400, "tokens"),
+    ("tokenize without prompt", "/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("top_k too large", "/v1/completions", {"prompt": "hi", "top_k": 2**70}, 400, "top_k"),
+    ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "\\ud800"}', 400, "prompt"),
+    ("lone surrogate in stop", "/v1/completions", b'{"prompt": "hi", "stop": ["a\\udfff"]}', 400, "stop"),
+    ("chat: lone surrogate", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "messages"),
+    ("unknown route", "/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request(server: ServerProcess, name: str, path: str, body: object, status: int,
+                     param: str | None) -> None:
+    url = f"{server.url}{path}"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = httpx.post(url, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert err["code"] == status
+    if param is not None:
+        assert err["param"] == param, err
+    if "max_model_len" in name:
+        assert "max_model_len" in err["message"]
+
+
+def test_form_encoded_body_is_refused(server: ServerProcess) -> None:
+    r = httpx.post(f"{server.base_url}/completions", data={"prompt": "hi"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_bad_requests_leave_the_server_whole(server: ServerProcess, client: openai.OpenAI) -> None:
+    # Nothing a refused request touched stays behind in the engine (no waiting sequence).
+    server.wait_blocks_free(timeout=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=HI)
+    # A bad stream request is refused before the stream starts.
+    r = httpx.post(f"{server.base_url}/completions", json={"prompt": "hi", "stream": True, "top_p": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    assert client.completions.create(model=MODEL, prompt="still serving", max_tokens=3).choices[0].text is not None
+    m = server.wait_blocks_free()
+    assert m["nanovllm:kv_cache_blocks_total"] == 256
+
+
+# Disconnects and metrics --------------------------------------------------------------------
+
+
+def _long_request(stream: bool) -> dict[str, object]:
+    return {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 450, "ignore_eos": True,
+            "stream": stream}
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
+    before = server.metrics()
+    for _ in range(2):
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{server.base_url}/completions", json=_long_request(True)) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()  # held, so that the connection stays open until the `with` ends
+                for _ in range(6):
+                    next(lines)
+                assert server.metrics()["nanovllm:kv_cache_blocks_used"] > 0  # still generating
+        # The connection is closed here, long before 450 tokens.
+        m = server.wait_blocks_free(timeout=10)
+    assert m["nanovllm:request_aborted_total"] >= before["nanovllm:request_aborted_total"] + 2
+    assert m["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] < 2 * 450
+
+
+def test_client_disconnect_while_waiting_for_non_stream_frees_blocks(server: ServerProcess) -> None:
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/completions", json={**_long_request(False), "n": 4}, timeout=0.2)
+    m = server.wait_blocks_free(timeout=10)
+    assert m["nanovllm:request_aborted_total"] >= before["nanovllm:request_aborted_total"] + 1
+    assert m["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] < 4 * 450
+
+
+def test_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
+    long_prompt = "a shared prefix that spans several blocks " * 6
+    before = server.metrics()
+    for _ in range(2):  # the second one hits the prefix cache
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
+    m = server.wait_blocks_free()
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("nanovllm:num_requests_running", "nanovllm:num_requests_waiting", "nanovllm:kv_cache_blocks_used",
+                 "nanovllm:kv_cache_blocks_total", "nanovllm:kv_cache_usage_perc", "nanovllm:prefix_cache_hit_rate",
+                 "nanovllm:num_preemptions_total", "nanovllm:prompt_tokens_total",
+                 "nanovllm:generation_tokens_total", "nanovllm:time_to_first_token_seconds_bucket",
+                 "nanovllm:inter_token_latency_seconds_bucket", "nanovllm:e2e_request_latency_seconds_bucket"):
+        assert f"\n{name}{{" in text, name
+    assert 'model_name="tiny"' in text
+    assert m["nanovllm:kv_cache_blocks_total"] == 256
+    assert m["nanovllm:prefix_cache_hits_total"] > before.get("nanovllm:prefix_cache_hits_total", 0)
+    assert 0 < m["nanovllm:prefix_cache_hit_rate"] <= 1
+    n_prompt = len(httpx.post(f"{server.url}/tokenize", json={"prompt": long_prompt}).json()["tokens"])
+    assert m["nanovllm:prompt_tokens_total"] - before["nanovllm:prompt_tokens_total"] == 2 * n_prompt
+    assert m["nanovllm:generation_tokens_total"] - before["nanovllm:generation_tokens_total"] == 8
+    assert m["nanovllm:time_to_first_token_seconds_count"] - before["nanovllm:time_to_first_token_seconds_count"] == 2
+    assert m["nanovllm:inter_token_latency_seconds_count"] - before["nanovllm:inter_token_latency_seconds_count"] == 6
+    assert m["nanovllm:e2e_request_latency_seconds_count"] - before["nanovllm:e2e_request_latency_seconds_count"] == 2
+
+
+def test_idle_server_does_not_spin(server: ServerProcess) -> None:
+    server.wait_blocks_free()
+    time.sleep(0.2)
+    before = server.cpu_seconds()
+    time.sleep(1.0)
+    assert server.cpu_seconds() - before < 0.2
