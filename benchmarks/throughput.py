@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
     p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE, help="0 = greedy on both sides")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's max_model_len (default: the model's max_position_embeddings)")
     p.add_argument("--compare-hf", action="store_true", help="also time transformers' generate")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--seed", type=int, default=0, help="workload and engine seed")
@@ -140,7 +143,8 @@ def print_table(engine: BenchResult, hf: HFBenchResult | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model or str(ensure_default_model())
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, device=args.device)
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, device=args.device,
+              enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
     device, dtype = llm.engine.device, llm.engine.runner.dtype
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.engine.vocab_size,
                              seed=args.seed, min_len=args.min_len)
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{workload.num_output_tokens} output tokens), max_num_seqs {args.max_num_seqs}, "
           f"temperature {args.temperature}")
 
+    llm_graphs = getattr(llm.engine.runner, "graphs", None) is not None
     with other_cpu() as engine_cpu:
         engine = run_engine(llm, workload, use_tqdm=not args.no_tqdm, temperature=args.temperature)
     engine_other = engine_cpu.seconds
@@ -200,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             "workload_output_tokens": workload.num_output_tokens,
             "temperature": args.temperature,
             "seed": args.seed,
+            "enforce_eager": args.enforce_eager,
+            "cuda_graphs": llm_graphs,
+            "max_model_len": args.max_model_len,
             "device": str(device),
             "dtype": _dtype_name(dtype),
             "threads": threads,

@@ -44,7 +44,8 @@ class LLMEngine:
         self.device = config.resolve_device()
         torch.manual_seed(config.seed)
         self.max_model_len, budget = config.resolve_lengths(model_config.max_position_embeddings)
-        self.runner = ModelRunner(config.model, config.dtype, self.device, config.block_size)
+        self.runner = ModelRunner(config.model, config.dtype, self.device, config.block_size, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, enforce_eager=config.enforce_eager)
         num_blocks = self._num_kv_blocks(budget)
         self.runner.allocate_kv_cache(num_blocks)
         self.vocab_size = model_config.vocab_size

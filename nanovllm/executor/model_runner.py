@@ -3,10 +3,15 @@
 Per step: the plan's arrays become tensors (one copy of the plan buffer), copy-on-write block
 copies run before the forward, the model runs over the flattened batch, logits are computed only
 at the sampled positions, and the sampler picks one token per sampled sequence.
+
+On CUDA the attention backend is "cuda" (our kernels, nanovllm._kernels) where it is built and
+supports the model's head_dim, else "torch" with a warning; decode-only steps replay CUDA graphs
+captured when the KV cache is allocated (see executor/cuda_graph.py), unless enforce_eager.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,10 +20,13 @@ import torch
 from nanovllm import _C
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.engine.plan_tensors import PlanTensors, PlanViews
-from nanovllm.layers.attention import bind_kv_cache
+from nanovllm.executor.cuda_graph import DecodeGraphs
+from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.layers.sampler import Sampler, SamplingBatch
-from nanovllm.model_config import ModelConfig
+from nanovllm.model_config import ModelConfig, load_model_config
 from nanovllm.models.loader import load_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,19 +43,59 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
+def choose_attention_backend(model_dir: str, device: torch.device) -> str:
+    """On CPU the fast backend (C++ decode kernel). On CUDA "cuda" (our kernels) where they are
+    built and fit the model, else the torch reference, with a warning saying why."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        return "torch"
+    from nanovllm.attention import cuda_ops
+    from nanovllm.attention.backend import get_attention_backend
+
+    head_dim = load_model_config(model_dir).head_dim
+    reason = None
+    if head_dim not in cuda_ops.SUPPORTED_HEAD_DIMS:
+        reason = f"head_dim {head_dim} is not one the decode kernel is built for {cuda_ops.SUPPORTED_HEAD_DIMS}"
+    else:
+        try:
+            get_attention_backend("cuda")
+        except ImportError as e:
+            reason = str(e)
+        else:
+            with torch.cuda.device(device):
+                reason = cuda_ops.probe()
+    if reason is not None:
+        logger.warning("CUDA attention kernels unavailable (%s): using the torch reference backend, "
+                       "without CUDA graphs (slow)", reason)
+        return "torch"
+    return "cuda"
+
+
 class ModelRunner:
-    def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int) -> None:
+    def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int, *,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
+                 attn_backend: str | None = None) -> None:
+        """`max_num_seqs` and `max_model_len` (default: the model's max_position_embeddings) size the
+        CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
+        automatic choice (see choose_attention_backend)."""
         self.device = device
-        # On CPU the fast backend (C++ decode kernel); the torch reference elsewhere until the
-        # CUDA kernels take over.
-        backend = "cpu" if device.type == "cpu" else "torch"
+        backend = attn_backend or choose_attention_backend(model_dir, device)
         self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
+        self.attn_backend = backend
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = block_size
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self._plan_tensors: PlanTensors | None = None
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.enforce_eager = enforce_eager
+        self.graphs: DecodeGraphs | None = None
+        self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "cuda"
+        if device.type == "cuda" and not enforce_eager and not self.use_cuda_graphs:
+            logger.warning("CUDA graphs need the cuda attention backend (have %r): decoding eagerly", backend)
 
     @property
     def kv_spec(self) -> KVCacheSpec:
@@ -55,23 +103,35 @@ class ModelRunner:
         return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_size, self.dtype)
 
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
-        """Blocks that fit in the GPU memory left after a forward at the maximum batch."""
+        """Blocks that fit in `gpu_memory_utilization` of the GPU after a forward at the maximum batch.
+
+        budget = total * utilization - (memory outside torch's allocator: CUDA context, cuBLAS
+        workspaces, other processes) - (torch's peak during the forward: weights + activations,
+        minus the scratch cache the forward itself needed). Runs with the selected attention
+        backend, so its workspaces (and Triton's first compilation) are part of the measurement.
+        """
+        dev = self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_forward(max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_now = total - free
-        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        budget = int(total * gpu_memory_utilization) - used_now - peak_extra
+        torch.cuda.reset_peak_memory_stats(dev)
+        scratch = self._dummy_forward(max_num_batched_tokens)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch
+        torch.cuda.empty_cache()  # what stays reserved now is what stays allocated (the weights)
+        free, total = torch.cuda.mem_get_info(dev)
+        outside_torch = (total - free) - torch.cuda.memory_reserved(dev)
+        budget = int(total * gpu_memory_utilization) - outside_torch - peak
         return max(0, budget // self.kv_spec.bytes_per_block)
 
     @torch.inference_mode()
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """A prefill of `num_tokens` that writes no KV (every slot -1), for memory profiling."""
+    def _dummy_forward(self, num_tokens: int) -> int:
+        """A prefill of `num_tokens` that writes no KV (every slot -1), for memory profiling, with
+        logits (and a softmax, standing in for the sampler) for as many rows as a step can sample.
+        Returns the bytes of the scratch KV cache it allocated (and released)."""
         dev = self.device
         num_blocks = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(num_blocks)
+        self._allocate_kv(num_blocks)
+        scratch = self.kv_cache.numel() * self.kv_cache.element_size()
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
@@ -84,15 +144,54 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int32, device=dev)
         positions = torch.arange(num_tokens, dtype=torch.int32, device=dev)
         hidden = self.model(ids, positions, meta)
-        self.model.compute_logits(hidden[-1:])
-        self.kv_cache = None
+        rows = min(num_tokens, self.max_num_seqs)
+        torch.softmax(self.model.compute_logits(hidden[-rows:]).float(), dim=-1)
+        del hidden
+        self._release_kv()
+        return scratch
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache and bind it to the layers; on CUDA (unless enforce_eager) capture the
+        decode CUDA graphs, which read this cache."""
+        self._allocate_kv(num_blocks)
+        if self.use_cuda_graphs:
+            self.capture_cuda_graphs()
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        if self.device.type == "cuda" and self.kv_cache is not None:
+            self._release_kv()  # never hold two caches at once on a GPU filled to its budget
         s = self.kv_spec
         self.kv_cache = torch.zeros(
             (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=self.device
         )
         bind_kv_cache(self.model, self.kv_cache)
+
+    def _release_kv(self) -> None:
+        """Drop the cache, the layers' views of it and the graphs that read it."""
+        self.graphs = None
+        self.kv_cache = None
+        for layer in attention_layers(self.model):
+            layer.k_cache = torch.empty(0)
+            layer.v_cache = torch.empty(0)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def capture_cuda_graphs(self) -> None:
+        """(Re)capture the decode graphs for the current KV cache. A capture that fails (an op that
+        cannot be captured) leaves the runner decoding eagerly, with a warning."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
+        self.graphs = None
+        graphs = DecodeGraphs(self.model, device=self.device, dtype=self.dtype, hidden_size=self.config.hidden_size,
+                              max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                              block_size=self.block_size)
+        try:
+            graphs.capture()
+        except Exception as e:  # noqa: BLE001  (any capture failure: fall back, never crash the engine)
+            logger.warning("CUDA graph capture failed (%s: %s): decoding eagerly", type(e).__name__, e)
+            torch.cuda.synchronize(self.device)
+            return
+        self.graphs = graphs
 
     def _views(self, plan: _C.StepPlan) -> PlanViews:
         if self._plan_tensors is None:
@@ -111,6 +210,8 @@ class ModelRunner:
         v = self._views(plan)
         if v.num_copies:
             self._copy_blocks(v.block_copies)
+        if self.graphs is not None and self.graphs.can_run(v):
+            return v, self.graphs.run(v)
         meta = AttentionMetadata(
             slot_mapping=v.slot_mapping, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
             context_lens=v.context_lens, block_tables=v.block_tables, max_seqlen_q=v.max_seqlen_q,

@@ -1,0 +1,87 @@
+"""Write a random-weight model with Qwen3-0.6B's shapes (or a tiny one) for the GPU benchmarks.
+
+No download: the weights are random (transformers' init, from a fixed seed), stored in bf16, and the
+tokenizer is the built-in model's small byte-level BPE (4096 tokens) while the model's vocabulary
+keeps Qwen3's 151936 rows, so the embedding, the LM head and the sampler do the real amount of
+work. Token ids without a tokenizer entry decode to nothing, which the throughput benchmark (random
+prompt ids, ignore_eos, counted in tokens) does not mind.
+
+Qwen3-0.6B: hidden 1024, 28 layers, 16 query / 8 KV heads of head_dim 128, intermediate 3072,
+vocab 151936, tied embeddings, rope theta 1e6, max_position_embeddings 40960.
+
+Usage: python benchmarks/make_bench_model.py OUT_DIR [--shape qwen3-0.6b|tiny]
+The directory is reused when it already holds a complete model of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from nanovllm.builtin_model import EOS_TOKEN, TinyModelSpec, build_hf_model, build_tokenizer
+
+SHAPES = {
+    "qwen3-0.6b": TinyModelSpec(
+        arch="Qwen3ForCausalLM", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        seed=606,
+    ),
+    # Same structure, a few MB: for --dry-run checks of the scripts on a CPU.
+    "tiny": TinyModelSpec(
+        arch="Qwen3ForCausalLM", vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        rope_theta=1000000.0, tie_word_embeddings=True, seed=606,
+    ),
+}
+TOKENIZER_VOCAB = 4096
+
+
+def make(out: Path, shape: str) -> Path:
+    spec = SHAPES[shape]
+    marker = out / "nanovllm_bench_spec.json"
+    if marker.is_file() and json.loads(marker.read_text()) == asdict(spec):
+        print(f"reusing {out}")
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tokenizer = build_tokenizer(TOKENIZER_VOCAB, spec.seed)
+        tokenizer.save_pretrained(tmp)
+        eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+        model = build_hf_model(spec, eos_token_id=eos).to(torch.bfloat16)
+        model.config.torch_dtype = torch.bfloat16
+        model.save_pretrained(tmp, safe_serialization=True)
+        marker_tmp = tmp / marker.name
+        marker_tmp.write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out}: {shape}, {params / 1e6:.0f}M parameters (bf16), tokenizer {TOKENIZER_VOCAB} tokens, "
+          f"model vocab {spec.vocab_size}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    args = p.parse_args(argv)
+    make(args.out, args.shape)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,129 @@
+"""The engine on a GPU: greedy output of tiny fp32 models equals transformers' (run on the same GPU),
+with and without CUDA graphs, through the cuda attention backend (our decode and cache-write
+kernels; Triton or flash-attn for prefill). Skipped without CUDA or without nanovllm._kernels.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from engine_helpers import random_prompts
+from tiny_models import make_tiny_model
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.attention import cuda_ops
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not cuda_ops.is_available(), reason="nanovllm._kernels is not built (no nvcc at install)"),
+]
+
+MAX_NEW = 24
+LENGTHS = [1, 7, 16, 33, 64, 100]
+
+
+@lru_cache(maxsize=None)
+def _hf_model(path: str) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).to("cuda").eval()
+
+
+def hf_greedy_cuda(path: Path, prompt: list[int], max_new: int, eos: int | None) -> list[int]:
+    with torch.no_grad():
+        out = _hf_model(str(path)).generate(
+            torch.tensor([prompt], device="cuda"), attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                                             device="cuda"),
+            max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 32 (qwen3, with q/k norm) and 16 (llama): both built into the decode kernel.
+    return make_tiny_model(tmp_path_factory.mktemp("cuda_engine"), request.param)
+
+
+def make_llm(path: Path, **kwargs: object) -> LLM:
+    kwargs.setdefault("num_kvcache_blocks", 256)
+    kwargs.setdefault("block_size", 16)
+    kwargs.setdefault("max_model_len", 1024)
+    return LLM(str(path), device="cuda", dtype="float32", **kwargs)
+
+
+def check_greedy(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
+    eos = llm.get_tokenizer().eos_token_id
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy_cuda(path, prompt, MAX_NEW, eos), f"prompt of {len(prompt)}"
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_greedy_matches_transformers(model_dir: Path, enforce_eager: bool) -> None:
+    llm = make_llm(model_dir, enforce_eager=enforce_eager, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.attn_backend == "cuda"
+    assert (runner.graphs is None) == enforce_eager
+    check_greedy(llm, model_dir, random_prompts(LENGTHS, 512, seed=1))
+
+
+def test_graphs_with_chunked_prefill_mixed_steps_and_prefix_hits(model_dir: Path) -> None:
+    # A tiny token budget mixes decodes with prefill chunks (eager steps) between graph replays;
+    # batch sizes vary step to step, so replays pad to buckets; shared prefixes hit the cache.
+    llm = make_llm(model_dir, max_num_batched_tokens=24, max_num_seqs=5)
+    assert llm.engine.runner.graphs is not None
+    system = random_prompts([40], 512, seed=2)[0]
+    prompts = [system + tail for tail in random_prompts([1, 9, 20, 3, 30, 12, 5], 512, seed=3)]
+    check_greedy(llm, model_dir, prompts)
+    assert llm.stats()["prefix_cache_hits"] > 0
+
+
+def test_graph_replay_equals_eager_forward_across_buckets(model_dir: Path) -> None:
+    """The runner's two decode paths on identical plans: padded graph replays versus eager."""
+    llm = make_llm(model_dir, max_num_seqs=20)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8, 16, 20]
+    prompts = random_prompts([3 + 5 * i for i in range(19)], 512, seed=4)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        # Different lengths, so the decode batch shrinks through several buckets (with padding).
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=2 + i % 9, ignore_eos=True))
+    sizes = set()
+    checked = 0
+    while engine.has_unfinished_requests():
+        plan = engine.core.schedule()
+        v = runner._views(plan)
+        if runner.graphs.can_run(v):
+            graphs, runner.graphs = runner.graphs, None
+            _, eager = runner.forward(plan)  # same plan, same KV writes (idempotent)
+            eager = eager.clone()
+            runner.graphs = graphs
+            _, replayed = runner.forward(plan)
+            torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+            sizes.add(v.num_seqs)
+            checked += 1
+        else:
+            runner.forward(plan)  # prefill steps: fill the cache the decodes read
+        engine.core.postprocess(torch.zeros(plan.num_samples, dtype=torch.int32).numpy())
+        if not engine.core.has_unfinished():
+            break
+    assert checked >= 3 and len({runner.graphs.bucket_of[n] for n in sizes}) >= 3, sizes
+
+
+def test_profiled_kv_cache_and_bfloat16_run(model_dir: Path) -> None:
+    # No num_kvcache_blocks: the runner profiles a forward at the maximum batch and sizes the cache.
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024,
+              max_num_seqs=16)
+    free, total = torch.cuda.mem_get_info()
+    blocks = llm.stats()["num_total_blocks"]
+    assert blocks > 1000
+    assert llm.engine.runner.kv_cache.numel() * 2 < 0.3 * total
+    outs = llm.generate(random_prompts([10, 50], 512, seed=5), SamplingParams(temperature=0, max_tokens=16),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
+    del llm
+    torch.cuda.empty_cache()
