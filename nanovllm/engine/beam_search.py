@@ -26,6 +26,8 @@ class _Beam:
     logprobs: list[dict[int, Logprob]]
     cum_logprob: float
     finish_reason: str | None = None
+    # (token, logprob) of its next-token candidates, once sampled; kept until its group decides.
+    cands: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -33,6 +35,9 @@ class _Group:
     prompt_len: int
     live: dict[int, _Beam] = field(default_factory=dict)  # by sequence id
     done: list[_Beam] = field(default_factory=list)
+    # Beams sampled before the rest of their group (token budget, max_num_seqs, preemption): out of
+    # the core, candidates kept, until every live beam of the group has been sampled too.
+    parked: list[_Beam] = field(default_factory=list)
 
 
 def beam_score(beam: _Beam, eos: int | None, length_penalty: float) -> float:
@@ -62,7 +67,7 @@ def run_beam_search(engine, prompts: list, params: BeamSearchParams) -> list[Bea
             group.live[sid] = _Beam(sid, list(ids), [], 0.0)
             groups.append(group)
             owner[sid] = group
-        while any(g.live for g in groups):
+        while any(g.live or g.parked for g in groups):
             _step(engine, core, runner, params, eos, owner)
     except BaseException:
         for sid in list(owner):
@@ -99,29 +104,48 @@ def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # no
     k = min(2 * params.beam_width, logprobs.shape[1])
     top_lp, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
 
-    by_group: dict[int, list[tuple[float, int, int, float]]] = {}
     for row, sid in enumerate(sids):
-        beam = owner[sid].live[sid]
-        for tok, lp in zip(top_ids[row], top_lp[row]):
-            by_group.setdefault(id(owner[sid]), []).append((beam.cum_logprob + lp, sid, tok, lp))
+        owner[sid].live[sid].cands = list(zip(top_ids[row], top_lp[row]))
+    sampled_groups = {id(owner[sid]): owner[sid] for sid in sids}
+    # Beams advance in lockstep: a group decides only once all its live beams have candidates.
+    # Sampled beams of a group still waiting on others leave the core with their candidates.
+    ready = {gid for gid, g in sampled_groups.items() if all(b.cands is not None for b in g.live.values())}
+    parked_sids: list[int] = []
+    for sid in sids:
+        group = owner[sid]
+        if id(group) not in ready:
+            core.abort(sid)
+            group.parked.append(group.live.pop(sid))
+            del owner[sid]
+            parked_sids.append(sid)
+
     # Per parent beam: the tokens its surviving continuations take.
-    keep: dict[int, list[tuple[int, float]]] = {sid: [] for sid in sids}
-    for cands in by_group.values():
+    keep: dict[int, list[tuple[int, float]]] = {sid: [] for sid in sids if sid in owner}
+    readd: list[tuple[_Group, _Beam]] = []
+    for gid in ready:
+        group = sampled_groups[gid]
+        parents = list(group.live.values()) + group.parked
+        cands = [(b.cum_logprob + lp, i, tok, lp) for i, b in enumerate(parents) for tok, lp in b.cands]
         cands.sort(key=lambda c: c[0], reverse=True)
-        for cum, sid, tok, lp in cands[: params.beam_width]:
-            group = owner[sid]
+        for cum, i, tok, lp in cands[: params.beam_width]:
+            parent = parents[i]
+            child = _Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}], cum)
             if eos is not None and tok == eos:
-                parent = group.live[sid]
-                group.done.append(_Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}],
-                                        cum, "stop"))
-            else:
-                keep[sid].append((tok, lp))
+                child.finish_reason = "stop"
+                group.done.append(child)
+            elif parent.sid in keep and i < len(group.live):
+                keep[parent.sid].append((tok, lp))
+            else:  # a parked parent: its continuation re-enters the core after postprocess
+                readd.append((group, child))
+        group.parked = []
 
     first_tokens = np.zeros(len(sids), dtype=np.int32)
     forks = []
     dropped = []
     new_beams: list[_Beam] = []
     for row, sid in enumerate(sids):
+        if sid not in keep:
+            continue  # parked
         group = owner[sid]
         parent = group.live[sid]
         choices = keep[sid]
@@ -144,7 +168,7 @@ def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # no
         owner[b.sid].live[b.sid] = b
     finished = core.postprocess(first_tokens, forks=forks)
     # Ids are recycled only now: the core held the dropped sequences until postprocess.
-    for sid in dropped:
+    for sid in dropped + parked_sids:
         engine._seq_ids.release(sid)
     for sid, reason, _ in finished:
         group = owner.pop(sid)
@@ -152,3 +176,18 @@ def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # no
         beam.finish_reason = reason
         group.done.append(beam)
         engine._seq_ids.release(sid)
+    max_len = min(engine.max_model_len, core.num_total_blocks * engine.config.block_size)
+    for group, beam in readd:
+        generated = len(beam.tokens) - group.prompt_len
+        if generated >= params.max_tokens or len(beam.tokens) >= max_len:
+            beam.finish_reason = "length"
+            group.done.append(beam)
+            continue
+        beam.sid = engine._seq_ids.acquire()
+        try:
+            core.add(beam.sid, beam.tokens, max_tokens=params.max_tokens - generated, ignore_eos=True)
+        except BaseException:
+            engine._seq_ids.release(beam.sid)
+            raise
+        group.live[beam.sid] = beam
+        owner[beam.sid] = group

@@ -114,7 +114,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_params(params)
-        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), stream,
+        metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
+        req = Request(request_id, text, token_ids, params, metrics, stream,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                       fanned_out=params.n == 1)
         sid = self._seq_ids.acquire()
