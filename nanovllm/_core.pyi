@@ -49,6 +49,7 @@ class Detokenizer:
         skip_special_tokens: bool = True,
         stop: str | Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,  # stop strings are looked for once more tokens than this came
     ) -> None: ...
     def remove(self, key: int) -> None: ...
     def process(

@@ -125,6 +125,8 @@ cdef struct Seq:
     bint started            # a (not skipped) token was decoded: Metaspace's "first token" is over
     int strip_left          # leading strip chars still to drop; 0 once any other text came
     int stop_index          # index into stops of the stop string that ended it, or -1
+    int num_tokens          # tokens fed so far (skipped specials included)
+    int min_tokens          # stop strings are not looked for until more tokens than this came
     size_t emitted          # bytes of `text` already returned in deltas
     size_t scanned          # bytes of `text` already searched for stop strings
     string pending          # byte_level: an unfinished UTF-8 character; else: the open byte run
@@ -316,6 +318,8 @@ cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint in
     s.started = False
     s.strip_left = t.strip_left
     s.stop_index = -1
+    s.num_tokens = 0
+    s.min_tokens = 0
     s.emitted = 0
     s.scanned = 0
     s.pending.clear()
@@ -328,6 +332,7 @@ cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint in
 
 cdef int _feed(TokenTable t, Seq* s, int32_t tok) except -1:
     """Decode one token (the caller checked its range) into s.text, holding back what may change."""
+    s.num_tokens += 1
     cdef uint8_t f = t.flags[tok]
     if f & F_HOLE or (f & F_SPECIAL and s.skip_special):
         # tokenizer.decode filters these out before its decoder runs, so they do not even end a
@@ -475,7 +480,9 @@ cdef int _check_stop(Seq* s) except -1:
     were split into steps.
     """
     cdef size_t L = s.text.size()
-    if s.stops.empty() or L == s.scanned:
+    # As vLLM: until more than min_tokens tokens came, text is passed over, not searched; a stop
+    # string that completes afterwards is still found if it began in that text.
+    if s.stops.empty() or L == s.scanned or s.num_tokens <= s.min_tokens:
         s.scanned = L
         return 0
     cdef size_t best_end = npos, best_len = 0, m, start, pos, end, idx
@@ -621,8 +628,12 @@ cdef class Detokenizer:
         bint skip_special_tokens=True,
         stop=(),
         bint include_stop_str_in_output=False,
+        int min_tokens=0,
     ) -> None:
-        """Start a sequence. `stop`: strings that end it at their first occurrence in its text."""
+        """Start a sequence. `stop`: strings that end it at their first occurrence in its text,
+        looked for once more than `min_tokens` tokens have come."""
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         if self.slot_of.count(key):
             raise ValueError(f"sequence key {key} already added")
         if isinstance(stop, str):
@@ -644,6 +655,7 @@ cdef class Detokenizer:
         cdef bytes e
         for e in encoded:
             s.stops.push_back(e)
+        s.min_tokens = min_tokens
         self.slot_of[key] = slot
 
     def remove(self, int64_t key) -> None:

@@ -650,3 +650,21 @@ def test_cleanup_is_incremental():
     d.add(1)
     got = "".join(d.process([1], [t])[0][1] for t in ids) + d.flush(1)
     assert got == kind.decode(ids, True) == kind.tok.clean_up_tokenization(text.decode())
+
+
+def test_stop_strings_wait_for_min_tokens():
+    kind = kinds()["byte_level"]
+    b = kind.byte_ids
+    ids = [b[c] for c in b"ab ab ab"]
+    d = Detokenizer(kind.table)
+    # As vLLM: no stop string is looked for until more than min_tokens tokens have come.
+    d.add(1, stop=["ab"], min_tokens=3)
+    steps = _feed_each(d, 1, ids)
+    assert d.stop_reason(1) == "ab" and d.text(1) == "ab "
+    assert len(steps) == 5  # the second "ab" completes at the 5th token
+    # A match that began within the first min_tokens tokens and completes after still counts.
+    d.add(2, stop=["b a"], min_tokens=2)
+    _feed_each(d, 2, ids)
+    assert d.text(2) == "a"
+    with pytest.raises(ValueError, match="min_tokens"):
+        d.add(3, min_tokens=-1)

@@ -149,7 +149,8 @@ class LLMEngine:
             comp.logprobs, comp.cumulative_logprob = [], 0.0
         self.sampling.set(sid, params, generator)
         self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
-                             include_stop_str_in_output=params.include_stop_str_in_output)
+                             include_stop_str_in_output=params.include_stop_str_in_output,
+                             min_tokens=params.min_tokens)
         req.completions.append(comp)
         self._by_seq[sid] = (req, comp)
         return comp
