@@ -287,35 +287,39 @@ class LLMEngine:
 
     def _finish_step(self, row_sids: np.ndarray, tokens: np.ndarray,
                      finished: list[tuple[int, str, int | None]]) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
+        """Text deltas and stop strings for every sequence sampled this step (one Cython call),
+        then the finishes: a stop string aborts the sequence in the core at once (its blocks are
+        freed); the core's own finishes (EOS, stop ids, length) are recorded unless a stop string
+        in the same token wins, as in vLLM."""
+        core_done = {sid: (reason, stop) for sid, reason, stop in finished}
+        by_seq = self._by_seq
+        streamed: dict[str, Request] = {}
+        done_reqs: list[Request] = []
         for sid, delta, stop_str in self.detokenizer.process(row_sids, tokens):
-            req, comp = self._by_seq[sid]
-            comp.text += delta
-            touched[req.request_id] = req
+            req, comp = by_seq[sid]
+            if delta:
+                comp.text += delta
+            if req.stream:
+                streamed[req.request_id] = req
+            done = core_done.get(sid) if core_done else None
             if stop_str is not None:
                 comp.finish_reason, comp.stop_reason = "stop", stop_str
-        core_done = {sid: (reason, stop) for sid, reason, stop in finished}
+                if done is None:
+                    self.core.abort(sid)
+            elif done is not None:
+                comp.finish_reason, comp.stop_reason = done
+            else:
+                continue
+            comp.text += self.detokenizer.flush(sid)
+            self._release(comp)
+            if req.finished:
+                done_reqs.append(req)
         now = time.time()
-        for req in touched.values():
-            for comp in req.completions:
-                if comp.seq_id not in self._by_seq or self._by_seq[comp.seq_id][1] is not comp:
-                    continue
-                done = core_done.get(comp.seq_id)
-                if comp.finished and done is None:
-                    self.core.abort(comp.seq_id)  # a stop string: free its blocks now
-                elif done is not None and not comp.finished:
-                    comp.finish_reason, comp.stop_reason = done
-                if comp.finished:
-                    comp.text += self.detokenizer.flush(comp.seq_id)
-                    self._release(comp)
-            if req.finished:
-                req.metrics.finished_time = now
-        outputs = []
-        for req in touched.values():
-            if req.stream or req.finished:
-                outputs.append(req.output())
-            if req.finished:
-                self._requests.pop(req.request_id, None)
+        outputs = [req.output() for req in streamed.values() if not req.finished]
+        for req in done_reqs:
+            req.metrics.finished_time = now
+            outputs.append(req.output())
+            self._requests.pop(req.request_id, None)
         return outputs
 
     def _collect_prompt_logprobs(self, plan: _C.StepPlan, hidden: torch.Tensor) -> None:
