@@ -25,7 +25,7 @@ from nanovllm.engine.request_state import Completion, Request
 from nanovllm.engine.sampling_table import SamplingTable, SequenceIds
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.layers.logits_processors import PenaltyRows, apply_logit_bias, apply_penalties, mask_tokens
-from nanovllm.layers.logprobs import gather_logprobs
+from nanovllm.layers.logprobs import TokenLogprobs, gather_logprobs
 from nanovllm.model_config import load_model_config
 from nanovllm.models.loader import find_weight_files, validate_weight_files
 from nanovllm.outputs import Logprob, RequestMetrics, RequestOutput
@@ -278,11 +278,7 @@ class LLMEngine:
             comp.token_ids.append(tok)
             if lp is not None and r in lp_pos:
                 i = lp_pos[r]
-                k = req.params.logprobs or 0
-                entry = {tid: Logprob(val, rank + 1, self.token_table.decode_token(tid))
-                         for rank, (tid, val) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k]))}
-                entry[tok] = Logprob(lp.chosen_logprob[i], lp.chosen_rank[i], self.token_table.decode_token(tok))
-                comp.logprobs.append(entry)
+                comp.logprobs.append(self._logprob_entry(lp, i, tok, req.params.logprobs or 0))
                 comp.cumulative_logprob += lp.chosen_logprob[i]
 
     def _finish_step(self, row_sids: np.ndarray, tokens: np.ndarray,
@@ -350,11 +346,14 @@ class LLMEngine:
         lp = gather_logprobs(self.runner.logits(hidden[idx]), targets, k)
         for i, (req, target) in enumerate(owners):
             tok = req.prompt_token_ids[target]
-            kk = req.params.prompt_logprobs or 0
-            entry = {tid: Logprob(val, rank + 1, self.token_table.decode_token(tid))
-                     for rank, (tid, val) in enumerate(zip(lp.top_ids[i][:kk], lp.top_logprobs[i][:kk]))}
-            entry[tok] = Logprob(lp.chosen_logprob[i], lp.chosen_rank[i], self.token_table.decode_token(tok))
-            req.prompt_logprobs.append(entry)
+            req.prompt_logprobs.append(self._logprob_entry(lp, i, tok, req.params.prompt_logprobs or 0))
+
+    def _logprob_entry(self, lp: TokenLogprobs, i: int, token: int, k: int) -> dict[int, Logprob]:
+        """Row i's top-k alternatives plus the chosen token itself, as vLLM reports them."""
+        entry = {tid: Logprob(val, rank + 1, self.token_table.decode_token(tid))
+                 for rank, (tid, val) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k]))}
+        entry[token] = Logprob(lp.chosen_logprob[i], lp.chosen_rank[i], self.token_table.decode_token(token))
+        return entry
 
     def stats(self) -> dict[str, int]:
         s = dict(self.core.stats())
