@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nanovllm import _C
@@ -231,11 +230,3 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         return self.sampler(logits, sampling)
 
-    @torch.inference_mode()
-    def execute(self, plan: _C.StepPlan, sampling: SamplingBatch) -> np.ndarray:
-        """One plain step: forward, logits at the sampled positions, one token each (int32)."""
-        v, hidden = self.forward(plan)
-        if v.num_samples == 0:
-            return np.empty(0, dtype=np.int32)
-        tokens = self.sample(self.logits(hidden[v.sample_indices]), sampling)
-        return tokens.to(torch.int32).cpu().numpy()
