@@ -9,6 +9,7 @@
 #include <unordered_set>
 
 #include "block_pool.h"
+#include "kv_cache_manager.h"
 #include "cpu_attention.h"
 #include "scheduler.h"
 #include "xxhash64.h"
@@ -174,7 +175,7 @@ void bind_hashing(py::module_& m) {
         const int32_t bs = checked_int32(block_size, "block_size", 1);
         Sequence seq;
         seq.tokens = token_vector(tokens, "token_ids", 0);
-        KVCacheManager(1, bs, true).hash_full_blocks(seq);
+        hash_full_blocks(seq, bs);
         return seq.block_hashes;
       },
       py::arg("token_ids"), py::arg("block_size"), "Chained hashes of every full block of token_ids.");

@@ -25,8 +25,8 @@ void hash_blocks_up_to(Sequence& seq, size_t num_blocks, int32_t block_size) {
 
 }  // namespace
 
-void KVCacheManager::hash_full_blocks(Sequence& seq) const {
-  hash_blocks_up_to(seq, seq.tokens.size() / block_size_, block_size_);
+void hash_full_blocks(Sequence& seq, int32_t block_size) {
+  hash_blocks_up_to(seq, seq.tokens.size() / block_size, block_size);
 }
 
 std::vector<int32_t> KVCacheManager::find_cached_prefix(Sequence& seq) const {

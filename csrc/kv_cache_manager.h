@@ -12,6 +12,9 @@
 
 namespace nanovllm {
 
+// Extends seq.block_hashes to every full block of seq.tokens.
+void hash_full_blocks(Sequence& seq, int32_t block_size);
+
 class KVCacheManager {
  public:
   KVCacheManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching);
@@ -20,9 +23,6 @@ class KVCacheManager {
   const BlockPool& pool() const { return pool_; }
   int32_t block_size() const { return block_size_; }
   bool prefix_caching() const { return prefix_caching_; }
-
-  // Extends seq.block_hashes to every full block of seq.tokens.
-  void hash_full_blocks(Sequence& seq) const;
 
   // For a sequence with no blocks: the cached blocks its tokens can reuse (verified against
   // their token ids), never covering the last token. Does not modify anything.
