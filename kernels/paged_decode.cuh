@@ -81,6 +81,8 @@ struct DecodeConfig {
   static constexpr int kStatOff = kPOff + kPBytes;
   static constexpr int kSmemBytes = kStatOff + kStatBytes;
   static_assert(kKVOff % 16 == 0 && kSPartOff % 16 == 0, "16-byte aligned regions");
+  // sm_90's opt-in maximum per block (227 KiB): a configuration over it would only fail at launch.
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the per-block limit");
 };
 
 template <typename T, int D, int kGroupCap>
@@ -130,18 +132,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
     return;
   }
 
-  // q for the CTA's heads, pre-scaled so that q.k lands directly in the exp2 domain.
-  const float qscale = p.scale * 1.4426950408889634f;  // log2(e)
-  const T* query = static_cast<const T*>(p.query);
-  for (int i = tid; i < kGroupCap * D; i += C::kThreads) {
-    const int g = i / D, d = i - (i / D) * D;
-    q_s[i] = g < G ? load_float(query + seq * p.q_stride_token + (head0 + g) * p.q_stride_head + d) * qscale : 0.f;
-  }
-  if (tid < kGroupCap) {
-    m_s[tid] = -INFINITY;
-    l_s[tid] = 0.f;
-  }
-
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const int32_t* bt_row = p.block_tables + seq * p.block_table_stride;
@@ -173,6 +163,24 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
   };
 
+  const int num_tiles = ceil_div(end - start, C::kTile);
+  // The first tile's copies go out before q is read, so its block-table lookup and HBM latency
+  // overlap the q loads instead of following them (q_s is first read after the loop's barrier).
+  load_tile(0, 0);
+  cp_async_commit();
+
+  // q for the CTA's heads, pre-scaled so that q.k lands directly in the exp2 domain.
+  const float qscale = p.scale * 1.4426950408889634f;  // log2(e)
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = tid; i < kGroupCap * D; i += C::kThreads) {
+    const int g = i / D, d = i - (i / D) * D;
+    q_s[i] = g < G ? load_float(query + seq * p.q_stride_token + (head0 + g) * p.q_stride_head + d) * qscale : 0.f;
+  }
+  if (tid < kGroupCap) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+
   float acc[kGroupCap][C::kVec];
 #pragma unroll
   for (int g = 0; g < kGroupCap; ++g) {
@@ -184,9 +192,6 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int qk_t = tid % C::kTile, qk_split = tid / C::kTile;
   const int pv_c = tid % C::kChunks, pv_group = tid / C::kChunks;
 
-  const int num_tiles = ceil_div(end - start, C::kTile);
-  load_tile(0, 0);
-  cp_async_commit();
   for (int tile = 0; tile < num_tiles; ++tile) {
     if (tile + 1 < num_tiles) load_tile(tile + 1, (tile + 1) % C::kStages);
     cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning "this tile"
@@ -367,8 +372,10 @@ __global__ void __launch_bounds__(128)
 
 #ifndef NANOVLLM_KERNEL_EMULATION  // the emulator launches the kernels itself
 
-// Opting in to more than 48 KiB of dynamic shared memory is per function and per device.
-template <typename Kernel>
+// Opting in to more than 48 KiB of dynamic shared memory is per function and per device, so the
+// "already done" flags must be per kernel instantiation: templated on the kernel's parameters, not
+// on its type (every paged_decode_kernel<T, D, G> has the same type, void (*)(DecodeParams)).
+template <typename T, int D, int kGroupCap, typename Kernel>
 int ensure_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   constexpr int kMaxDevices = 64;
@@ -385,9 +392,11 @@ int ensure_smem(Kernel kernel, int bytes) {
 template <typename T, int D, int kGroupCap>
 int launch_decode_typed(const DecodeParams& p, cudaStream_t stream) {
   using C = DecodeConfig<T, D, kGroupCap>;
-  int err = ensure_smem(paged_decode_kernel<T, D, kGroupCap>, C::kSmemBytes);
+  int err = ensure_smem<T, D, kGroupCap>(paged_decode_kernel<T, D, kGroupCap>, C::kSmemBytes);
   if (err != cudaSuccess) return err;
   paged_decode_kernel<T, D, kGroupCap><<<decode_grid(p, kGroupCap), C::kThreads, C::kSmemBytes, stream>>>(p);
+  err = static_cast<int>(cudaGetLastError());
+  if (err != cudaSuccess) return err;  // don't queue the reduction over a workspace nobody wrote
   if (p.num_partitions > 1) {
     split_kv_reduce_kernel<T><<<reduce_grid(p), 128, 0, stream>>>(p);
   }

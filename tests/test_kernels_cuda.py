@@ -100,7 +100,10 @@ def test_decode_zero_context_rows_are_zero(num_partitions) -> None:
 @needs_kernels
 def test_decode_under_cuda_graph_follows_new_context_lengths() -> None:
     """Captured once, replayed with other lengths: the partitions follow each sequence's length."""
-    case = make_case(context_lens=[900, 17, 256, 1], num_kv_heads=2, group=4, head_dim=128, block_size=16,
+    # Block tables must cover every length a replay uses: rows shorter than the context hold -1,
+    # which the kernel would dereference (an out-of-bounds read before the cache tensor).
+    cover = [900, 899, 256, 255]
+    case = make_case(context_lens=cover, num_kv_heads=2, group=4, head_dim=128, block_size=16,
                      dtype=torch.bfloat16, device=DEV, seed=3)
     m = case.meta
     out = torch.empty_like(case.query)
@@ -119,7 +122,7 @@ def test_decode_under_cuda_graph_follows_new_context_lengths() -> None:
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        host = make_case(context_lens=[900, 17, 256, 1], num_kv_heads=2, group=4, head_dim=128, block_size=16,
+        host = make_case(context_lens=cover, num_kv_heads=2, group=4, head_dim=128, block_size=16,
                          dtype=torch.bfloat16, seed=3)
         host.meta.context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         host.meta.host = None
