@@ -79,6 +79,11 @@ class ModelRunner:
         CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
         automatic choice (see choose_attention_backend)."""
         self.device = device
+        if device.type == "cuda" and device.index is not None:
+            # Our kernels launch on the CUDA runtime's current device, not the tensors' device: make
+            # them the same (cuda:1 would otherwise get cuda:0's launches on cuda:1's stream).
+            # A bare "cuda" already means the current device.
+            torch.cuda.set_device(device)
         backend = attn_backend or choose_attention_backend(model_dir, device)
         self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
         self.attn_backend = backend
