@@ -335,38 +335,56 @@ inline dim3 reduce_grid(const DecodeParams& p) {
 }
 
 // Split-KV combine: out = sum_p acc_p * 2^(m_p - M) / sum_p l_p * 2^(m_p - M), empty partitions
-// (l_p = 0) skipped, so their never-written partial outputs are never read.
+// (l_p = 0) skipped, so their never-written partial outputs are never read. The partitions' stats
+// are reduced by all threads (one partition per thread and pass): under CUDA graphs the partition
+// count is sized for the longest possible context, so a serial pass would cost every short step.
+constexpr int kReduceThreads = 128;
+
+// The block-wide max (Max) or sum of one value per thread; every thread gets the result.
+template <bool Max>
+__device__ __forceinline__ float block_reduce(float x, float* scratch) {
+  constexpr int kWarps = kReduceThreads / 32;
+  x = Max ? warp_max(x) : warp_sum(x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = Max ? fmaxf(r, scratch[w]) : r + scratch[w];
+  __syncthreads();  // scratch is reused by the next reduction
+  return r;
+}
+
 template <typename T>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(kReduceThreads)
     split_kv_reduce_kernel(const DecodeParams p) {
   __shared__ float w_s[kMaxPartitions];
+  __shared__ float scratch[kReduceThreads / 32];
   const int head = blockIdx.x, seq = blockIdx.y;
   const int P = p.num_partitions, D = p.head_dim;
   const int64_t base = (static_cast<int64_t>(seq) * p.num_heads + head) * P;
-  if (threadIdx.x == 0) {
-    float M = -INFINITY;
-    for (int i = 0; i < P; ++i) {
-      if (p.partial_sum[base + i] > 0.f) M = fmaxf(M, p.partial_max[base + i]);
-    }
-    float L = 0.f;
-    for (int i = 0; i < P; ++i) {
-      const float l = p.partial_sum[base + i];
-      const float w = l > 0.f ? exp2f(p.partial_max[base + i] - M) : 0.f;
-      w_s[i] = w;
-      L += l * w;
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;  // L = 0: empty context, output zeros
-    for (int i = 0; i < P; ++i) w_s[i] *= inv;
+  float m = -INFINITY;
+  for (int i = threadIdx.x; i < P; i += kReduceThreads) {
+    if (p.partial_sum[base + i] > 0.f) m = fmaxf(m, p.partial_max[base + i]);
   }
-  __syncthreads();
+  const float M = block_reduce<true>(m, scratch);
+  float l_acc = 0.f;
+  for (int i = threadIdx.x; i < P; i += kReduceThreads) {
+    const float l = p.partial_sum[base + i];
+    const float w = l > 0.f ? exp2f(p.partial_max[base + i] - M) : 0.f;  // l > 0 implies M finite
+    w_s[i] = w;
+    l_acc += l * w;
+  }
+  const float L = block_reduce<false>(l_acc, scratch);  // its barriers also publish w_s
+  const float inv = L > 0.f ? 1.f / L : 0.f;          // L = 0: empty context, output zeros
   T* out = static_cast<T*>(p.out);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+  for (int d = threadIdx.x; d < D; d += kReduceThreads) {
     float o = 0.f;
     for (int i = 0; i < P; ++i) {
       const float w = w_s[i];
       if (w != 0.f) o = fmaf(w, p.partial_out[(base + i) * D + d], o);
     }
-    out[seq * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o);
+    out[seq * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * inv);
   }
 }
 
@@ -398,7 +416,7 @@ int launch_decode_typed(const DecodeParams& p, cudaStream_t stream) {
   err = static_cast<int>(cudaGetLastError());
   if (err != cudaSuccess) return err;  // don't queue the reduction over a workspace nobody wrote
   if (p.num_partitions > 1) {
-    split_kv_reduce_kernel<T><<<reduce_grid(p), 128, 0, stream>>>(p);
+    split_kv_reduce_kernel<T><<<reduce_grid(p), kReduceThreads, 0, stream>>>(p);
   }
   return static_cast<int>(cudaGetLastError());
 }

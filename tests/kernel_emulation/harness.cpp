@@ -52,7 +52,7 @@ int decode_typed(const DecodeParams& p) {
   if (C::kSmemBytes > static_cast<int>(sizeof(emu::dynamic_smem))) return cudaErrorInvalidValue;
   run_grid(decode_grid(p, G), C::kThreads, C::kSmemBytes, [&] { paged_decode_kernel<T, D, G>(p); });
   if (p.num_partitions > 1) {
-    run_grid(reduce_grid(p), 128, 0, [&] { split_kv_reduce_kernel<T>(p); });
+    run_grid(reduce_grid(p), kReduceThreads, 0, [&] { split_kv_reduce_kernel<T>(p); });
   }
   return cudaSuccess;
 }
