@@ -56,7 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     warm = 10
-    max_model_len = args.context + warm + args.steps + 16
+    budget = max(8192, args.batch)
+    # The prompts pass through the core in about batch * context / budget steps, and a sequence
+    # whose prompt is done decodes in each later one: leave room for those tokens too, or the
+    # first sequences finish before the timed steps end.
+    prefill_steps = -(-args.batch * (args.context - 1) // budget) + 1
+    max_tokens = warm + args.steps + prefill_steps + 8
+    max_model_len = args.context + max_tokens + 8
     runner = ModelRunner(args.model, args.dtype, device, args.block_size, max_num_seqs=args.batch,
                          max_model_len=max_model_len, enforce_eager=args.enforce_eager)
     vocab = load_model_config(args.model).vocab_size
@@ -64,12 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = args.batch * blocks_per_seq + 8
     runner.allocate_kv_cache(num_blocks)  # captures the decode graphs unless eager
     core = _C.Scheduler(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.batch,
-                        max_num_batched_tokens=max(8192, args.batch), max_model_len=max_model_len,
+                        max_num_batched_tokens=budget, max_model_len=max_model_len,
                         enable_prefix_caching=False, eos_token_ids=[], vocab_size=vocab)
     rng = np.random.default_rng(0)
     for i in range(args.batch):
-        core.add(i, rng.integers(0, vocab, args.context - 1).tolist(), max_tokens=warm + args.steps + 8,
-                 ignore_eos=True)
+        core.add(i, rng.integers(0, vocab, args.context - 1).tolist(), max_tokens=max_tokens, ignore_eos=True)
     # Prompts through the core only: until every sequence decodes.
     while True:
         plan = core.schedule()

@@ -53,8 +53,12 @@ def report(d: Path) -> str:
         steps = ", ".join(f"{n} {'ok' if rc == '0' else 'rc=' + rc} ({s}s)"
                           for n, rc, s in (line.split("\t") for line in status if line.count("\t") == 2))
         lines.append(f"- Steps: {steps}")
-    tests = (d / "pytest.txt").read_text().strip().splitlines()[-1:] if (d / "pytest.txt").is_file() else []
-    lines.append(f"- GPU tests: {tests[0] if tests else '-'}")
+    logs = sorted(d.glob("pytest*.txt"))
+    for log in logs:
+        last = log.read_text(errors="replace").strip().splitlines()[-1:]
+        lines.append(f"- GPU tests ({log.stem}): {last[0] if last else '-'}")
+    if not logs:
+        lines.append("- GPU tests: -")
     lines += ["", "| measure | value | target | verdict |", "|---|---:|---|---|"]
 
     copy = kernel.get("copy_gb_s") if kernel else None

@@ -21,8 +21,10 @@ _LOG2E = 1.4426950408889634
 
 
 # first_seq (the step's number of decodes) changes every step: specializing on its value (== 1,
-# divisible by 16) would recompile the kernel in the middle of serving.
-@triton.jit(do_not_specialize=["first_seq"])
+# divisible by 16) would recompile the kernel in the middle of serving. BT/CU_Q/CTX are views of the
+# plan buffer whose sections are only 8-byte aligned, while the memory-profiling forward passes
+# fresh tensors: one variant, compiled once, serves both.
+@triton.jit(do_not_specialize=["first_seq"], do_not_specialize_on_alignment=["BT", "CU_Q", "CTX"])
 def _paged_prefill_kernel(
     Q, K, V, O, BT, CU_Q, CTX,
     qk_scale,  # softmax scale * log2(e)

@@ -130,7 +130,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int) -> int:
         """A prefill of `num_tokens` that writes no KV (every slot -1), for memory profiling, with
-        logits (and a softmax, standing in for the sampler) for as many rows as a step can sample.
+        logits (and the sampler's largest temporaries) for as many rows as a step can sample.
         Returns the bytes of the scratch KV cache it allocated (and released)."""
         dev = self.device
         num_blocks = -(-num_tokens // self.block_size)
@@ -149,9 +149,14 @@ class ModelRunner:
         positions = torch.arange(num_tokens, dtype=torch.int32, device=dev)
         hidden = self.model(ids, positions, meta)
         rows = min(num_tokens, self.max_num_seqs)
-        torch.softmax(self.model.compute_logits(hidden[-rows:]).float(), dim=-1)
+        logits = self.model.compute_logits(hidden[-rows:]).float()
         del hidden
-        self._release_kv()
+        # The sampler's temporaries at their largest: top-p's sort, then the exponential race.
+        probs = torch.softmax(logits, dim=-1)
+        torch.sort(probs, dim=-1, descending=True)
+        (probs / torch.rand_like(probs).log_()).argmin(dim=-1)
+        del logits, probs
+        self.release_kv_cache()
         return scratch
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -163,14 +168,14 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> None:
         if self.device.type == "cuda" and self.kv_cache is not None:
-            self._release_kv()  # never hold two caches at once on a GPU filled to its budget
+            self.release_kv_cache()  # never hold two caches at once on a GPU filled to its budget
         s = self.kv_spec
         self.kv_cache = torch.zeros(
             (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=self.device
         )
         bind_kv_cache(self.model, self.kv_cache)
 
-    def _release_kv(self) -> None:
+    def release_kv_cache(self) -> None:
         """Drop the cache, the layers' views of it and the graphs that read it."""
         self.graphs = None
         self.kv_cache = None

@@ -25,9 +25,13 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> Token
     # Rank 1 is the most likely token; ties count in the chosen token's favour.
     rank = (logprobs > chosen_lp).sum(dim=1) + 1
     top_lp, top_ids = logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen.view(-1, 1)[:, :0].long())
+    # One transfer: everything as float64 columns (exact for fp32 logprobs and for any token id or
+    # rank below 2^53), split back apart on the host.
+    packed = torch.cat([chosen_lp.double(), rank.view(-1, 1).double(), top_lp.double(), top_ids.double()], dim=1)
+    rows = packed.cpu().tolist()
     return TokenLogprobs(
-        chosen_logprob=chosen_lp.view(-1).tolist(),
-        chosen_rank=rank.tolist(),
-        top_ids=top_ids.tolist(),
-        top_logprobs=top_lp.tolist(),
+        chosen_logprob=[r[0] for r in rows],
+        chosen_rank=[int(r[1]) for r in rows],
+        top_ids=[[int(t) for t in r[2 + k:]] for r in rows],
+        top_logprobs=[r[2:2 + k] for r in rows],
     )
