@@ -95,8 +95,8 @@ def test_streamed_n_with_stop_strings_matches_non_streamed(llm: LLM) -> None:
         assert_idle(llm)
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_num_batched_tokens=5), dict(num_kvcache_blocks=12)],
-                         ids=["chunked", "preempted"])
+@pytest.mark.parametrize("kwargs", [dict(max_num_batched_tokens=5), dict(num_kvcache_blocks=12), dict(max_num_seqs=3)],
+                         ids=["chunked", "preempted", "sliced"])  # sliced: more prompt rows than max_num_seqs
 def test_prompt_logprobs_chunked_and_preempted(llm: LLM, model_dir: Path, kwargs: dict) -> None:
     params = SamplingParams(n=2, max_tokens=10, temperature=0, prompt_logprobs=2, logprobs=1, ignore_eos=True)
     ref = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -340,13 +340,19 @@ class LLMEngine:
                     owners.append((req, target))
         if not flat:
             return
-        idx = torch.as_tensor(flat, device=hidden.device)
-        targets = torch.as_tensor([req.prompt_token_ids[t] for req, t in owners], device=hidden.device)
-        k = max(req.params.prompt_logprobs or 0 for req, _ in owners)
-        lp = gather_logprobs(self.runner.logits(hidden[idx]), targets, k)
-        for i, (req, target) in enumerate(owners):
-            tok = req.prompt_token_ids[target]
-            req.prompt_logprobs.append(self._logprob_entry(lp, i, tok, req.params.prompt_logprobs or 0))
+        # A step may hold thousands of prompt tokens: full-vocab logits for all of them at once would
+        # far exceed what the memory profile reserved (logits for max_num_seqs rows), so go in
+        # slices of that many rows.
+        chunk = self.config.max_num_seqs
+        for lo in range(0, len(flat), chunk):
+            part = owners[lo:lo + chunk]
+            idx = torch.as_tensor(flat[lo:lo + chunk], device=hidden.device)
+            targets = torch.as_tensor([req.prompt_token_ids[t] for req, t in part], device=hidden.device)
+            k = max(req.params.prompt_logprobs or 0 for req, _ in part)
+            lp = gather_logprobs(self.runner.logits(hidden[idx]), targets, k)
+            for i, (req, target) in enumerate(part):
+                tok = req.prompt_token_ids[target]
+                req.prompt_logprobs.append(self._logprob_entry(lp, i, tok, req.params.prompt_logprobs or 0))
 
     def _logprob_entry(self, lp: TokenLogprobs, i: int, token: int, k: int) -> dict[int, Logprob]:
         """Row i's top-k alternatives plus the chosen token itself, as vLLM reports them."""
