@@ -3,6 +3,7 @@ and a markdown table of records."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
@@ -44,3 +45,11 @@ def markdown_table(rows: Iterable[dict[str, Any]], columns: Sequence[str],
     for row in rows:
         lines.append("| " + " | ".join(cell(row[c]) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """The `--json` output of a benchmark: indented, parent folders created, its path printed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")

@@ -17,12 +17,13 @@ Usage: python benchmarks/decode_kernel.py [--json PATH] [--iters N] [--dry-run]
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from bench_report import write_json
 
 TARGET_FRACTION = 0.70
 
@@ -148,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                   "rows": records}
     print_table(result)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     if result["dry_run"]:
         return 0
     return 0 if target_met(result) else 1

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_report import write_json
+
 TARGET_FRACTION = 0.05
 
 
@@ -146,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'PASS' if ok else 'FAIL'}  scheduler CPU time per step = {100 * record['sched_fraction']:.2f}% of the "
           f"GPU step (target < {100 * TARGET_FRACTION:.0f}%)")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, record)
     return 0
 
 

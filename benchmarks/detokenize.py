@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import glob
-import json
 import os
 import random
 import statistics
@@ -44,7 +43,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from bench_report import machine, markdown_table
+from bench_report import machine, markdown_table, write_json
 
 from nanovllm._core import Detokenizer
 from nanovllm.detokenizer import build_token_table
@@ -348,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             f"ours exact = {rows['ours'].exact}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in records], f, indent=2)
+        write_json(args.json, [asdict(r) for r in records])
     return 0 if ok else 1
 
 

@@ -26,7 +26,6 @@ Usage: python benchmarks/sched_overhead.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -38,7 +37,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench_report import cpu_busy_seconds, machine, markdown_table
+from bench_report import cpu_busy_seconds, machine, markdown_table, write_json
 
 from nanovllm._C import Scheduler, StepPlan
 
@@ -428,8 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     note = " (quick run: not meaningful)" if args.quick else ""
     print(f"\n{len(checks) - len(failed)} of {len(checks)} targets met{note}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in records], f, indent=1)
+        write_json(args.json, [asdict(r) for r in records])
     # A benchmark reports; it does not fail on speed (DESIGN.md, "Performance rules").
     return 0
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-from bench_report import cpu_busy_seconds, machine
+from bench_report import cpu_busy_seconds, machine, write_json
 
 SEED_TEXT = ("The quick brown fox jumps over the lazy dog while a server streams tokens to many clients "
              "at once; continuous batching lets each step carry every running request. ") * 8
@@ -193,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed[:5]:
         print(f"failed: {r.error}", file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": summary, "requests": [asdict(r) for r in results]}, f, indent=1)
+        write_json(args.json, {"summary": summary, "requests": [asdict(r) for r in results]})
     return 0 if not failed else 1
 
 

@@ -24,7 +24,6 @@ Usage: python benchmarks/throughput.py [--compare-hf] [--json PATH] [--num-seqs 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 import transformers
 
-from bench_report import cpu_busy_seconds, cpu_model
+from bench_report import cpu_busy_seconds, cpu_model, write_json
 
 from nanovllm.builtin_model import ensure_default_model
 from nanovllm.entrypoints.bench import (
@@ -219,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": _side(engine),
             "hf": _side(hf) if hf is not None else None,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, record)
     return 0
 
 
