@@ -21,17 +21,18 @@ _LOG2E = 1.4426950408889634
 
 
 # first_seq (the step's number of decodes) changes every step: specializing on its value (== 1,
-# divisible by 16) would recompile the kernel in the middle of serving. BT/CU_Q/CTX are views of the
-# plan buffer whose sections are only 8-byte aligned, while the memory-profiling forward passes
-# fresh tensors: one variant, compiled once, serves both.
-@triton.jit(do_not_specialize=["first_seq"], do_not_specialize_on_alignment=["BT", "CU_Q", "CTX"])
+# divisible by 16) would recompile the kernel in the middle of serving. The GQA group is a plain
+# argument too (one integer division per program), so a group size costs no compile of its own.
+# BT/CU_Q/CTX are views of the plan buffer whose sections are only 8-byte aligned, while the
+# memory-profiling forward passes fresh tensors: one variant, compiled once, serves both.
+@triton.jit(do_not_specialize=["first_seq", "group"], do_not_specialize_on_alignment=["BT", "CU_Q", "CTX"])
 def _paged_prefill_kernel(
     Q, K, V, O, BT, CU_Q, CTX,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, first_seq, block_size,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_bt, first_seq, block_size, group,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = first_seq + tl.program_id(0)
@@ -52,7 +53,7 @@ def _paged_prefill_kernel(
     q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = prefix + offs_m  # absolute positions of this block's queries
-    kv_head = head // GROUP
+    kv_head = head // group
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
     bt_row = BT + seq.to(tl.int64) * stride_bt
@@ -128,8 +129,8 @@ def prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), first_seq, k_cache.shape[1],
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        block_tables.stride(0), first_seq, k_cache.shape[1], num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n,
         # fp32 must stay exact (the tests compare against an fp32 reference at 1e-5); tf32 would
         # round q and k to 10 mantissa bits. For fp16/bf16 the precision argument has no effect.

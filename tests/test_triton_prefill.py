@@ -1,7 +1,13 @@
-"""The Triton paged prefill kernel (nanovllm/attention/triton_prefill.py) under Triton's CPU
-interpreter, against the torch reference backend: no GPU needed, so CI checks the kernel's
-indexing through the block table, the causal mask of chunks that follow a cached prefix, GQA and
-the online softmax on every run. tests/test_kernels_cuda.py runs the compiled kernel on a GPU.
+"""The Triton paged prefill kernel (nanovllm/attention/triton_prefill.py) without a GPU:
+
+- under Triton's CPU interpreter against the torch reference backend, so CI checks the kernel's
+  indexing through the block table, the causal mask of chunks that follow a cached prefix, GQA and
+  the online softmax on every run;
+- compiled ahead of time for sm_90 (Triton's own ptxas, no driver needed) for every dtype and
+  head_dim the engine launches it with, so what the interpreter forgives (types of `tl.dot`
+  operands, shared memory over the limit) fails here rather than in a GPU session.
+
+tests/test_kernels_cuda.py runs the compiled kernel on a GPU.
 
 TRITON_INTERPRET must be set before triton is first imported, so the cases run in one process of
 their own (tests/triton_interpreted_worker.py) and the rest of the session keeps compiled Triton.
@@ -21,6 +27,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
@@ -62,3 +69,35 @@ def test_matches_reference(name: str) -> None:
     assert r["all_written"], "prefill rows left unwritten"
     tol = TOL[CASES[name]["dtype"]]
     assert r["error"] < tol, f"relative error {r['error']:.2e} (tolerance {tol})"
+
+
+# --- ahead-of-time compile for sm_90 ---------------------------------------------------------------
+
+SM90_SHARED_MEMORY_LIMIT = 227 * 1024
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_compiles_for_sm90(dtype: torch.dtype, head_dim: int) -> None:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.attention import triton_prefill
+
+    kernel = triton_prefill._paged_prefill_kernel
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m, block_n, num_warps, num_stages = triton_prefill._config(dtype, block_d)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "PRECISION": "ieee" if dtype == torch.float32 else "tf32"}
+    signature = {name: "i32" for name in kernel.arg_names}  # strides, counts, the group
+    signature.update({name: "*" + _TRITON_TYPES[dtype] for name in ("Q", "K", "V", "O")})
+    signature.update({name: "*i32" for name in ("BT", "CU_Q", "CTX")})
+    signature.update({"qk_scale": "fp32", **{name: "constexpr" for name in constexprs}})
+    # What a launch specializes on: 16-byte aligned activations and caches, strides divisible by 16.
+    aligned = [kernel.arg_names.index(n) for n in ("Q", "K", "V", "O", "stride_qt", "stride_ot")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True})
+    assert compiled.asm.get("cubin"), "no cubin produced"
+    assert compiled.metadata.shared <= SM90_SHARED_MEMORY_LIMIT
