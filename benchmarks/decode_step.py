@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     warm = 10
     budget = max(8192, args.batch)
-    # The prompts pass through the core in about batch * context / budget steps, and a sequence
-    # whose prompt is done decodes in each later one: leave room for those tokens too, or the
-    # first sequences finish before the timed steps end.
-    prefill_steps = -(-args.batch * (args.context - 1) // budget) + 1
+    # The prompts pass through the core in at most batch * context / (budget - batch) steps (each
+    # step's decodes take part of the budget), and a sequence whose prompt is done decodes in each
+    # later one: leave room for those tokens too, or the first sequences finish before the timed
+    # steps end.
+    prefill_steps = -(-args.batch * (args.context - 1) // max(1, budget - args.batch)) + 1
     max_tokens = warm + args.steps + prefill_steps + 8
     max_model_len = args.context + max_tokens + 8
     runner = ModelRunner(args.model, args.dtype, device, args.block_size, max_num_seqs=args.batch,

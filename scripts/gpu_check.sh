@@ -43,14 +43,16 @@ while [ $# -gt 0 ]; do
     --deadline) DEADLINE="$2"; shift ;;
     --results) RESULTS="$2"; shift ;;
     --archive) ARCHIVE="$2"; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
 done
 mkdir -p "$RESULTS"
 RESULTS=$(cd "$RESULTS" && pwd)
-exec > >(tee "$RESULTS/gpu_check.log") 2>&1
+# tee ignores INT/TERM: a signal to the whole process group (timeout, Ctrl-C) must not take the
+# log's pipe away before the trap below has written the report.
+exec > >(trap '' INT TERM; exec tee "$RESULTS/gpu_check.log") 2>&1
 : > "$RESULTS/status.tsv"
 START=$(date +%s)
 FAILED=0
@@ -63,15 +65,26 @@ finish() {
     tar czf "$ARCHIVE" --exclude=tiny-model -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" && echo "archived to $ARCHIVE"
   fi
 }
-trap 'echo "!!! interrupted after $(( $(date +%s) - START ))s"; [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null
-      finish; exit 143' TERM INT
+interrupted() {
+  echo "!!! interrupted after $(( $(date +%s) - START ))s"
+  if [ -n "$STEP_PID" ]; then
+    kill -TERM "$STEP_PID" 2>/dev/null
+    wait "$STEP_PID" 2>/dev/null
+    printf '%s\t%s\t%s\n' "$STEP_NAME" interrupted "$(( $(date +%s) - STEP_T0 ))" >> "$RESULTS/status.tsv"
+  fi
+  finish
+  exit 143
+}
+STEP_NAME="" STEP_T0=0
+trap interrupted TERM INT
 
 # run NAME TIMEOUT_S [--log FILE] CMD...: runs, times and records one step (its output into FILE
 # instead of the terminal with --log); a failure is recorded, not fatal.
 run() {
   local name=$1 limit=$2 log=""; shift 2
   if [ "$1" = "--log" ]; then log=$2; shift 2; fi
-  local left=$(( START + DEADLINE - 10 - $(date +%s) ))  # 10 s kept for the report
+  # Kept for the report: 15 s, plus the 10 s that timeout's --kill-after may add to a step.
+  local left=$(( START + DEADLINE - 25 - $(date +%s) ))
   if [ "$left" -lt 15 ]; then
     echo "!!! $name skipped: the --deadline is reached"
     printf '%s\t%s\t%s\n' "$name" skipped 0 >> "$RESULTS/status.tsv"
@@ -89,7 +102,7 @@ run() {
   else
     timeout --kill-after=10 "$limit" "$@" &
   fi
-  STEP_PID=$!
+  STEP_PID=$! STEP_NAME=$name STEP_T0=$t0
   wait "$STEP_PID"
   rc=$?
   STEP_PID=""

@@ -115,8 +115,8 @@ def test_decode_split_kv_forced(emu: Emulated, num_partitions: int, dtype: torch
 
 
 def test_decode_split_kv_more_partitions_than_reduce_threads(emu: Emulated) -> None:
-    # 200 partitions: the combine's threads each take two; the 9000-token context fills 141 of them
-    # (64 tokens each), the shorter ones leave most empty.
+    # 200 partitions: the combine's first 72 threads take two each; the 9000-token context fills 141
+    # of them (64 tokens each), the shorter ones leave most empty.
     case = make_case(context_lens=[1, 300, 9000], num_kv_heads=1, group=2, head_dim=32, block_size=16,
                      dtype=torch.float32, seed=11)
     err = relative_error(run_decode(case, num_partitions=200), reference(case))

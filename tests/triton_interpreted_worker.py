@@ -1,6 +1,6 @@
 """Runs the Triton paged prefill kernel under Triton's CPU interpreter for the cases given as JSON
 on stdin and prints, as JSON, each case's relative error against the torch reference and whether
-the kernel wrote exactly the prefill rows. Started by tests/test_triton_prefill_interpreted.py in a
+the kernel wrote exactly the prefill rows. Started by tests/test_triton_prefill.py in a
 process of its own, because TRITON_INTERPRET must be set before triton is first imported.
 """
 

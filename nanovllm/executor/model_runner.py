@@ -21,7 +21,7 @@ from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.engine.plan_tensors import PlanTensors, PlanViews
 from nanovllm.executor.cuda_graph import DecodeGraphs
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
-from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.layers.sampler import Sampler, SamplingBatch, make_sampling_batch
 from nanovllm.model_config import ModelConfig, load_model_config
 from nanovllm.models.loader import load_model
 
@@ -79,11 +79,7 @@ class ModelRunner:
         CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
         automatic choice (see choose_attention_backend)."""
         self.device = device
-        if device.type == "cuda" and device.index is not None:
-            # Our kernels launch on the CUDA runtime's current device, not the tensors' device: make
-            # them the same (cuda:1 would otherwise get cuda:0's launches on cuda:1's stream).
-            # A bare "cuda" already means the current device.
-            torch.cuda.set_device(device)
+        self.make_device_current()
         backend = attn_backend or choose_attention_backend(model_dir, device)
         self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
         self.attn_backend = backend
@@ -100,6 +96,14 @@ class ModelRunner:
         self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "cuda"
         if device.type == "cuda" and not enforce_eager and not self.use_cuda_graphs:
             logger.warning("CUDA graphs need the cuda attention backend (have %r): decoding eagerly", backend)
+
+    def make_device_current(self) -> None:
+        """Make this runner's GPU the calling thread's current CUDA device. Our kernels launch on the
+        runtime's current device, not the tensors' (cuda:1 would otherwise get cuda:0's launches on
+        cuda:1's stream), and the current device is per thread: a thread that drives the runner
+        (the server's engine thread) calls this first. A bare "cuda" already means the current one."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
 
     @property
     def kv_spec(self) -> KVCacheSpec:
@@ -130,7 +134,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int) -> int:
         """A prefill of `num_tokens` that writes no KV (every slot -1), for memory profiling, with
-        logits (and the sampler's largest temporaries) for as many rows as a step can sample.
+        logits and a sampling pass for as many rows as a step can sample.
         Returns the bytes of the scratch KV cache it allocated (and released)."""
         dev = self.device
         num_blocks = -(-num_tokens // self.block_size)
@@ -151,11 +155,12 @@ class ModelRunner:
         rows = min(num_tokens, self.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:]).float()
         del hidden
-        # The sampler's temporaries at their largest: top-p's sort, then the exponential race.
-        probs = torch.softmax(logits, dim=-1)
-        torch.sort(probs, dim=-1, descending=True)
-        (probs / torch.rand_like(probs).log_()).argmin(dim=-1)
-        del logits, probs
+        # The real sampler with every filter on, its most memory-hungry path (sort, masks, race);
+        # on a copy, as the engine samples processed logits while keeping the raw ones.
+        batch = make_sampling_batch([1.0] * rows, top_k=[50] * rows, top_p=[0.9] * rows, min_p=[0.05] * rows,
+                                    device=dev)
+        self.sampler(logits.clone(), batch)
+        del logits
         self.release_kv_cache()
         return scratch
 
