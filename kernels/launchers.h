@@ -66,6 +66,79 @@ struct DecodeParams {
 int launch_cache_write(const CacheWriteParams& p, void* stream);
 int launch_paged_decode(const DecodeParams& p, void* stream);
 
+// The flat argument lists nanovllm/attention/cuda_ops.py passes (pointers as integers, strides in
+// elements, the stream last), made into a parameter block and handed to `Launch(params, stream)`.
+// The pybind11 module instantiates these with the real launchers; the CPU emulation of the kernels
+// (tests/kernel_emulation) with its own, so both take exactly the same arguments.
+template <auto Launch>
+auto cache_write_entry(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
+                       int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t elem_size,
+                       int64_t key_stride_token, int64_t key_stride_head, int64_t value_stride_token,
+                       int64_t value_stride_head, int64_t k_stride_block, int64_t k_stride_slot,
+                       int64_t k_stride_head, int64_t v_stride_block, int64_t v_stride_slot, int64_t v_stride_head,
+                       int64_t block_size, uintptr_t stream) {
+  const CacheWriteParams p{.key = reinterpret_cast<const void*>(key),
+                           .value = reinterpret_cast<const void*>(value),
+                           .k_cache = reinterpret_cast<void*>(k_cache),
+                           .v_cache = reinterpret_cast<void*>(v_cache),
+                           .slot_mapping = reinterpret_cast<const int32_t*>(slot_mapping),
+                           .num_tokens = num_tokens,
+                           .num_kv_heads = num_kv_heads,
+                           .head_dim = head_dim,
+                           .elem_size = elem_size,
+                           .key_stride_token = key_stride_token,
+                           .key_stride_head = key_stride_head,
+                           .value_stride_token = value_stride_token,
+                           .value_stride_head = value_stride_head,
+                           .k_stride_block = k_stride_block,
+                           .k_stride_slot = k_stride_slot,
+                           .k_stride_head = k_stride_head,
+                           .v_stride_block = v_stride_block,
+                           .v_stride_slot = v_stride_slot,
+                           .v_stride_head = v_stride_head,
+                           .block_size = block_size};
+  return Launch(p, reinterpret_cast<void*>(stream));
+}
+
+template <auto Launch>
+auto paged_decode_entry(uintptr_t query, uintptr_t out, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables,
+                        uintptr_t context_lens, uintptr_t partial_out, uintptr_t partial_max, uintptr_t partial_sum,
+                        int64_t q_stride_token, int64_t q_stride_head, int64_t o_stride_token, int64_t o_stride_head,
+                        int64_t k_stride_block, int64_t k_stride_slot, int64_t k_stride_head, int64_t v_stride_block,
+                        int64_t v_stride_slot, int64_t v_stride_head, int64_t block_table_stride, int32_t num_seqs,
+                        int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                        int32_t num_partitions, int32_t dtype, float scale, uintptr_t stream) {
+  const DecodeParams p{.query = reinterpret_cast<const void*>(query),
+                       .out = reinterpret_cast<void*>(out),
+                       .k_cache = reinterpret_cast<const void*>(k_cache),
+                       .v_cache = reinterpret_cast<const void*>(v_cache),
+                       .block_tables = reinterpret_cast<const int32_t*>(block_tables),
+                       .context_lens = reinterpret_cast<const int32_t*>(context_lens),
+                       .partial_out = reinterpret_cast<float*>(partial_out),
+                       .partial_max = reinterpret_cast<float*>(partial_max),
+                       .partial_sum = reinterpret_cast<float*>(partial_sum),
+                       .q_stride_token = q_stride_token,
+                       .q_stride_head = q_stride_head,
+                       .o_stride_token = o_stride_token,
+                       .o_stride_head = o_stride_head,
+                       .k_stride_block = k_stride_block,
+                       .k_stride_slot = k_stride_slot,
+                       .k_stride_head = k_stride_head,
+                       .v_stride_block = v_stride_block,
+                       .v_stride_slot = v_stride_slot,
+                       .v_stride_head = v_stride_head,
+                       .block_table_stride = block_table_stride,
+                       .num_seqs = num_seqs,
+                       .num_heads = num_heads,
+                       .num_kv_heads = num_kv_heads,
+                       .head_dim = head_dim,
+                       .block_size = block_size,
+                       .num_partitions = num_partitions,
+                       .dtype = dtype,
+                       .scale = scale};
+  return Launch(p, reinterpret_cast<void*>(stream));
+}
+
 // Query heads one CTA handles (a GQA group larger than this is split over several CTAs).
 int decode_heads_per_cta();
 // Largest num_partitions the split-KV path accepts.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,25 +30,29 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 u64, i64, i32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 
+def _exported_function(lib: ctypes.CDLL, name: str, argtypes: list) -> Callable[..., int]:
+    """The harness exports each entry point as a pointer to kernels/launchers.h's entry template."""
+    address = ctypes.c_void_p.in_dll(lib, name).value
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(address)
+
+
 class Emulated:
     """Stands in for nanovllm._kernels: same functions, same arguments (the stream is ignored)."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        lib.emu_cache_write.argtypes = [u64] * 5 + [i64] * 15
-        lib.emu_cache_write.restype = ctypes.c_int
-        lib.emu_paged_decode.argtypes = [u64] * 9 + [i64] * 11 + [i32] * 7 + [ctypes.c_float]
-        lib.emu_paged_decode.restype = ctypes.c_int
-        self.lib = lib
+        self.lib = ctypes.CDLL(str(path))  # keeps the library loaded while the pointers are used
+        self._cache_write = _exported_function(self.lib, "emu_cache_write", [u64] * 5 + [i64] * 15 + [u64])
+        self._paged_decode = _exported_function(self.lib, "emu_paged_decode",
+                                                [u64] * 9 + [i64] * 11 + [i32] * 7 + [ctypes.c_float, u64])
         self.widths: list[int] = []
 
     def cache_write(self, *args: int) -> None:
-        width = self.lib.emu_cache_write(*args[:-1])
+        width = self._cache_write(*args)
         assert width > 0, "no access width fits the arguments"
         self.widths.append(width)
 
     def paged_decode(self, *args: int | float) -> None:
-        rc = self.lib.emu_paged_decode(*args[:-1])
+        rc = self._paged_decode(*args)
         if rc:
             raise RuntimeError(f"emulated paged_decode failed: {rc}")
 

@@ -96,21 +96,10 @@ int cache_write_typed(const CacheWriteParams& p) {
   return cudaSuccess;
 }
 
-}  // namespace
-
-extern "C" {
+// The emulated launchers, with the real launchers' signature (the stream is ignored).
 
 // Returns the access width (bytes) used, or -1.
-int emu_cache_write(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
-                    int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t elem_size,
-                    int64_t key_stride_token, int64_t key_stride_head, int64_t value_stride_token,
-                    int64_t value_stride_head, int64_t k_stride_block, int64_t k_stride_slot, int64_t k_stride_head,
-                    int64_t v_stride_block, int64_t v_stride_slot, int64_t v_stride_head, int64_t block_size) {
-  CacheWriteParams p{reinterpret_cast<const void*>(key), reinterpret_cast<const void*>(value),
-                     reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache),
-                     reinterpret_cast<const int32_t*>(slot_mapping), num_tokens, num_kv_heads, head_dim, elem_size,
-                     key_stride_token, key_stride_head, value_stride_token, value_stride_head, k_stride_block,
-                     k_stride_slot, k_stride_head, v_stride_block, v_stride_slot, v_stride_head, block_size};
+int emulated_cache_write(const CacheWriteParams& p, void*) {
   const int width = access_width(p);
   switch (width) {
     case 16: cache_write_typed<uint4>(p); break;
@@ -122,44 +111,9 @@ int emu_cache_write(uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t
   return width;
 }
 
-int emu_paged_decode(uintptr_t query, uintptr_t out, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables,
-                     uintptr_t context_lens, uintptr_t partial_out, uintptr_t partial_max, uintptr_t partial_sum,
-                     int64_t q_stride_token, int64_t q_stride_head, int64_t o_stride_token, int64_t o_stride_head,
-                     int64_t k_stride_block, int64_t k_stride_slot, int64_t k_stride_head, int64_t v_stride_block,
-                     int64_t v_stride_slot, int64_t v_stride_head, int64_t block_table_stride, int32_t num_seqs,
-                     int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                     int32_t num_partitions, int32_t dtype, float scale) {
-  DecodeParams p{};
-  p.query = reinterpret_cast<const void*>(query);
-  p.out = reinterpret_cast<void*>(out);
-  p.k_cache = reinterpret_cast<const void*>(k_cache);
-  p.v_cache = reinterpret_cast<const void*>(v_cache);
-  p.block_tables = reinterpret_cast<const int32_t*>(block_tables);
-  p.context_lens = reinterpret_cast<const int32_t*>(context_lens);
-  p.partial_out = reinterpret_cast<float*>(partial_out);
-  p.partial_max = reinterpret_cast<float*>(partial_max);
-  p.partial_sum = reinterpret_cast<float*>(partial_sum);
-  p.q_stride_token = q_stride_token;
-  p.q_stride_head = q_stride_head;
-  p.o_stride_token = o_stride_token;
-  p.o_stride_head = o_stride_head;
-  p.k_stride_block = k_stride_block;
-  p.k_stride_slot = k_stride_slot;
-  p.k_stride_head = k_stride_head;
-  p.v_stride_block = v_stride_block;
-  p.v_stride_slot = v_stride_slot;
-  p.v_stride_head = v_stride_head;
-  p.block_table_stride = block_table_stride;
-  p.num_seqs = num_seqs;
-  p.num_heads = num_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.block_size = block_size;
-  p.num_partitions = num_partitions;
-  p.dtype = dtype;
-  p.scale = scale;
-  if (num_seqs == 0) return cudaSuccess;
-  switch (dtype) {
+int emulated_paged_decode(const DecodeParams& p, void*) {
+  if (p.num_seqs == 0) return cudaSuccess;
+  switch (p.dtype) {
     case kFloat32: return decode_dtype<float>(p);
     case kFloat16: return decode_dtype<__half>(p);
     case kBFloat16: return decode_dtype<__nv_bfloat16>(p);
@@ -167,4 +121,11 @@ int emu_paged_decode(uintptr_t query, uintptr_t out, uintptr_t k_cache, uintptr_
   }
 }
 
-}  // extern "C"
+}  // namespace
+
+// Exported as function pointers to the same flat-argument entry points the pybind11 module binds
+// (kernels/launchers.h), so the emulation cannot drift from the real argument lists; ctypes calls
+// them through these pointers.
+// (The unbraced `extern "C"` also makes these const pointers external.)
+extern "C" const auto emu_cache_write = &cache_write_entry<emulated_cache_write>;
+extern "C" const auto emu_paged_decode = &paged_decode_entry<emulated_paged_decode>;
