@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import math
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from nanovllm.builtin_model import EOS_TOKEN, TinyModelSpec, build_hf_model, build_tokenizer
+from nanovllm.builtin_model import SPEC_FILE, TinyModelSpec, create_model_dir
 
 SHAPES = {
     "qwen3-0.6b": TinyModelSpec(
@@ -46,28 +46,15 @@ TOKENIZER_VOCAB = 4096
 
 def make(out: Path, shape: str) -> Path:
     spec = SHAPES[shape]
-    marker = out / "nanovllm_bench_spec.json"
+    marker = out / SPEC_FILE
     if marker.is_file() and json.loads(marker.read_text()) == asdict(spec):
         print(f"reusing {out}")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tokenizer = build_tokenizer(TOKENIZER_VOCAB, spec.seed)
-        tokenizer.save_pretrained(tmp)
-        eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-        model = build_hf_model(spec, eos_token_id=eos).to(torch.bfloat16)
-        model.config.torch_dtype = torch.bfloat16
-        model.save_pretrained(tmp, safe_serialization=True)
-        marker_tmp = tmp / marker.name
-        marker_tmp.write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    params = sum(p.numel() for p in model.parameters())
+    create_model_dir(out, spec=spec, dtype=torch.bfloat16, tokenizer_vocab=TOKENIZER_VOCAB)
+    params = 0
+    for shard in out.glob("*.safetensors"):
+        with safe_open(shard, framework="pt") as f:
+            params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     print(f"wrote {out}: {shape}, {params / 1e6:.0f}M parameters (bf16), tokenizer {TOKENIZER_VOCAB} tokens, "
           f"model vocab {spec.vocab_size}")
     return out

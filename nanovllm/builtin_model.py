@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 EOS_TOKEN = "<|endoftext|>"
+# Written into every model directory made here: the TinyModelSpec it was built from.
+SPEC_FILE = "nanovllm_spec.json"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 
 # ChatML, like Qwen's templates, minus tools.
@@ -97,26 +99,32 @@ def create_model_dir(
     *,
     spec: TinyModelSpec | None = None,
     keep_existing: bool = False,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_vocab: int | None = None,
     **overrides: Any,
 ) -> Path:
-    """Write a random-weight fp32 model (`config.json`, `model.safetensors`) and tokenizer to `path`.
+    """Write a random-weight model (`config.json`, `model.safetensors`) and tokenizer to `path`.
 
-    `spec` gives the full shape; otherwise `TinyModelSpec(arch=arch, **overrides)`. The directory
-    is built under a temporary name and renamed into place, so a crash never leaves a half-written
-    model that a later run would try to load. An existing `path` is replaced, unless
-    `keep_existing` (then a complete model another process finished first is kept as is).
+    `spec` gives the full shape; otherwise `TinyModelSpec(arch=arch, **overrides)`. Weights are
+    stored in `dtype`; the tokenizer has `tokenizer_vocab` entries (default: the model's vocab).
+    The directory is built under a temporary name and renamed into place, so a crash never leaves
+    a half-written model that a later run would try to load; `SPEC_FILE` in it records the spec. An existing `path` is replaced, unless `keep_existing` (then a complete model another
+    process finished first is kept as is).
     """
     spec = spec or TinyModelSpec(arch=arch, **overrides)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        tokenizer = build_tokenizer(spec.vocab_size, spec.seed)
+        tokenizer = build_tokenizer(tokenizer_vocab or spec.vocab_size, spec.seed)
         tokenizer.save_pretrained(tmp)
         eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
         model = build_hf_model(spec, eos_token_id=eos_id)
+        if dtype != torch.float32:
+            model = model.to(dtype)
+            model.config.torch_dtype = dtype
         model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "nanovllm_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
+        (tmp / SPEC_FILE).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
         if keep_existing and (path / "config.json").is_file():
             shutil.rmtree(tmp)
             return path
