@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,10 +29,11 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> Token
     # One transfer: everything as float64 columns (exact for fp32 logprobs and for any token id or
     # rank below 2^53), split back apart on the host.
     packed = torch.cat([chosen_lp.double(), rank.view(-1, 1).double(), top_lp.double(), top_ids.double()], dim=1)
-    rows = packed.cpu().tolist()
+    a = packed.cpu().numpy()
+    ints = a[:, [1, *range(2 + k, 2 + 2 * k)]].astype(np.int64)  # rank, then the top ids
     return TokenLogprobs(
-        chosen_logprob=[r[0] for r in rows],
-        chosen_rank=[int(r[1]) for r in rows],
-        top_ids=[[int(t) for t in r[2 + k:]] for r in rows],
-        top_logprobs=[r[2:2 + k] for r in rows],
+        chosen_logprob=a[:, 0].tolist(),
+        chosen_rank=ints[:, 0].tolist(),
+        top_ids=ints[:, 1:].tolist(),
+        top_logprobs=a[:, 2:2 + k].tolist(),
     )
