@@ -1,4 +1,4 @@
-// The flat arrays of one forward pass (DESIGN.md, "The step"), in one persistent int32 buffer.
+// The flat arrays of one forward pass (docs/design.md, "The step"), in one persistent int32 buffer.
 //
 // Every array sits at a fixed offset sized for the maximum batch, block tables last, so a
 // runner moves a whole plan with one copy of buffer[0, used_size()) and takes views of it.

@@ -1,6 +1,6 @@
 """Smoke run of benchmarks/sched_overhead.py: it runs and writes well-formed records.
 
-Speed is never asserted in tests (DESIGN.md, "Performance rules"); the benchmark reports it.
+Speed is never asserted in tests (docs/design.md, "Performance rules"); the benchmark reports it.
 """
 
 from __future__ import annotations

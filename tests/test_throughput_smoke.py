@@ -1,6 +1,6 @@
 """Smoke run of benchmarks/throughput.py with --compare-hf: it runs and writes a well-formed record.
 
-Speed is never asserted in tests (DESIGN.md, "Performance rules"); the benchmark reports it. What
+Speed is never asserted in tests (docs/design.md, "Performance rules"); the benchmark reports it. What
 is checked is that both sides counted exactly the workload's output tokens.
 """
 
