@@ -50,6 +50,7 @@ class Detokenizer:
         stop: str | Sequence[str] = (),
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,  # stop strings are looked for once more tokens than this came
+        deltas: bool = True,  # False: left out of process()'s result unless a stop string ends it
     ) -> None: ...
     def remove(self, key: int) -> None: ...
     def process(
@@ -59,9 +60,11 @@ class Detokenizer:
         cu_tokens: npt.NDArray[np.integer] | Sequence[int] | None = None,
     ) -> list[tuple[int, str, str | None]]:
         """Appends tokens[i] to sequence keys[i] (or the tokens cu_tokens[i]:cu_tokens[i+1]);
-        returns (key, new text, stop string or None) for every key. Text that may still become
+        returns (key, new text, stop string or None) for every key added with deltas=True, and for
+        any other whose stop string matched in this call. Text that may still become
         part of a stop string, a partial character or an unfinished byte run is held back."""
     def flush(self, key: int) -> str: ...  # releases everything held back; the sequence ends
     def text(self, key: int) -> str: ...   # tokenizer.decode of its tokens so far, cut at a stop
+    def token_ids(self, key: int, start: int = 0) -> list[int]: ...  # tokens fed so far, from `start`
     def stop_reason(self, key: int) -> str | None: ...
     def is_finished(self, key: int) -> bool: ...

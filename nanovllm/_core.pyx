@@ -131,6 +131,8 @@ cdef struct Seq:
     size_t scanned          # bytes of `text` already searched for stop strings
     string pending          # byte_level: an unfinished UTF-8 character; else: the open byte run
     string text             # final text so far (decoded, stripped, cleaned up)
+    bint deltas             # process() reports its new text every call, not only its stop
+    vector[int32_t] tokens  # every token fed, in order (the completion's token ids)
     vector[string] stops    # UTF-8
     vector[string] clean_buf  # per cleanup rule: input it holds back (a possible pattern start)
 
@@ -324,6 +326,8 @@ cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint in
     s.scanned = 0
     s.pending.clear()
     s.text.clear()
+    s.deltas = True
+    s.tokens.clear()
     s.stops.clear()
     s.clean_buf.clear()
     s.clean_buf.resize(t.clean_old.size())
@@ -629,9 +633,12 @@ cdef class Detokenizer:
         stop=(),
         bint include_stop_str_in_output=False,
         int min_tokens=0,
+        bint deltas=True,
     ) -> None:
         """Start a sequence. `stop`: strings that end it at their first occurrence in its text,
-        looked for once more than `min_tokens` tokens have come."""
+        looked for once more than `min_tokens` tokens have come. `deltas=False`: process() leaves
+        it out of its result unless a stop string ends it (its text is read at the end with
+        flush() and text(), so a step costs no Python object for it)."""
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         if self.slot_of.count(key):
@@ -656,6 +663,7 @@ cdef class Detokenizer:
         for e in encoded:
             s.stops.push_back(e)
         s.min_tokens = min_tokens
+        s.deltas = deltas
         self.slot_of[key] = slot
 
     def remove(self, int64_t key) -> None:
@@ -666,6 +674,8 @@ cdef class Detokenizer:
         s.pending.clear()
         s.text.clear()
         s.text.shrink_to_fit()
+        s.tokens.clear()
+        s.tokens.shrink_to_fit()
         s.stops.clear()
         s.clean_buf.clear()
         self.slot_of.erase(key)
@@ -678,7 +688,8 @@ cdef class Detokenizer:
         [n + 1], prefix sums), sequence keys[i] gets tokens[cu_tokens[i]:cu_tokens[i + 1]] instead
         (several tokens per step, e.g. speculative decoding; a stop string drops the rest).
         Returns [(key, delta, stop)] in the order of keys: `delta` the new text (str, maybe empty),
-        `stop` the stop string that finished the sequence in this call, else None.
+        `stop` the stop string that finished the sequence in this call, else None. Sequences added
+        with deltas=False appear only in the call in which a stop string finishes them.
         Raises (before changing anything) KeyError for an unknown key, ValueError for a repeated
         key, a finished sequence or a token id outside the table.
         """
@@ -731,6 +742,7 @@ cdef class Detokenizer:
                 lo = i
                 hi = i + 1
             for j in range(lo, hi):
+                s.tokens.push_back(tok[j])
                 _feed(t, s, tok[j])
                 # Check after each token, so that a stop drops the tokens after it.
                 if multi and hi - lo > 1 and s.stops.size():
@@ -738,7 +750,8 @@ cdef class Detokenizer:
                     if s.finished:
                         break
             _check_stop(s)
-            out.append(self._result(s))
+            if s.deltas or s.stop_index >= 0:
+                out.append(self._result(s))
         return out
 
     cdef tuple _result(self, Seq* s):
@@ -768,6 +781,14 @@ cdef class Detokenizer:
         cdef Seq tmp = s[0]
         _finish(self.table, &tmp)
         return _utf8(tmp.text, 0, tmp.text.size())
+
+    def token_ids(self, int64_t key, Py_ssize_t start=0) -> list:
+        """The tokens fed to the sequence so far, from index `start` on."""
+        cdef Seq* s = self._get(key)
+        cdef Py_ssize_t i, n = <Py_ssize_t>s.tokens.size()
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        return [s.tokens[i] for i in range(start, n)]
 
     def stop_reason(self, int64_t key) -> str | None:
         """The stop string that finished the sequence, or None."""

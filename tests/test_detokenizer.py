@@ -459,6 +459,39 @@ def test_random_stop_strings(name, data):
         assert d.stop_reason(1000) == hit[2]
 
 
+@pytest.mark.parametrize("name", ["byte_level", "sentencepiece"])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_quiet_sequences_match_reported_ones(name, data):
+    """A sequence added with deltas=False is left out of process()'s result except in the call in
+    which a stop string ends it; its stop delta plus flush() equal all the deltas of the same
+    stream reported every call, and token_ids() returns every token fed, from any start."""
+    kind = kinds()[name]
+    ids = data.draw(token_stream(kind))
+    full = kind.decode(ids, True)
+    stops = [full[len(full) // 2:][:3]] if full and data.draw(st.booleans()) else []
+    d = Detokenizer(kind.table)
+    d.add(1, stop=stops)
+    d.add(2, stop=stops, deltas=False)
+    loud = quiet = ""
+    fed = 0
+    for t in ids:
+        if d.is_finished(1):
+            break
+        res = d.process(np.array([1, 2]), np.array([t, t], np.int32))
+        fed += 1
+        stopped = res[0][2] is not None
+        assert [r[0] for r in res] == ([1, 2] if stopped else [1])
+        loud += res[0][1]
+        if stopped:
+            assert res[1][2] == res[0][2]
+            quiet += res[1][1]
+    assert quiet + d.flush(2) == loud + d.flush(1) == d.text(2)
+    assert d.token_ids(2) == d.token_ids(1) == ids[:fed]
+    start = data.draw(st.integers(0, fed + 1))
+    assert d.token_ids(2, start) == ids[start:fed]
+
+
 def _tokens_for(kind: Kind, parts: list[str]) -> list[int]:
     return [i for p in parts for i in kind.tok.encode(p, add_special_tokens=False)]
 

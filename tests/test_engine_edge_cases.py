@@ -29,7 +29,11 @@ def assert_idle(llm: LLM) -> None:
     assert s["num_free_blocks"] == s["num_total_blocks"]
     assert len(llm.engine.detokenizer) == 0
     assert llm.engine.num_requests == 0
-    assert not llm.engine._by_seq and not llm.engine._fanout
+    engine = llm.engine
+    assert not engine._by_seq and not engine._prompt_logprobs_pending and (engine._seqs.fan_out == 1).all()
+    rows = engine.sampling.rows  # no sampling row, penalty / bias slot or generator left behind
+    assert not engine.sampling.generators and (rows.penalty_slot < 0).all() and (rows.bias_slot < 0).all()
+    assert (rows.stop_row < 0).all() and (rows.num_output == 0).all()
 
 
 def beams(outs) -> list:  # noqa: ANN001

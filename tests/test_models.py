@@ -17,14 +17,10 @@ import transformers
 from tiny_models import TINY_SPECS, make_tiny_model
 from tiny_pager import TinyPager
 
-from nanovllm.layers import (
-    Sampler,
-    attention_layers,
-    bind_kv_cache,
-    make_sampling_batch,
-)
+from nanovllm.layers import attention_layers, bind_kv_cache
 from nanovllm.model_config import ModelConfig
 from nanovllm.models import DecoderForCausalLM, load_model
+from nanovllm.sample import Sampler, make_sampling_batch
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -6,9 +6,10 @@ tolerances are loose enough that a correct sampler passes for any seed.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, make_sampling_batch
+from nanovllm.sample import Sampler, make_sampling_batch
 
 sampler = Sampler()
 
@@ -131,8 +132,93 @@ def test_seeded_rows_reproducible_regardless_of_batch() -> None:
     assert seeded_run([(1.0, None)], 10, logits)[0] != crowd[0]
 
 
-def test_sampling_batch_flags() -> None:
-    b = make_sampling_batch([0.0, 0.0], top_k=[5, 0], top_p=[0.5, 1.0], min_p=[0.1, 0.0])
-    assert b.all_greedy and not (b.any_top_k or b.any_top_p or b.any_min_p)
-    b = make_sampling_batch([0.0, 1.0], top_k=[5, 0], top_p=[1.0, 0.9], min_p=[0.0, 0.0])
-    assert not b.all_greedy and not b.any_top_k and b.any_top_p and not b.any_min_p
+def test_full_sort_only_for_top_p_rows_without_k(monkeypatch: pytest.MonkeyPatch) -> None:
+    """top-k rows take their candidates from topk; only top-p rows without a k pay for a sort,
+    and greedy, plain and min-p rows never do."""
+    sorted_rows: list[int] = []
+    real_sort = torch.Tensor.sort
+
+    def counting_sort(self: torch.Tensor, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        sorted_rows.append(self.shape[0])
+        return real_sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(3))
+    sampler(logits, make_sampling_batch([0.0, 1.0, 1.0, 0.7, 1.0, 1.0], top_k=[0, 20, 5, 0, 0, 0],
+                                        top_p=[1.0, 0.9, 1.0, 1.0, 1.0, 0.5], min_p=[0.0, 0.0, 0.0, 0.1, 0.0, 0.0]))
+    assert sorted_rows == [1]  # row 5 alone
+    sorted_rows.clear()
+    sampler(logits, make_sampling_batch([1.0] * 6, top_k=[50] * 6, top_p=[0.8] * 6, min_p=[0.05] * 6))
+    assert sorted_rows == []
+
+
+def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                           min_p: float) -> torch.Tensor:
+    """The straightforward definition, in float64: temperature, keep the k best, keep the smallest
+    most-likely prefix reaching top_p of what is left, drop what is below min_p x the best."""
+    x = logits.double() / temperature
+    order = x.argsort(descending=True)
+    probs = torch.softmax(x, dim=-1)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    k = top_k if top_k > 0 else len(x)
+    keep[order[:k]] = True
+    p = torch.where(keep, probs, 0.0)
+    p = p / p.sum()
+    if top_p < 1.0:
+        mass = 0.0
+        nucleus = torch.zeros_like(keep)
+        for t in order.tolist():
+            if not keep[t] or mass >= top_p:
+                break
+            nucleus[t] = True
+            mass += float(p[t])
+        p = torch.where(nucleus, p, 0.0)
+        p = p / p.sum()
+    if min_p > 0.0:
+        p = torch.where(p >= p.max() * min_p, p, 0.0)
+        p = p / p.sum()
+    return p
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test over the tokens the reference allows; any draw outside them fails."""
+    allowed = expected_probs > 0
+    assert counts[~allowed].sum() == 0, f"drew tokens the filters exclude: {torch.nonzero(counts * ~allowed)}"
+    n = counts.sum()
+    expected = expected_probs[allowed] * n
+    stat = float(((counts[allowed] - expected) ** 2 / expected).sum())
+    dof = int(allowed.sum()) - 1
+    if dof == 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+FILTERS = [  # (top_k, top_p, min_p): every combination, each filter active
+    (k, p, m) for k in (0, 6) for p in (1.0, 0.8) for m in (0.0, 0.08)
+]
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", FILTERS)
+def test_sampled_distribution_matches_reference(top_k: int, top_p: float, min_p: float) -> None:
+    """Chi-square of 40,000 draws against the reference distribution, for every filter
+    combination, with the rows of one batch mixing the three sampler paths (top-k candidates,
+    sorted top-p, plain) so grouping mistakes show up too."""
+    vocab = 24
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(11)) * 1.5
+    expected = reference_distribution(logits, 0.9, top_k, top_p, min_p)
+    rows = 4000
+    # The rows under test, interleaved with rows of other kinds (greedy, other filters).
+    params = [(0.9, top_k, top_p, min_p) if i % 2 == 0 else
+              [(0.0, 0, 1.0, 0.0), (1.3, 12, 1.0, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.2)][i % 8 // 2]
+              for i in range(2 * rows)]
+    batch = make_sampling_batch([p[0] for p in params], top_k=[p[1] for p in params],
+                                top_p=[p[2] for p in params], min_p=[p[3] for p in params])
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    torch.manual_seed(top_k * 100 + int(top_p * 10) + int(min_p * 100))
+    for _ in range(10):
+        tokens = sampler(logits.expand(2 * rows, -1).clone(), batch)
+        counts += torch.bincount(tokens[0::2], minlength=vocab).double()
+    assert chi_square_p_value(counts, expected) > 1e-4
+    # The interleaved greedy rows stayed greedy.
+    assert (tokens[1::8] == logits.argmax()).all()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm import _C
-from nanovllm.engine.plan_tensors import PlanTensors, PlanViews
+from nanovllm.executor.plan_tensors import PlanTensors, PlanViews
 
 ARRAYS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens",
           "sample_indices", "block_copies", "block_tables")
@@ -141,7 +141,7 @@ def test_copy_path_takes_the_same_views_of_a_second_buffer() -> None:
 
     Registers a device entry by hand (private API): everything but the CUDA staging is shared
     with a real device."""
-    from nanovllm.engine.plan_tensors import _DeviceCopy
+    from nanovllm.executor.plan_tensors import _DeviceCopy
 
     sched = make_scheduler()
     for i, n in enumerate((3, 9, 17)):

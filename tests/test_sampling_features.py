@@ -50,15 +50,7 @@ def test_repetition_presence_frequency_penalties(llm: LLM, model_dir: Path) -> N
     prompt = random_prompts([12], VOCAB, seed=1)[0]
     rep, pres, freq = 1.7, 0.6, 0.4
 
-    def process(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
-        seen = set(prompt) | set(out)
-        for t in seen:
-            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
-        for t in set(out):
-            logits[t] -= pres + freq * out.count(t)
-        return logits
-
-    expected = reference_greedy(model_dir, prompt, 20, process)
+    expected = reference_greedy(model_dir, prompt, 20, penalty_process(prompt, rep, pres, freq))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=rep,
                             presence_penalty=pres, frequency_penalty=freq)
     # Batched with a plain request, which must stay unpenalized.
@@ -67,6 +59,33 @@ def test_repetition_presence_frequency_penalties(llm: LLM, model_dir: Path) -> N
     assert outs[0].outputs[0].token_ids == expected
     assert outs[1].outputs[0].token_ids == reference_greedy(model_dir, prompt, 20, lambda lg, _: lg)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+
+
+def penalty_process(prompt: list[int], rep: float, pres: float, freq: float):  # noqa: ANN201
+    def process(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        for t in set(prompt) | set(out):
+            logits[t] = logits[t] / rep if logits[t] > 0 else logits[t] * rep
+        for t in set(out):
+            logits[t] -= pres + freq * out.count(t)
+        return logits
+    return process
+
+
+def test_penalties_survive_preemption_and_forks(model_dir: Path) -> None:
+    """Output counts live in the persistent sampling state, updated once per step: a sequence that
+    is preempted and recomputed keeps them, and each of n samples counts only its own tokens
+    (greedy, so every sample must equal the one-sequence reference)."""
+    prompts = random_prompts([40, 50, 45, 55], VOCAB, seed=21)
+    rep, pres, freq = 1.5, 0.5, 0.3
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2, repetition_penalty=rep,
+                            presence_penalty=pres, frequency_penalty=freq)
+    small = LLM(str(model_dir), device="cpu", num_kvcache_blocks=20, max_model_len=128, max_num_seqs=8)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    assert_pool_whole(small)
+    for prompt, out in zip(prompts, outs):
+        expected = reference_greedy(model_dir, prompt, 24, penalty_process(prompt, rep, pres, freq))
+        assert [c.token_ids for c in out.outputs] == [expected, expected]
 
 
 def test_logit_bias_and_min_tokens(llm: LLM) -> None:

@@ -2,15 +2,24 @@
 
     plan = core.schedule()                          # C++: who runs, blocks, flat arrays
     hidden = runner.forward(plan)                   # tensors, CoW copies, forward
-    tokens = sample(process(logits(hidden)))        # penalties, bias, min_tokens; n samples per
-                                                    # row when a prompt fans out into n > 1
-    finished = core.postprocess(tokens, forks)      # C++: append, fork samples, stop, free
-    deltas = detokenizer.process(seqs, tokens)      # Cython: text increments, stop strings
+    out = runner.sample(hidden, ...)                # sampling package: penalties, bias, min_tokens,
+                                                    # the sampler, logprobs; n rows for a prompt
+                                                    # that fans out into n > 1 samples
+    finished = core.postprocess(out.tokens, forks)  # C++: append, fork samples, stop, free
+    events = detokenizer.process(seqs, tokens)      # Cython: text, stop strings; only streamed
+                                                    # sequences and stops come back to Python
+
+Per-sequence bookkeeping is vectorized over numpy columns indexed by sequence id; Python touches a
+sequence only when it produces visible output (a streamed delta, a finish) or asked for logprobs.
+See docs/design.md, "The step".
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -22,37 +31,43 @@ from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from nanovllm.detokenizer import build_token_table
 from nanovllm._core import Detokenizer
 from nanovllm.engine.request_state import Completion, Request
-from nanovllm.engine.sampling_table import SamplingTable, SequenceIds
-from nanovllm.executor.model_runner import ModelRunner
-from nanovllm.layers.logits_processors import PenaltyRows, apply_logit_bias, apply_penalties, mask_tokens
-from nanovllm.layers.logprobs import TokenLogprobs, gather_logprobs
+from nanovllm.executor.model_runner import ModelRunner, SampleOutput
 from nanovllm.model_config import load_model_config
-from nanovllm.models.loader import find_weight_files, validate_weight_files
-from nanovllm.outputs import Logprob, RequestMetrics, RequestOutput
+from nanovllm.outputs import RequestMetrics, RequestOutput
+from nanovllm.sample import SequenceIds, build_entries, gather_logprobs
+from nanovllm.sample.rows import RowColumns
 from nanovllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
+
+# Engine-side columns per sequence id (the sampling package keeps its own).
+SEQUENCE_COLUMNS = {
+    "fan_out": (np.int64, 1),  # rows its next sample takes: n for a prompt about to fan out
+    "first_token_time": (np.float64, math.nan),
+    "cum_logprob": (np.float64, 0.0),
+    "lp_refs": (object, None),  # its Completion's lp_refs list, for the rows that asked for logprobs
+}
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # Every file is checked before any memory is reserved.
         model_config = load_model_config(config.model)
-        validate_weight_files(find_weight_files(config.model))
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
         self.device = config.resolve_device()
         torch.manual_seed(config.seed)
         self.max_model_len, budget = config.resolve_lengths(model_config.max_position_embeddings)
-        self.runner = ModelRunner(config.model, config.dtype, self.device, config.block_size, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, enforce_eager=config.enforce_eager)
-        num_blocks = self._num_kv_blocks(budget)
-        self.runner.allocate_kv_cache(num_blocks)
         self.vocab_size = model_config.vocab_size
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
+        # The loader checks every weight file before the model takes any memory.
+        self.runner = ModelRunner(config.model, config.dtype, self.device, config.block_size, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
+                                  eos_token_ids=self.eos_token_ids)
+        num_blocks = self._num_kv_blocks(budget)
+        self.runner.allocate_kv_cache(num_blocks)
         self.core = _C.Scheduler(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -65,11 +80,12 @@ class LLMEngine:
         )
         self.token_table = build_token_table(self.tokenizer, vocab_size=self.vocab_size)
         self.detokenizer = Detokenizer(self.token_table)
-        self.sampling = SamplingTable(self.device)
+        self.sampling = self.runner.sampling
         self._seq_ids = SequenceIds()
+        self._seqs = RowColumns(SEQUENCE_COLUMNS)
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
-        self._fanout: dict[int, Request] = {}  # parent sequence -> request awaiting n samples
+        self._prompt_logprobs_pending: dict[str, Request] = {}
         self._request_counter = 0
 
     def _num_kv_blocks(self, budget: int) -> int:
@@ -132,9 +148,10 @@ class LLMEngine:
         except BaseException:
             self._release(comp)
             raise
-        if params.n > 1:
-            self._fanout[sid] = req
+        self._seqs.fan_out[sid] = params.n
         self._requests[request_id] = req
+        if req.prompt_logprobs_pending:
+            self._prompt_logprobs_pending[request_id] = req
 
     def _check_params(self, params: SamplingParams) -> None:
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
@@ -142,15 +159,27 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
 
-    def _add_completion(self, req: Request, sid: int, generator: torch.Generator | None = None) -> Completion:
+    def _add_completion(self, req: Request, sid: int, parent: int | None = None) -> Completion:
+        """Registers sequence `sid` as the request's next completion: a new prompt, or (with
+        `parent`) one of its n samples, which continues from the parent's sampling state."""
         params = req.params
         comp = Completion(len(req.completions), sid)
         if params.logprobs is not None:
-            comp.logprobs, comp.cumulative_logprob = [], 0.0
-        self.sampling.set(sid, params, generator)
+            comp.lp_refs, comp.cumulative_logprob = [], 0.0
         self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                              include_stop_str_in_output=params.include_stop_str_in_output,
-                             min_tokens=params.min_tokens)
+                             min_tokens=params.min_tokens, deltas=req.stream)
+        try:
+            if parent is None:
+                self._seqs.reset(sid)
+                self.sampling.add(sid, params, req.prompt_token_ids)
+            else:
+                self._seqs.copy_row(parent, sid)
+                self.sampling.fork(parent, sid)
+        except BaseException:
+            self.detokenizer.remove(sid)
+            raise
+        self._seqs.lp_refs[sid] = comp.lp_refs
         req.completions.append(comp)
         self._by_seq[sid] = (req, comp)
         return comp
@@ -159,6 +188,7 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        self._prompt_logprobs_pending.pop(request_id, None)
         for comp in req.completions:
             if not comp.finished:
                 comp.finish_reason = "abort"
@@ -166,11 +196,12 @@ class LLMEngine:
                 self._release(comp)
 
     def _release(self, comp: Completion) -> None:
-        self._by_seq.pop(comp.seq_id, None)
-        self._fanout.pop(comp.seq_id, None)
-        self.detokenizer.remove(comp.seq_id)
-        self.sampling.clear(comp.seq_id)
-        self._seq_ids.release(comp.seq_id)
+        sid = comp.seq_id
+        self._by_seq.pop(sid, None)
+        self.detokenizer.remove(sid)
+        self.sampling.remove(sid)
+        self._seqs.reset(sid)
+        self._seq_ids.release(sid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -182,27 +213,18 @@ class LLMEngine:
     # The step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one forward pass. Returns an output for every streamed request that gained
-        something and for every other request that finished."""
+        """Schedule, run, sample, postprocess, detokenize. Returns an output for every streamed
+        request that gained something and for every other request that finished."""
         plan = self.core.schedule()
         sids = plan.sampled_seq_ids.copy()
+        repeats = self._seqs.fan_out[sids]
+        fanning = bool((repeats > 1).any())
         try:
             v, hidden = self.runner.forward(plan)
-            if any(r.prompt_logprobs_pending for r in self._requests.values()):
+            if self._prompt_logprobs_pending:
                 self._collect_prompt_logprobs(plan, hidden)
-            counts = np.ones(len(sids), dtype=np.int64)
-            for i, sid in enumerate(sids.tolist()) if self._fanout else ():
-                req = self._fanout.get(sid)
-                if req is not None:
-                    counts[i] = req.params.n
-            rows = np.repeat(sids, counts)
-            tokens_t = torch.empty(0, dtype=torch.int64)
-            raw = None
-            if len(sids):
-                raw = self.runner.logits(hidden[v.sample_indices])
-                if len(rows) != len(sids):
-                    raw = raw[torch.from_numpy(np.repeat(np.arange(len(sids)), counts)).to(raw.device)]
-                tokens_t = self.runner.sample(self._process_logits(raw, rows), self.sampling.batch(rows))
+            rows = np.repeat(sids, repeats) if fanning else sids
+            out = self.runner.sample(hidden, v.sample_indices, rows, repeats if fanning else None)
         except BaseException:
             # The batch's KV state is unknown now: drop its requests, keep the engine consistent.
             doomed = {self._by_seq[sid][0].request_id for sid in plan.seq_ids.tolist() if sid in self._by_seq}
@@ -210,113 +232,106 @@ class LLMEngine:
                 self.abort_request(request_id)
             self.core.postprocess(np.zeros(plan.num_samples, dtype=np.int32))
             raise
-        tokens = tokens_t.to(torch.int32).cpu().numpy()
-        first_rows = np.cumsum(counts) - counts
+        forks: list[tuple[int, int, int]] = []
+        first_tokens = out.tokens
+        if fanning:
+            first_rows = np.cumsum(repeats) - repeats
+            first_tokens = out.tokens[first_rows]
+            forks = self._fan_out(sids, repeats, first_rows, rows, out.tokens)
+        finished = self.core.postprocess(first_tokens, forks=forks)
+        self.sampling.record(rows, out.token_tensor)
+        self._record(rows, out)
+        return self._finish_step(rows, out.tokens, finished)
+
+    def _fan_out(self, sids: np.ndarray, repeats: np.ndarray, first_rows: np.ndarray, rows: np.ndarray,
+                 tokens: np.ndarray) -> list[tuple[int, int, int]]:
+        """A prompt's first sample fans out into its n completions: rows after the first of each
+        such prompt become new sequences (in `rows`, in place), forked from the prompt's."""
         forks = []
-        row_sids = rows.copy()
-        for i in np.flatnonzero(counts > 1).tolist():
+        for i in np.flatnonzero(repeats > 1).tolist():
             parent = int(sids[i])
-            req = self._fanout.pop(parent)
+            req = self._by_seq[parent][0]
             req.fanned_out = True
-            for r in range(first_rows[i] + 1, first_rows[i] + counts[i]):
+            self._seqs.fan_out[parent] = 1  # before the children copy the parent's row
+            for r in range(first_rows[i] + 1, first_rows[i] + repeats[i]):
                 child = self._seq_ids.acquire()
+                self._add_completion(req, child, parent=parent)
                 forks.append((parent, child, int(tokens[r])))
-                self._add_completion(req, child, self.sampling.generators.get(parent))
-                row_sids[r] = child
-        finished = self.core.postprocess(tokens[first_rows], forks=forks)
-        live = np.fromiter((sid in self._by_seq for sid in row_sids.tolist()), dtype=bool, count=len(row_sids))
-        if not live.all():  # aborted while the step ran
-            keep = torch.from_numpy(np.flatnonzero(live)).to(tokens_t.device)
-            row_sids, tokens, raw, tokens_t = row_sids[live], tokens[live], raw[keep], tokens_t[keep]
-        if len(row_sids):
-            self._record_tokens(row_sids, tokens, raw, tokens_t)
-        return self._finish_step(row_sids, tokens, finished)
+                rows[r] = child
+        return forks
 
-    def _process_logits(self, raw: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        todo = np.flatnonzero(self.sampling.needs_processing[rows]).tolist()
-        if not todo:
-            return raw
-        logits = raw.clone()
-        pen = PenaltyRows([], [], [], [], [], [])
-        bias_rows, biases, mask_rows, masks = [], [], [], []
-        for row in todo:
-            req, comp = self._by_seq[int(rows[row])]
-            p = req.params
-            if p.has_penalties:
-                pen.rows.append(row)
-                pen.prompt_tokens.append(req.prompt_token_ids)
-                pen.output_tokens.append(comp.token_ids)
-                pen.presence.append(p.presence_penalty)
-                pen.frequency.append(p.frequency_penalty)
-                pen.repetition.append(p.repetition_penalty)
-            if p.logit_bias:
-                bias_rows.append(row)
-                biases.append(p.logit_bias)
-            if len(comp.token_ids) < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                mask_rows.append(row)
-                masks.append(sorted(stops))
-        apply_penalties(logits, pen)
-        apply_logit_bias(logits, bias_rows, biases)
-        mask_tokens(logits, mask_rows, masks)
-        return logits
+    def _record(self, rows: np.ndarray, out: SampleOutput) -> None:
+        """First-token times and logprobs of the tokens just sampled."""
+        first = self._seqs.first_token_time
+        new = rows[np.isnan(first[rows])]
+        if len(new):
+            first[new] = time.time()
+        block = out.logprobs
+        if block is None:
+            return
+        lp_sids = rows[out.logprob_rows]
+        self._seqs.cum_logprob[lp_sids] += block.chosen_logprob
+        # Each row's (block, row) onto its completion's list; map() keeps the loop in C.
+        deque(map(list.append, self._seqs.lp_refs[lp_sids], zip(repeat(block), range(len(lp_sids)))), maxlen=0)
 
-    def _record_tokens(self, row_sids: np.ndarray, tokens: np.ndarray, raw: torch.Tensor,
-                       tokens_t: torch.Tensor) -> None:
-        now = time.time()
-        want = self.sampling.logprobs[row_sids]
-        lp_rows = np.flatnonzero(want >= 0)
-        lp = None
-        if len(lp_rows):
-            idx = torch.from_numpy(lp_rows).to(raw.device)
-            lp = gather_logprobs(raw[idx], tokens_t[idx], int(want[lp_rows].max()))
-        lp_pos = {int(r): i for i, r in enumerate(lp_rows.tolist())}
-        for r, (sid, tok) in enumerate(zip(row_sids.tolist(), tokens.tolist())):
-            req, comp = self._by_seq[sid]
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            comp.token_ids.append(tok)
-            if lp is not None and r in lp_pos:
-                i = lp_pos[r]
-                comp.logprobs.append(self._logprob_entry(lp, i, tok, req.params.logprobs or 0))
-                comp.cumulative_logprob += lp.chosen_logprob[i]
-
-    def _finish_step(self, row_sids: np.ndarray, tokens: np.ndarray,
+    def _finish_step(self, rows: np.ndarray, tokens: np.ndarray,
                      finished: list[tuple[int, str, int | None]]) -> list[RequestOutput]:
-        """Text deltas and stop strings for every sequence sampled this step (one Cython call),
-        then the finishes: a stop string aborts the sequence in the core at once (its blocks are
-        freed); the core's own finishes (EOS, stop ids, length) are recorded unless a stop string
-        in the same token wins, as in vLLM."""
+        """Text deltas and stop strings (one Cython call; only streamed sequences and stop-string
+        matches come back), then the finishes: a stop string aborts the sequence in the core at
+        once (its blocks are freed); the core's own finishes (EOS, stop ids, length) are recorded
+        unless a stop string in the same token wins, as in vLLM."""
         core_done = {sid: (reason, stop) for sid, reason, stop in finished}
         by_seq = self._by_seq
         streamed: dict[str, Request] = {}
         done_reqs: list[Request] = []
-        for sid, delta, stop_str in self.detokenizer.process(row_sids, tokens):
+        for sid, delta, stop_str in self.detokenizer.process(rows, tokens):
             req, comp = by_seq[sid]
-            if delta:
-                comp.text += delta
+            comp.text += delta
             if req.stream:
                 streamed[req.request_id] = req
-            done = core_done.get(sid) if core_done else None
             if stop_str is not None:
-                comp.finish_reason, comp.stop_reason = "stop", stop_str
-                if done is None:
+                if core_done.pop(sid, None) is None:
                     self.core.abort(sid)
-            elif done is not None:
-                comp.finish_reason, comp.stop_reason = done
-            else:
-                continue
-            comp.text += self.detokenizer.flush(sid)
-            self._release(comp)
-            if req.finished:
-                done_reqs.append(req)
+                self._finish(req, comp, "stop", stop_str, done_reqs)
+        for sid, (reason, stop) in core_done.items():
+            req, comp = by_seq[sid]
+            if req.stream:
+                streamed[req.request_id] = req
+            self._finish(req, comp, reason, stop, done_reqs)
+        outputs = []
+        for req in streamed.values():
+            if not req.finished:
+                for comp in req.completions:
+                    if not comp.finished:
+                        self._collect(req, comp)
+                outputs.append(req.output(self.token_table))
         now = time.time()
-        outputs = [req.output() for req in streamed.values() if not req.finished]
         for req in done_reqs:
             req.metrics.finished_time = now
-            outputs.append(req.output())
+            outputs.append(req.output(self.token_table))
             self._requests.pop(req.request_id, None)
+            self._prompt_logprobs_pending.pop(req.request_id, None)
         return outputs
+
+    def _collect(self, req: Request, comp: Completion) -> None:
+        """Moves what the sequence produced since the last collection into its completion."""
+        sid = comp.seq_id
+        new = self.detokenizer.token_ids(sid, comp.num_collected)
+        comp.token_ids += new
+        comp.num_collected += len(new)
+        if comp.lp_refs is not None:
+            comp.cumulative_logprob = float(self._seqs.cum_logprob[sid])
+        if req.metrics.first_token_time is None and not math.isnan(self._seqs.first_token_time[sid]):
+            req.metrics.first_token_time = float(self._seqs.first_token_time[sid])
+
+    def _finish(self, req: Request, comp: Completion, reason: str, stop: int | str | None,
+                done_reqs: list[Request]) -> None:
+        comp.finish_reason, comp.stop_reason = reason, stop
+        comp.text += self.detokenizer.flush(comp.seq_id)
+        self._collect(req, comp)
+        self._release(comp)
+        if req.finished:
+            done_reqs.append(req)
 
     def _collect_prompt_logprobs(self, plan: _C.StepPlan, hidden: torch.Tensor) -> None:
         """Logprobs of each prompt token given the ones before it, as its chunk is computed."""
@@ -325,9 +340,7 @@ class LLMEngine:
         positions = plan.positions
         flat: list[int] = []
         owners: list[tuple[Request, int]] = []
-        for req in self._requests.values():
-            if not req.prompt_logprobs_pending:
-                continue
+        for req in self._prompt_logprobs_pending.values():
             match = np.flatnonzero(seq_ids == req.completions[0].seq_id)
             if not len(match):
                 continue
@@ -338,8 +351,6 @@ class LLMEngine:
                 if len(req.prompt_logprobs) <= target < len(req.prompt_token_ids):
                     flat.append(i)
                     owners.append((req, target))
-        if not flat:
-            return
         # A step may hold thousands of prompt tokens: full-vocab logits for all of them at once would
         # far exceed what the memory profile reserved (logits for max_num_seqs rows), so go in
         # slices of that many rows.
@@ -348,18 +359,13 @@ class LLMEngine:
             part = owners[lo:lo + chunk]
             idx = torch.as_tensor(flat[lo:lo + chunk], device=hidden.device)
             targets = torch.as_tensor([req.prompt_token_ids[t] for req, t in part], device=hidden.device)
-            k = max(req.params.prompt_logprobs or 0 for req, _ in part)
-            lp = gather_logprobs(self.runner.logits(hidden[idx]), targets, k)
-            for i, (req, target) in enumerate(part):
-                tok = req.prompt_token_ids[target]
-                req.prompt_logprobs.append(self._logprob_entry(lp, i, tok, req.params.prompt_logprobs or 0))
-
-    def _logprob_entry(self, lp: TokenLogprobs, i: int, token: int, k: int) -> dict[int, Logprob]:
-        """Row i's top-k alternatives plus the chosen token itself, as vLLM reports them."""
-        entry = {tid: Logprob(val, rank + 1, self.token_table.decode_token(tid))
-                 for rank, (tid, val) in enumerate(zip(lp.top_ids[i][:k], lp.top_logprobs[i][:k]))}
-        entry[token] = Logprob(lp.chosen_logprob[i], lp.chosen_rank[i], self.token_table.decode_token(token))
-        return entry
+            wanted = np.array([req.params.prompt_logprobs for req, _ in part], dtype=np.int64)
+            block = gather_logprobs(self.runner.logits(hidden[idx]), targets, wanted)
+            entries = build_entries([(block, i) for i in range(len(part))], self.token_table)
+            for (req, _), entry in zip(part, entries):
+                req.prompt_logprobs.append(entry)
+        for rid in [rid for rid, req in self._prompt_logprobs_pending.items() if not req.prompt_logprobs_pending]:
+            del self._prompt_logprobs_pending[rid]
 
     def stats(self) -> dict[str, int]:
         s = dict(self.core.stats())

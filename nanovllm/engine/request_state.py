@@ -1,11 +1,20 @@
 """The engine's Python-side record of each request and of each of its completions (one core
-sequence per completion), and how a RequestOutput is built from them."""
+sequence per completion), and how a RequestOutput is built from them.
+
+A completion holds only what has not been handed out yet: the token ids, text and logprob rows
+collected since its last output (a streamed request), or all of them once it finished (any
+other). While it runs, its tokens and text live in the Cython detokenizer and its logprobs in the
+step's LogprobBlocks; the engine collects them when an output is due, so a step costs no Python
+work for a sequence that produces no visible output.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanovllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from nanovllm._core import TokenTable
+from nanovllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from nanovllm.sample import LogprobBlock, build_entries
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -13,36 +22,33 @@ from nanovllm.sampling_params import SamplingParams
 class Completion:
     index: int
     seq_id: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
+    token_ids: list[int] = field(default_factory=list)  # collected, not yet handed out
+    text: str = ""  # likewise
+    num_collected: int = 0  # tokens collected from the detokenizer so far
+    lp_refs: list[tuple[LogprobBlock, int]] | None = None  # logprob rows not yet handed out
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # How much of the above the last streamed output already carried.
-    sent_tokens: int = 0
-    sent_text: int = 0
     sent_finish: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def output(self, delta: bool) -> CompletionOutput:
-        if not delta:
-            return CompletionOutput(self.index, self.text, list(self.token_ids), self.cumulative_logprob,
-                                    self.logprobs, self.finish_reason, self.stop_reason)
-        out = CompletionOutput(
-            self.index, self.text[self.sent_text:], self.token_ids[self.sent_tokens:], self.cumulative_logprob,
-            self.logprobs[self.sent_tokens:] if self.logprobs is not None else None,
-            self.finish_reason, self.stop_reason,
-        )
-        self.sent_tokens, self.sent_text, self.sent_finish = len(self.token_ids), len(self.text), self.finished
+    def output(self, table: TokenTable, delta: bool) -> CompletionOutput:
+        """What it holds, as an output; with `delta` (streaming) it then holds nothing."""
+        logprobs = None if self.lp_refs is None else build_entries(self.lp_refs, table)
+        out = CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob, logprobs,
+                               self.finish_reason, self.stop_reason)
+        if delta:
+            self.token_ids, self.text = [], ""
+            if self.lp_refs is not None:
+                self.lp_refs.clear()  # in place: the engine appends to this very list
+            self.sent_finish = self.finished
         return out
 
     def has_news(self) -> bool:
-        return len(self.token_ids) > self.sent_tokens or len(self.text) > self.sent_text or (
-            self.finished and not self.sent_finish)
+        return bool(self.token_ids) or bool(self.text) or (self.finished and not self.sent_finish)
 
 
 @dataclass
@@ -66,11 +72,8 @@ class Request:
     def prompt_logprobs_pending(self) -> bool:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
-    def output(self) -> RequestOutput:
+    def output(self, table: TokenTable) -> RequestOutput:
         """A streamed request gets what is new since its last output; others get everything."""
-        if self.stream:
-            completions = [c.output(delta=True) for c in self.completions if c.has_news()]
-        else:
-            completions = [c.output(delta=False) for c in self.completions]
+        completions = [c.output(table, self.stream) for c in self.completions if not self.stream or c.has_news()]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
                              self.metrics, self.prompt_logprobs)

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model and the paged KV cache, and turns one StepPlan into sampled tokens.
 
 Per step: the plan's arrays become tensors (one copy of the plan buffer), copy-on-write block
-copies run before the forward, the model runs over the flattened batch, logits are computed only
-at the sampled positions, and the sampler picks one token per sampled sequence.
+copies run before the forward, the model runs over the flattened batch (`forward`), logits are
+computed only at the sampled positions and the sampling package picks one token per sampled row
+(`sample`), from the persistent per-sequence state the runner owns (`sampling`).
 
 On CUDA the attention backend is "cuda" (our kernels, nanovllm._kernels) where it is built and
 supports the model's head_dim, else "torch" with a warning; decode-only steps replay CUDA graphs
@@ -12,18 +13,20 @@ captured when the KV cache is allocated (see executor/cuda_graph.py), unless enf
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanovllm import _C
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
-from nanovllm.engine.plan_tensors import PlanTensors, PlanViews
+from nanovllm.executor.plan_tensors import PlanTensors, PlanViews
 from nanovllm.executor.cuda_graph import DecodeGraphs
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_sampling_batch
 from nanovllm.model_config import ModelConfig, load_model_config
 from nanovllm.models.loader import load_model
+from nanovllm.sample import LogprobBlock, Sampler, SamplingState, gather_logprobs, make_sampling_batch
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +77,11 @@ def choose_attention_backend(model_dir: str, device: torch.device) -> str:
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int, *,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 attn_backend: str | None = None) -> None:
+                 attn_backend: str | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         """`max_num_seqs` and `max_model_len` (default: the model's max_position_embeddings) size the
         CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
-        automatic choice (see choose_attention_backend)."""
+        automatic choice (see choose_attention_backend); `eos_token_ids` are what min_tokens masks
+        (besides a request's stop ids)."""
         self.device = device
         self.make_device_current()
         backend = attn_backend or choose_attention_backend(model_dir, device)
@@ -87,6 +91,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = block_size
         self.sampler = Sampler()
+        self.sampling = SamplingState(device, self.config.vocab_size, list(eos_token_ids))
         self.kv_cache: torch.Tensor | None = None
         self._plan_tensors: PlanTensors | None = None
         self.max_num_seqs = max_num_seqs
@@ -155,10 +160,9 @@ class ModelRunner:
         rows = min(num_tokens, self.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:]).float()
         del hidden
-        # The real sampler with every filter on, its most memory-hungry path (sort, masks, race);
-        # on a copy, as the engine samples processed logits while keeping the raw ones.
-        batch = make_sampling_batch([1.0] * rows, top_k=[50] * rows, top_p=[0.9] * rows, min_p=[0.05] * rows,
-                                    device=dev)
+        # The real sampler on its most memory-hungry path (top-p without top-k: a full sort, masks,
+        # the race); on a copy, as the engine samples processed logits while keeping the raw ones.
+        batch = make_sampling_batch([1.0] * rows, top_p=[0.9] * rows, min_p=[0.05] * rows)
         self.sampler(logits.clone(), batch)
         del logits
         self.release_kv_cache()
@@ -242,6 +246,29 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
-        return self.sampler(logits, sampling)
+    def sample(self, hidden: torch.Tensor, sample_indices: torch.Tensor, row_sids: np.ndarray,
+               repeats: np.ndarray | None = None) -> SampleOutput:
+        """One token per row: row i samples sequence row_sids[i] from the logits at its sampled
+        position. `repeats[j]` rows come from sample position j (a prompt fanning out into n
+        samples); without it, one row per position. Penalties, bias and min_tokens apply where the
+        rows' sequences ask; logprobs are computed from the raw logits of the rows that ask."""
+        raw = self.logits(hidden[sample_indices])
+        if repeats is not None:
+            raw = raw.repeat_interleave(torch.from_numpy(repeats).to(raw.device), dim=0)
+        tokens = self.sampler(self.sampling.process(raw, row_sids), self.sampling.batch(row_sids))
+        wanted = self.sampling.rows.logprobs[row_sids]
+        lp_rows = np.flatnonzero(wanted >= 0)
+        logprobs = None
+        if len(lp_rows):
+            idx = torch.from_numpy(lp_rows).to(raw.device)
+            logprobs = gather_logprobs(raw[idx], tokens[idx], wanted[lp_rows])
+        return SampleOutput(tokens.to(torch.int32).cpu().numpy(), tokens, logprobs, lp_rows)
+
+
+@dataclass
+class SampleOutput:
+    tokens: np.ndarray  # int32 [rows], on the host
+    token_tensor: torch.Tensor  # int64 [rows], on the device
+    logprobs: LogprobBlock | None  # for the rows in logprob_rows, in that order
+    logprob_rows: np.ndarray  # int64
 

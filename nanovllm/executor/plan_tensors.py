@@ -1,6 +1,6 @@
 """StepPlan -> torch tensors, at a constant cost per step.
 
-The C++ core writes each step's flat arrays (DESIGN.md, "The step") into one persistent int32
+The C++ core writes each step's flat arrays (docs/design.md, "The step") into one persistent int32
 buffer, every array at a fixed offset sized for the maximum batch and the block tables last. This
 module wraps that buffer once with `torch.from_numpy` and, per step, hands out views of it sized
 by the step's counts. On CPU those views are the result (no copy at all); for an accelerator the

@@ -1,4 +1,4 @@
-"""Model building blocks: linear layers with weight loaders, norms, rotary, attention, sampler."""
+"""Model building blocks: linear layers with weight loaders, norms, rotary, attention."""
 
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, attention_layers, bind_kv_cache
@@ -12,7 +12,6 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.layers.sampler import Sampler, SamplingBatch, make_sampling_batch
 
 __all__ = [
     "Attention",
@@ -24,11 +23,8 @@ __all__ = [
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
-    "Sampler",
-    "SamplingBatch",
     "SiluAndMul",
     "VocabParallelEmbedding",
     "attention_layers",
     "bind_kv_cache",
-    "make_sampling_batch",
 ]

@@ -123,7 +123,9 @@ def load_model(
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Read config.json, build the architecture and load its weights. Returns (model, config)."""
     config = load_model_config(model_dir)
-    find_weight_files(model_dir)  # fail on missing weights before allocating the model
+    # Every file's header is checked before the model takes any memory: a truncated shard fails
+    # here, naming the file, not halfway through the load.
+    validate_weight_files(find_weight_files(model_dir))
     model = build_model(config, resolve_dtype(config, dtype), device, attn_backend)
     load_weights(model, model_dir)
     return model, config

@@ -1,0 +1,20 @@
+"""Sampling, as one package: the persistent per-sequence state (`SamplingState`), the logits
+processors it applies (penalties, logit bias, min_tokens), the sampler and logprobs. The model
+runner owns an instance: `runner.sample(...)` returns a step's tokens and logprobs."""
+
+from nanovllm.sample.logprobs import LogprobBlock, build_entries, gather_logprobs
+from nanovllm.sample.rows import SequenceIds
+from nanovllm.sample.sampler import GREEDY_EPS, Sampler, SamplingBatch, make_sampling_batch
+from nanovllm.sample.state import SamplingState
+
+__all__ = [
+    "GREEDY_EPS",
+    "LogprobBlock",
+    "Sampler",
+    "SamplingBatch",
+    "SamplingState",
+    "SequenceIds",
+    "build_entries",
+    "gather_logprobs",
+    "make_sampling_batch",
+]

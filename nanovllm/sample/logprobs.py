@@ -1,0 +1,69 @@
+"""Log-probabilities of sampled (or prompt) tokens and of the top-k alternatives, as vLLM reports
+them: computed from the model's raw logits (before penalties, temperature and truncation).
+
+A step computes them for all rows that asked in one batched `log_softmax` + `topk` and one
+device-to-host transfer (`LogprobBlock`). The per-token `{token id: Logprob}` dicts users see are
+built only when an output is built (`build_entries`), with every token string of that output
+decoded in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm._core import TokenTable
+from nanovllm.outputs import Logprob
+
+
+@dataclass
+class LogprobBlock:
+    """For each row: the chosen token's logprob and rank (1 = most likely), the top-k ids and
+    logprobs (most likely first), and how many of the top k the row's request asked for."""
+
+    chosen_logprob: np.ndarray  # float64 [R]
+    chosen_rank: np.ndarray  # int64 [R]
+    top_ids: np.ndarray  # int64 [R, k]
+    top_logprobs: np.ndarray  # float64 [R, k]
+    chosen_ids: np.ndarray  # int64 [R]
+    wanted: np.ndarray  # int64 [R]
+
+
+def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
+    """logits [R, V] (raw), chosen [R] token ids, wanted [R] top-k sizes; one device->host transfer."""
+    k = int(wanted.max()) if len(wanted) else 0
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = chosen.view(-1, 1).long()
+    chosen_lp = logprobs.gather(1, chosen)
+    # Rank 1 is the most likely token; ties count in the chosen token's favour.
+    rank = (logprobs > chosen_lp).sum(dim=1, keepdim=True) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen[:, :0])
+    # One transfer: everything as float64 columns (exact for fp32 logprobs and for any token id or
+    # rank below 2^53), split back apart on the host.
+    a = torch.cat([chosen_lp.double(), rank.double(), chosen.double(), top_lp.double(), top_ids.double()],
+                  dim=1).cpu().numpy()
+    return LogprobBlock(a[:, 0], a[:, 1].astype(np.int64), a[:, 3 + k:].astype(np.int64), a[:, 3:3 + k],
+                        a[:, 2].astype(np.int64), np.asarray(wanted, dtype=np.int64))
+
+
+def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:
+    """The `{token id: Logprob}` of each (block, row): the row's top-k alternatives plus the chosen
+    token itself, with every token string decoded in one batched call."""
+    ids: list[int] = []
+    for block, row in refs:
+        ids.extend(block.top_ids[row, : block.wanted[row]].tolist())
+        ids.append(int(block.chosen_ids[row]))
+    strings = iter(table.decode_tokens(np.asarray(ids, dtype=np.int32)))
+    entries = []
+    for block, row in refs:
+        k = int(block.wanted[row])
+        entry = {tid: Logprob(lp, rank + 1, next(strings))
+                 for rank, (tid, lp) in enumerate(zip(block.top_ids[row, :k].tolist(),
+                                                      block.top_logprobs[row, :k].tolist()))}
+        entry[int(block.chosen_ids[row])] = Logprob(float(block.chosen_logprob[row]), int(block.chosen_rank[row]),
+                                                    next(strings))
+        entries.append(entry)
+    return entries

@@ -1,0 +1,205 @@
+"""The persistent per-sequence sampling state (vLLM calls the same idea its InputBatch).
+
+A sequence's row is written once when it is admitted (`add`), copied when it forks (`fork`),
+updated by one vectorized call per step (`record`: output counts for penalties, tokens emitted)
+and dropped when it ends (`remove`). A step gathers its batch's parameters with one fancy index
+per column, so its cost grows with the batch, never with the sequences' lengths:
+
+* repetition / presence / frequency penalties read a dense `[2, vocab]` row per penalized sequence:
+  the prompt's token presence (computed once at admission) and the output tokens' counts (one
+  scatter-add per step for all penalized rows);
+* logit bias is a dense `[vocab]` row per biased sequence, added in one indexed add;
+* min_tokens masks each sequence's stop tokens (its stop ids, plus EOS unless ignore_eos) while
+  it has produced fewer tokens than asked, from a padded `[rows, stops]` id table.
+
+Preemption needs nothing here: a recomputed sequence keeps its generated tokens, so its counts
+stay right. Rows of sequences that never ask for penalties or bias cost nothing but a few columns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nanovllm.sample.rows import DenseRows, RowColumns
+from nanovllm.sample.sampler import SamplingBatch
+from nanovllm.sampling_params import SamplingParams
+
+COLUMNS = {
+    "temperature": (np.float32, 1.0),
+    "top_k": (np.int64, 0),            # 0: off
+    "top_p": (np.float32, 1.0),
+    "min_p": (np.float32, 0.0),
+    "seeded": (bool, False),           # has its own generator
+    "logprobs": (np.int64, -1),        # top-k logprobs to report; -1: none
+    "presence": (np.float32, 0.0),
+    "frequency": (np.float32, 0.0),
+    "repetition": (np.float32, 1.0),
+    "min_tokens": (np.int64, 0),
+    "num_output": (np.int64, 0),       # tokens sampled so far
+    "penalty_slot": (np.int64, -1),    # DenseRows slot of [prompt presence, output counts]
+    "bias_slot": (np.int64, -1),       # DenseRows slot of the logit bias
+    "stop_row": (np.int64, -1),        # row of `_stop_ids` masked until min_tokens
+}
+
+
+class SamplingState:
+    def __init__(self, device: torch.device, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.rows = RowColumns(COLUMNS)
+        self.generators: dict[int, torch.Generator] = {}
+        self._penalties = DenseRows((2, vocab_size), device)
+        self._bias = DenseRows((vocab_size,), device)
+        # Stop ids masked while min_tokens is not reached, -1 padded; rows recycled through a free list.
+        self._stop_ids = np.full((0, 1), -1, dtype=np.int64)
+        self._free_stop_rows: list[int] = []
+
+    # Lifecycle ----------------------------------------------------------------------------------
+
+    def add(self, sid: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
+        """Admit a sequence: its parameters, its seeded generator and the rows its filters read."""
+        r = self.rows
+        r.reset(sid)
+        r.temperature[sid] = params.temperature
+        r.top_k[sid] = params.top_k if 0 < params.top_k < self.vocab_size else 0
+        r.top_p[sid] = params.top_p
+        r.min_p[sid] = params.min_p
+        r.logprobs[sid] = -1 if params.logprobs is None else params.logprobs
+        r.min_tokens[sid] = params.min_tokens
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+            self.generators[sid] = gen
+            r.seeded[sid] = True
+        if params.has_penalties:
+            r.presence[sid] = params.presence_penalty
+            r.frequency[sid] = params.frequency_penalty
+            r.repetition[sid] = params.repetition_penalty
+            slot = r.penalty_slot[sid] = self._penalties.acquire()
+            ids = torch.as_tensor(prompt_token_ids, dtype=torch.int64, device=self.device)
+            self._penalties.data[slot, 0, ids] = 1.0
+        if params.logit_bias:
+            slot = r.bias_slot[sid] = self._bias.acquire()
+            tokens = torch.as_tensor(list(params.logit_bias), dtype=torch.int64, device=self.device)
+            values = torch.as_tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device)
+            self._bias.data[slot].index_put_((tokens,), values)
+        if params.min_tokens > 0:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if stops:
+                r.stop_row[sid] = self._take_stop_row(sorted(stops))
+
+    def fork(self, parent: int, child: int) -> None:
+        """`child` continues from `parent` (n > 1): same parameters, the same seeded stream, its
+        own copies of the penalty and bias rows."""
+        r = self.rows
+        r.copy_row(parent, child)
+        if parent in self.generators:
+            self.generators[child] = self.generators[parent]
+        if r.penalty_slot[parent] >= 0:
+            r.penalty_slot[child] = self._penalties.copy(int(r.penalty_slot[parent]))
+        if r.bias_slot[parent] >= 0:
+            r.bias_slot[child] = self._bias.copy(int(r.bias_slot[parent]))
+        if r.stop_row[parent] >= 0:
+            ids = self._stop_ids[r.stop_row[parent]]
+            r.stop_row[child] = self._take_stop_row(ids[ids >= 0].tolist())
+
+    def remove(self, sid: int) -> None:
+        r = self.rows
+        self.generators.pop(sid, None)
+        if r.penalty_slot[sid] >= 0:
+            self._penalties.release(int(r.penalty_slot[sid]))
+        if r.bias_slot[sid] >= 0:
+            self._bias.release(int(r.bias_slot[sid]))
+        if r.stop_row[sid] >= 0:
+            self._free_stop_rows.append(int(r.stop_row[sid]))
+        r.reset(sid)
+
+    def _take_stop_row(self, ids: list[int]) -> int:
+        if len(ids) > self._stop_ids.shape[1]:
+            pad = np.full((self._stop_ids.shape[0], len(ids) - self._stop_ids.shape[1]), -1, dtype=np.int64)
+            self._stop_ids = np.concatenate([self._stop_ids, pad], axis=1)
+        if not self._free_stop_rows:
+            size = self._stop_ids.shape[0]
+            extra = max(8, size)
+            self._stop_ids = np.concatenate([self._stop_ids, np.full((extra, self._stop_ids.shape[1]), -1, np.int64)])
+            self._free_stop_rows.extend(range(size + extra - 1, size - 1, -1))
+        row = self._free_stop_rows.pop()
+        self._stop_ids[row] = -1
+        self._stop_ids[row, : len(ids)] = ids
+        return row
+
+    # The step -----------------------------------------------------------------------------------
+
+    def batch(self, sids: np.ndarray) -> SamplingBatch:
+        """The sampler's parameters for rows `sids` (a sequence may repeat: n samples of a prompt)."""
+        r = self.rows
+        generators = {}
+        if self.generators:
+            seeded = np.flatnonzero(r.seeded[sids])
+            generators = {int(row): self.generators[int(sids[row])] for row in seeded}
+        return SamplingBatch(r.temperature[sids], r.top_k[sids], r.top_p[sids], r.min_p[sids], generators)
+
+    def process(self, logits: torch.Tensor, sids: np.ndarray) -> torch.Tensor:
+        """Penalties, logit bias and min_tokens masking for the rows that ask; the input itself is
+        returned untouched when none does (it stays the raw logits logprobs are computed from)."""
+        r = self.rows
+        pen_slots = r.penalty_slot[sids]
+        bias_slots = r.bias_slot[sids]
+        stop_rows = r.stop_row[sids]
+        masked = (stop_rows >= 0) & (r.num_output[sids] < r.min_tokens[sids])
+        pen_rows = np.flatnonzero(pen_slots >= 0)
+        bias_rows = np.flatnonzero(bias_slots >= 0)
+        mask_rows = np.flatnonzero(masked)
+        if not (len(pen_rows) or len(bias_rows) or len(mask_rows)):
+            return logits
+        logits = logits.clone()
+        dev = logits.device
+        if len(pen_rows):
+            rows = torch.from_numpy(pen_rows).to(dev)
+            slots = torch.from_numpy(pen_slots[pen_rows]).to(dev)
+            s = sids[pen_rows]
+            apply_penalties(logits, rows, self._penalties.data[slots], r.repetition[s], r.frequency[s], r.presence[s])
+        if len(bias_rows):
+            rows = torch.from_numpy(bias_rows).to(dev)
+            logits[rows] += self._bias.data[torch.from_numpy(bias_slots[bias_rows]).to(dev)]
+        if len(mask_rows):
+            ids = self._stop_ids[stop_rows[mask_rows]]
+            valid = ids >= 0
+            rows = np.broadcast_to(mask_rows[:, None], ids.shape)[valid]
+            logits[torch.from_numpy(rows).to(dev), torch.from_numpy(ids[valid]).to(dev)] = float("-inf")
+        return logits
+
+    def record(self, sids: np.ndarray, tokens: torch.Tensor) -> None:
+        """The tokens just sampled for rows `sids` (each sequence at most once)."""
+        r = self.rows
+        r.num_output[sids] += 1
+        slots = r.penalty_slot[sids]
+        rows = np.flatnonzero(slots >= 0)
+        if len(rows):
+            dev = self._penalties.data.device
+            idx = torch.from_numpy(rows).to(dev)
+            self._penalties.data.index_put_(
+                (torch.from_numpy(slots[rows]).to(dev), torch.ones_like(idx), tokens[idx].to(dev)),
+                torch.ones(len(rows), device=dev), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor, repetition: np.ndarray,
+                    frequency: np.ndarray, presence: np.ndarray) -> None:
+    """In place on logits[rows]. `seen` is [rows, 2, vocab]: prompt presence, output counts.
+    Repetition divides positive (multiplies negative) logits of every token seen in the prompt or
+    the output; frequency subtracts count * penalty and presence subtracts the penalty once for each
+    token in the output (vLLM's / OpenAI's definitions). A term no row uses is skipped."""
+    dev = logits.device
+    sub = logits[rows]
+    counts = seen[:, 1]
+    in_output = counts > 0
+    if (repetition != 1.0).any():
+        rep = torch.from_numpy(repetition).to(dev)[:, None]
+        sub = torch.where(in_output | (seen[:, 0] > 0), torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if (frequency != 0.0).any():
+        sub -= torch.from_numpy(frequency).to(dev)[:, None] * counts
+    if (presence != 0.0).any():
+        sub -= torch.from_numpy(presence).to(dev)[:, None] * in_output
+    logits[rows] = sub
