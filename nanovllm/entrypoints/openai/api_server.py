@@ -25,7 +25,7 @@ from nanovllm.entrypoints.openai.connection_guards import (
     BodyLimitMiddleware,
     default_limit_concurrency,
     default_max_request_bytes,
-    header_timeout_protocol,
+    guarded_protocol,
     quiet_accept_errors,
     raise_fd_limit,
 )
@@ -190,6 +190,6 @@ def run_server(engine: LLMEngine, config: ServerConfig) -> None:
     limit_concurrency = config.limit_concurrency or default_limit_concurrency(fd_limit)
     logger.info("at most %d connections and requests at once (open-file limit %d)", limit_concurrency, fd_limit)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        access_log=config.access_log, http=header_timeout_protocol(config.header_timeout),
-                        limit_concurrency=limit_concurrency, timeout_keep_alive=config.timeout_keep_alive)  # type: ignore[arg-type]
+                        access_log=config.access_log, http=guarded_protocol(config.header_timeout, limit_concurrency),
+                        timeout_keep_alive=config.timeout_keep_alive)  # type: ignore[arg-type]
     GracefulServer(uv, app.state.async_engine.shutdown, config.shutdown_timeout).run()

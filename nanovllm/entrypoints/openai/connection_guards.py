@@ -7,6 +7,7 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Sized
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,13 +81,24 @@ class BodyLimitMiddleware:
                                   "bytes (--max-request-bytes)")(scope, receive, send)
 
 
-def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol, closing a connection that has not sent a request's complete
-    headers within `timeout` seconds of connecting or of its previous response (uvicorn has no
-    such limit: a socket that never finishes its headers would be held for ever)."""
+def guarded_protocol(header_timeout: float, limit_concurrency: int) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with two changes.
 
-    class HeaderTimeoutProtocol(H11Protocol):
+    A connection that has not sent a request's complete headers within `header_timeout` seconds
+    of connecting or of its previous response is closed (uvicorn has no such limit: a socket that
+    never finishes its headers would be held for ever).
+
+    Past `limit_concurrency` open connections or running requests, a request gets a JSON 503 in
+    the OpenAI error shape (uvicorn's own limit answers in plain text, logging a line each time).
+    """
+
+    class GuardedProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.limit_concurrency = None  # uvicorn's check, replaced by the app wrapper
+            self.app = _concurrency_limited(self.app, self.connections, self.tasks, limit_concurrency)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -105,7 +117,7 @@ def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
             if self._header_timer is not None:
                 self._header_timer.cancel()
             waiting_on = self.cycle  # a new request replaces the cycle
-            self._header_timer = self.loop.call_later(timeout, self._header_timeout, waiting_on)
+            self._header_timer = self.loop.call_later(header_timeout, self._header_timeout, waiting_on)
 
         def _header_timeout(self, waiting_on: Any) -> None:
             self._header_timer = None
@@ -113,7 +125,21 @@ def header_timeout_protocol(timeout: float) -> type[H11Protocol]:
             if idle and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimeoutProtocol
+    return GuardedProtocol
+
+
+def _concurrency_limited(app: ASGIApp, connections: Sized, tasks: Sized, limit: int) -> ASGIApp:
+    async def limited(scope: Scope, receive: Receive, send: Send) -> None:
+        # This request's own connection and task are already counted.
+        if len(connections) > limit or len(tasks) > limit:
+            response = error_response(503, f"the server is at its limit of {limit} connections or requests "
+                                           "at once (--limit-concurrency); retry later")
+            response.headers["Connection"] = "close"
+            await response(scope, receive, send)
+            return
+        await app(scope, receive, send)
+
+    return limited
 
 
 def raise_fd_limit() -> int:
