@@ -36,11 +36,13 @@ int32_t checked_int32(int64_t v, const char* name, int64_t lo, int64_t hi = kInt
 std::vector<int32_t> token_vector(py::handle obj, const char* name, int64_t vocab) {
   std::vector<int32_t> out;
   const int64_t hi = vocab > 0 ? vocab - 1 : kInt32Max;
+  // `value` as text: an id too large for int64 is reported as the client wrote it.
+  auto outside = [&](const std::string& value, size_t i) {
+    value_error(std::string(name) + "[" + std::to_string(i) + "] = " + value + " is outside the vocabulary [0, " +
+                std::to_string(hi + 1) + ")");
+  };
   auto check = [&](int64_t v, size_t i) {
-    if (v < 0 || v > hi) {
-      value_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) +
-                  " is outside the vocabulary [0, " + std::to_string(hi + 1) + ")");
-    }
+    if (v < 0 || v > hi) outside(std::to_string(v), i);
     out.push_back(static_cast<int32_t>(v));
   };
   if (py::isinstance<py::array>(obj)) {
@@ -52,7 +54,7 @@ std::vector<int32_t> token_vector(py::handle obj, const char* name, int64_t voca
     if (kind == 'u') {
       auto unsigned_view = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
       for (py::ssize_t i = 0; i < unsigned_view.size(); ++i) {
-        if (unsigned_view.data()[i] > static_cast<uint64_t>(kInt32Max)) check(-1, i);
+        if (unsigned_view.data()[i] > static_cast<uint64_t>(kInt32Max)) outside(std::to_string(unsigned_view.data()[i]), i);
       }
     }
     out.reserve(wide.size());
@@ -70,11 +72,11 @@ std::vector<int32_t> token_vector(py::handle obj, const char* name, int64_t voca
       value_error(std::string(name) + "[" + std::to_string(i) + "] must be an int, got " +
                   std::string(py::str(py::type::of(item).attr("__name__"))));
     }
-    int64_t v;
+    int64_t v = 0;
     try {
       v = item.cast<int64_t>();
     } catch (const py::cast_error&) {
-      v = -1;
+      outside(std::string(py::str(item)), i);
     }
     check(v, i);
   }

@@ -123,6 +123,10 @@ class LLM:
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    # bytes would pass as a sequence of ints (token ids), None fail deep inside with a TypeError.
+    if prompts is None or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError("prompts must be a string, a list of token ids, a dict or a list of those, got "
+                         f"{type(prompts).__name__}" + (" (decode bytes to str first)" if prompts is not None else ""))
     if isinstance(prompts, (str, dict)):
         return [prompts]
     prompts = list(prompts)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 # As vLLM: how many top log-probabilities a request may ask for per token.
 MAX_LOGPROBS = 20
+# A seed seeds a torch.Generator, whose manual_seed takes any 64-bit value, signed or unsigned.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -70,8 +72,8 @@ class SamplingParams:
             fail("top_k", "-1 (off), 0 (off) or a positive integer below 2**31")
         if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", "None or an integer")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail("seed", "None or an integer in [-2**63, 2**64 - 1]")
         if not all(isinstance(s, str) and s and _encodable(s) for s in self.stop_strings):
             fail("stop", "a non-empty string or a list of non-empty strings (valid Unicode)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):

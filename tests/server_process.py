@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -24,7 +25,9 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
+                 max_open_files: int | None = None) -> None:
+        """`max_open_files` caps the process's open-file limit (soft and hard, as `ulimit -n`)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
@@ -34,8 +37,11 @@ class ServerProcess:
         with open(self.log_path, "w") as log:
             # cwd=workdir: `-m` puts the cwd first on sys.path, and the repository root would shadow
             # the installed package (with its compiled modules) by the bare source tree.
+            limit = None if max_open_files is None else (max_open_files, max_open_files)
             self.proc = subprocess.Popen(cmd, cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})})
+                                         env={**os.environ, **(env or {})},
+                                         preexec_fn=None if limit is None else
+                                         lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit))
         self._wait_healthy()
 
     def log(self) -> str:

@@ -83,15 +83,17 @@ def test_multi_turn_reuses_generated_history(qwen3_dir: Path) -> None:
 
 
 def test_preemption_under_a_small_pool(qwen3_dir: Path) -> None:
-    # 6 prompts that need ~7 blocks each at the end share a pool of 24 blocks.
-    llm = make_llm(qwen3_dir, num_kvcache_blocks=24, max_num_seqs=6)
+    # 6 prompts that need ~7 blocks each at the end share a pool of 24 blocks (which holds one
+    # sequence of max_model_len, as the engine requires).
+    llm = make_llm(qwen3_dir, num_kvcache_blocks=24, max_model_len=24 * BLOCK, max_num_seqs=6)
     prompts = random_prompts([60, 70, 80, 50, 65, 75], VOCAB, seed=9)
     check_against_hf(llm, qwen3_dir, prompts, max_new=40)
     assert llm.stats()["num_preemptions"] > 0
 
 
 def test_preemption_without_prefix_caching(qwen3_dir: Path) -> None:
-    llm = make_llm(qwen3_dir, num_kvcache_blocks=24, max_num_seqs=6, enable_prefix_caching=False)
+    llm = make_llm(qwen3_dir, num_kvcache_blocks=24, max_model_len=24 * BLOCK, max_num_seqs=6,
+                   enable_prefix_caching=False)
     prompts = random_prompts([60, 70, 80, 50, 65, 75], VOCAB, seed=9)
     check_against_hf(llm, qwen3_dir, prompts, max_new=40)
     stats = llm.stats()
@@ -170,6 +172,16 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
         llm.generate([good, good], SamplingParams(logit_bias={VOCAB: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.generate([good], SamplingParams(stop_token_ids=[VOCAB + 3]), use_tqdm=False)
+    # An id past int64 is reported as given (it used to read -1).
+    with pytest.raises(ValueError, match=rf"prompt_token_ids\[1\] = {2**63} is outside the vocabulary"):
+        llm.generate([good, [1, 2**63]], use_tqdm=False)
+    with pytest.raises(ValueError, match="got NoneType"):
+        llm.generate(None, use_tqdm=False)  # type: ignore[arg-type]
+    # bytes would otherwise pass as a list of token ids.
+    with pytest.raises(ValueError, match="got bytes"):
+        llm.generate(b"bytes", use_tqdm=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llm.generate(["fine", "a\ud800"], use_tqdm=False)
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["num_requests"] == 0 and stats["num_waiting"] == 0
@@ -185,11 +197,32 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
      ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
      ("logprobs", 21), ("prompt_logprobs", -1), ("stop", [""]), ("stop", 5), ("logit_bias", {1: 200.0}),
      ("logit_bias", {"x": 1.0}), ("skip_special_tokens", 1), ("temperature", float("nan")),
-     ("stop", ["\ud800"]), ("top_k", 2**63)],
+     ("stop", ["\ud800"]), ("top_k", 2**63), ("seed", 2**64), ("seed", -(2**63) - 1)],
 )
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_seed_range_ends_are_accepted(qwen3_dir: Path) -> None:
+    llm = make_llm(qwen3_dir, max_model_len=64)
+    for seed in (2**64 - 1, -(2**63)):
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=1.0, seed=seed, max_tokens=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_pool_smaller_than_max_model_len_is_refused(qwen3_dir: Path) -> None:
+    """A pool that cannot hold one sequence of max_model_len would cut long requests at its size
+    (finish_reason "length"); the engine refuses it, saying what to change."""
+    with pytest.raises(ValueError) as e:
+        make_llm(qwen3_dir, num_kvcache_blocks=8, max_model_len=512)
+    message = str(e.value)
+    assert "max_model_len=512" in message and "8 blocks of 16 tokens = 128 tokens" in message
+    assert "lower max_model_len to at most 128" in message and "num_kvcache_blocks" in message
+    # Exactly one sequence's worth is enough, and such a sequence runs to max_model_len.
+    llm = make_llm(qwen3_dir, num_kvcache_blocks=4, max_model_len=64)
+    out = llm.generate([list(range(3, 63))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
 
 
 def test_model_directory_errors_name_the_file(tmp_path: Path, qwen3_dir: Path) -> None:

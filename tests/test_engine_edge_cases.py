@@ -40,7 +40,9 @@ def beams(outs) -> list:  # noqa: ANN001
     return [[(s.tokens, round(s.cum_logprob, 4), s.finish_reason) for s in o.sequences] for o in outs]
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_num_batched_tokens=8), dict(max_num_seqs=4), dict(num_kvcache_blocks=14)],
+# A tiny pool comes with a max_model_len it can hold (the engine refuses a smaller pool).
+@pytest.mark.parametrize("kwargs", [dict(max_num_batched_tokens=8), dict(max_num_seqs=4),
+                                    dict(num_kvcache_blocks=14, max_model_len=56)],
                          ids=["token-budget", "max-num-seqs", "tiny-kv-pool"])
 def test_beam_search_beams_advance_in_lockstep(llm: LLM, model_dir: Path, kwargs: dict) -> None:
     # 3 prompts x 3 beams do not all fit one step: a group used to decide on a subset of its beams
@@ -48,8 +50,7 @@ def test_beam_search_beams_advance_in_lockstep(llm: LLM, model_dir: Path, kwargs
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     ref = beams(llm.beam_search(PROMPTS, params))
     assert_idle(llm)
-    tight = LLM(str(model_dir), device="cpu", max_model_len=256, block_size=4,
-                **{"num_kvcache_blocks": 256, **kwargs})
+    tight = LLM(str(model_dir), device="cpu", block_size=4, **{"num_kvcache_blocks": 256, "max_model_len": 256, **kwargs})
     assert beams(tight.beam_search(PROMPTS, params)) == ref
     assert_idle(tight)
     # max_tokens=1 under the same limits
@@ -99,12 +100,13 @@ def test_streamed_n_with_stop_strings_matches_non_streamed(llm: LLM) -> None:
         assert_idle(llm)
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_num_batched_tokens=5), dict(num_kvcache_blocks=12), dict(max_num_seqs=3)],
+@pytest.mark.parametrize("kwargs", [dict(max_num_batched_tokens=5), dict(num_kvcache_blocks=12, max_model_len=48),
+                                    dict(max_num_seqs=3)],
                          ids=["chunked", "preempted", "sliced"])  # sliced: more prompt rows than max_num_seqs
 def test_prompt_logprobs_chunked_and_preempted(llm: LLM, model_dir: Path, kwargs: dict) -> None:
     params = SamplingParams(n=2, max_tokens=10, temperature=0, prompt_logprobs=2, logprobs=1, ignore_eos=True)
     ref = llm.generate(PROMPTS, params, use_tqdm=False)
-    tight = LLM(str(model_dir), device="cpu", max_model_len=256, block_size=4, **{"num_kvcache_blocks": 256, **kwargs})
+    tight = LLM(str(model_dir), device="cpu", block_size=4, **{"num_kvcache_blocks": 256, "max_model_len": 256, **kwargs})
     out = tight.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(ref, out):
         assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)

@@ -1,5 +1,5 @@
 """AsyncLLMEngine in process: deltas, cancellation, admission errors, the queue limit, a failing
-step and shutdown — each leaving no request or KV block behind."""
+step, a consumer that stops reading, and shutdown — each leaving no request or KV block behind."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import pytest
 from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from nanovllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestGroup,
+    StreamStalledError,
+)
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
 
@@ -125,11 +132,16 @@ def test_rejections_leave_nothing_behind(engine: LLMEngine) -> None:
 
 def test_queue_limit(engine: LLMEngine) -> None:
     async def body(ae: AsyncLLMEngine) -> None:
-        # Added in one batch, none is scheduled yet: the third finds two waiting.
-        with pytest.raises(QueueFullError):
+        # More prompts than the queue ever holds: no retry would help, so it is a bad request.
+        with pytest.raises(ValueError, match="more than the 2"):
             await ae.add_requests([(f"q{i}", "hi", greedy(4)) for i in range(3)])
-        group = await ae.add_requests([(f"q{i}", "hi", greedy(4)) for i in range(2)])
-        assert len([out async for out in group if out.finished]) == 2
+        # Two groups queued together (admitted between the same two steps, none scheduled yet):
+        # the second finds two waiting.
+        first, second = await asyncio.gather(ae.add_requests([(f"q{i}", "hi", greedy(4)) for i in range(2)]),
+                                             ae.add_requests([("q2", "hi", greedy(4))]), return_exceptions=True)
+        assert isinstance(second, QueueFullError)
+        assert isinstance(first, RequestGroup)
+        assert len([out async for out in first if out.finished]) == 2
 
     run(engine, body, max_queued_requests=2)
 
@@ -154,6 +166,27 @@ def test_failing_step_fails_requests_in_flight_and_engine_goes_on(engine: LLMEng
         assert text
 
     run(engine, body)
+
+
+@pytest.mark.parametrize("limits,reason", [({"buffer_entries_per_request": 60}, "unread tokens and logprobs"),
+                                          ({"stall_timeout": 0.3}, "no output taken for")],
+                         ids=["buffer-bound", "stall-timeout"])
+def test_a_consumer_that_stops_reading_is_aborted(engine: LLMEngine, limits: dict, reason: str) -> None:
+    """The engine does not wait for consumers: one that stops taking outputs is aborted (its
+    blocks freed) once more than the bound waits unread, or the oldest has waited too long."""
+    async def body(ae: AsyncLLMEngine) -> None:
+        group = await ae.add_requests([("stalls", "hi", greedy(200, ignore_eos=True, logprobs=5))])
+        first = await group.__anext__()
+        assert not first.finished
+        await idle(ae, timeout=30)  # nobody reads; the request still ends, long before 200 tokens
+        with pytest.raises(StreamStalledError, match=reason):
+            await group.__anext__()
+        assert group.finished
+        # A consumer that keeps reading is never aborted under the same limits.
+        text, outs = await drain(ae.generate("hi", greedy(40, ignore_eos=True, logprobs=5), "reads"))
+        assert sum(len(c.token_ids) for o in outs for c in o.outputs) == 40
+
+    run(engine, body, **limits)
 
 
 def test_shutdown_ends_requests_in_flight(engine: LLMEngine) -> None:

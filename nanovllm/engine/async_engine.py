@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
+from nanovllm.engine.output_buffer import DEFAULT_ENTRIES_PER_REQUEST, OutputBuffer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -42,12 +43,19 @@ class RequestFailedError(RuntimeError):
     """The step running this request raised; the engine dropped the request and kept going."""
 
 
+class StreamStalledError(RuntimeError):
+    """The consumer stopped taking this request's outputs (a client that does not read its
+    stream); the request was aborted and its blocks freed."""
+
+
 class RequestObserver(Protocol):
     """Sees every output as it is delivered (e.g. to keep metrics); called on the event loop."""
 
     def on_output(self, output: RequestOutput, now: float) -> None: ...
 
     def on_abort(self, request_id: str) -> None: ...
+
+    def on_stall(self) -> None: ...
 
 
 @dataclass
@@ -76,7 +84,7 @@ class RequestGroup:
     cancelled or abandoned consumer frees its KV blocks at once.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_ids: Sequence[str], outputs: asyncio.Queue) -> None:
+    def __init__(self, engine: AsyncLLMEngine, request_ids: Sequence[str], outputs: OutputBuffer) -> None:
         self._engine = engine
         self.request_ids = list(request_ids)
         self._pending = set(request_ids)
@@ -108,12 +116,17 @@ class RequestGroup:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
-                 observer: RequestObserver | None = None) -> None:
+                 observer: RequestObserver | None = None, stall_timeout: float | None = None,
+                 buffer_entries_per_request: int = DEFAULT_ENTRIES_PER_REQUEST) -> None:
+        """`stall_timeout` (seconds) and `buffer_entries_per_request` bound what waits for a slow
+        consumer: past either, its requests are aborted (see OutputBuffer)."""
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.observer = observer
+        self.stall_timeout = stall_timeout
+        self.buffer_entries_per_request = buffer_entries_per_request
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._sinks: dict[str, asyncio.Queue] = {}  # event-loop side: request id -> its group's queue
+        self._sinks: dict[str, OutputBuffer] = {}  # event-loop side: request id -> its group's buffer
         self._live: set[str] = set()  # engine-thread side: requests the engine holds
         self._stats = engine.stats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,9 +167,13 @@ class AsyncLLMEngine:
         happens between two steps, so it waits at most one step."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
+        if self.max_queued_requests is not None and len(requests) > self.max_queued_requests:
+            # No wait would ever make room for them: the request itself is too big (not a 503).
+            raise ValueError(f"prompt holds {len(requests)} prompts, more than the {self.max_queued_requests} "
+                             "this server queues at once; send fewer per request")
         arrival = arrival_time if arrival_time is not None else time.time()
-        outputs: asyncio.Queue = asyncio.Queue()
         ids = [rid for rid, _, _ in requests]
+        outputs = OutputBuffer(ids, self.buffer_entries_per_request * len(ids))
         if len(set(ids)) != len(ids) or any(rid in self._sinks for rid in ids):
             raise ValueError("request ids must be unique")
         for rid in ids:
@@ -204,6 +221,7 @@ class AsyncLLMEngine:
             pass
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        touched: dict[int, OutputBuffer] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -213,15 +231,28 @@ class AsyncLLMEngine:
                     self.observer.on_output(out, now)
                 except Exception:  # metrics must never cost a request its output
                     logger.exception("request observer failed")
-            sink.put_nowait(out)
+            sink.put(out)
+            touched[id(sink)] = sink
             if out.finished:
                 del self._sinks[out.request_id]
+        for sink in touched.values():
+            live = [rid for rid in sink.request_ids if self._sinks.get(rid) is sink]
+            reason = sink.stall(self.stall_timeout) if live else None  # a finished group grows no more
+            if reason is not None:
+                self._stalled(sink, live, reason)
+
+    def _stalled(self, sink: OutputBuffer, live: list[str], reason: str) -> None:
+        logger.warning("aborting %s: its client stopped reading (%s)", ", ".join(live), reason)
+        self.abort(live)
+        sink.fail(StreamStalledError(f"the request was aborted because its client stopped reading: {reason}"))
+        if self.observer is not None:
+            self.observer.on_stall()
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for rid in request_ids:
             sink = self._sinks.pop(rid, None)
             if sink is not None:
-                sink.put_nowait(error)
+                sink.put(error)
                 if self.observer is not None:
                     self.observer.on_abort(rid)
 

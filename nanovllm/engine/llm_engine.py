@@ -49,6 +49,17 @@ SEQUENCE_COLUMNS = {
 }
 
 
+def valid_text(text: str) -> str:
+    """The tokenizer takes UTF-8: a lone surrogate (e.g. from a JSON "\\ud800") would fail inside it
+    with a TypeError that does not say what is wrong."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the prompt is not valid Unicode: it holds the lone surrogate {text[e.start:e.end]!r} "
+                         f"at position {e.start}") from None
+    return text
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -67,6 +78,7 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
                                   eos_token_ids=self.eos_token_ids)
         num_blocks = self._num_kv_blocks(budget)
+        self._check_pool_holds_one_sequence(num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
         self.core = _C.Scheduler(
             num_blocks=num_blocks,
@@ -104,11 +116,23 @@ class LLMEngine:
             )
         return int(blocks)
 
+    def _check_pool_holds_one_sequence(self, num_blocks: int) -> None:
+        """A pool smaller than max_model_len would cut every long enough request at the pool's size
+        (reported as finish_reason "length"): refuse it at startup, as vLLM does."""
+        block_size = self.config.block_size
+        need = -(-self.max_model_len // block_size)
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens = {num_blocks * block_size} tokens, "
+                f"but one sequence of max_model_len={self.max_model_len} tokens needs {need} blocks; lower "
+                f"max_model_len to at most {num_blocks * block_size}, or give the KV cache more room "
+                "(num_kvcache_blocks, kv_cache_memory_bytes or gpu_memory_utilization)")
+
     # Requests -----------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(valid_text(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

@@ -85,12 +85,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         model = args.model
         names = args.served_model_name or [model]
-    if args.max_queued_requests < 1:
-        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     config = ServerConfig(model_path=model, served_model_names=names, host=args.host, port=args.port,
                           api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
-                          access_log=not args.disable_access_log)
+                          access_log=not args.disable_access_log, max_request_bytes=args.max_request_bytes,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
+                          timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
+                          shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout)
     run_server(_make_llm(args, model).engine, config)
     return 0
 
@@ -128,6 +130,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the name(s) clients pass as `model` (default: MODEL_DIR); the first is reported")
     serve.add_argument("--max-queued-requests", type=int, default=1024,
                        help="answer 503 when this many sequences already wait for the scheduler")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="answer 413 to a larger request body, before reading it (default: 64 bytes per token "
+                            "of max_model_len, at least 1 MiB)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="run chat templates sent with a request (`chat_template`); refused with 400 otherwise")
+    serve.add_argument("--chat-template-timeout", type=float, default=5.0,
+                       help="seconds a chat template may take to render before the request gets a 400")
+    serve.add_argument("--limit-concurrency", type=int, default=None,
+                       help="answer 503 beyond this many open connections or requests at once "
+                            "(default: the open-file limit less 128, at most 8192)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="close an idle keep-alive connection after this many seconds")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="close a connection that has not sent a request's complete headers within this many "
+                            "seconds (of connecting or of its previous response); a body part late by as much is a 408")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds the requests in flight get to finish before they are ended "
+                            "(streams with an error event, others with a 503)")
+    serve.add_argument("--stream-stall-timeout", type=float, default=60.0,
+                       help="abort a request whose client has read none of its output for this many seconds")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--disable-access-log", action="store_true")
     _engine_args(serve)

@@ -7,6 +7,7 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all /v1
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -20,7 +21,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nanovllm.engine.async_engine import AsyncLLMEngine
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.entrypoints.openai.connection_guards import (
+    BodyLimitMiddleware,
+    default_limit_concurrency,
+    default_max_request_bytes,
+    guarded_protocol,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 from nanovllm.entrypoints.openai.errors import error_response, install_error_handlers
+from nanovllm.entrypoints.openai.graceful import GracefulServer
 from nanovllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -35,6 +45,7 @@ from nanovllm.entrypoints.openai.serving_base import ServingContext
 from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.serving_completion import CompletionServing
 from nanovllm.entrypoints.openai.serving_tokenize import TokenizeServing
+from nanovllm.entrypoints.openai.text_workers import TextWorkers
 
 logger = logging.getLogger("nanovllm.server")
 
@@ -51,6 +62,25 @@ class ServerConfig:
     max_queued_requests: int = 1024
     log_level: str = "info"
     access_log: bool = True
+    max_request_bytes: int | None = None  # default: default_max_request_bytes(max_model_len)
+    trust_request_chat_template: bool = False
+    chat_template_timeout: float = 5.0  # seconds a chat template may render
+    limit_concurrency: int | None = None  # connections + requests; default: from the open-file limit
+    timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
+    header_timeout: float = 10.0  # for a request's headers, and for each piece of its body
+    shutdown_timeout: float = 30.0  # requests in flight get this long to finish on SIGTERM
+    stream_stall_timeout: float = 60.0  # a stream whose client reads nothing for this long is aborted
+
+    def __post_init__(self) -> None:
+        for name in ("chat_template_timeout", "timeout_keep_alive", "header_timeout", "stream_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        for name in ("max_queued_requests", "max_request_bytes", "limit_concurrency"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 class APIKeyMiddleware:
@@ -75,19 +105,23 @@ class APIKeyMiddleware:
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     names = config.served_model_names or [config.model_path]
-    if config.max_queued_requests < 1:
-        raise ValueError(f"max_queued_requests must be >= 1, got {config.max_queued_requests}")
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=config.max_queued_requests)
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=config.max_queued_requests,
+                                  stall_timeout=config.stream_stall_timeout)
     metrics = ServerMetrics(async_engine.stats, names[0])
     async_engine.observer = metrics
+    workers = TextWorkers()
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_names=names,
-                         model_path=config.model_path, max_model_len=engine.max_model_len)
+                         model_path=config.model_path, max_model_len=engine.max_model_len, workers=workers,
+                         trust_request_chat_template=config.trust_request_chat_template,
+                         render_timeout=config.chat_template_timeout)
+    max_request_bytes = config.max_request_bytes or default_max_request_bytes(engine.max_model_len)
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
     tokenize = TokenizeServing(ctx, engine.vocab_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        quiet_accept_errors(asyncio.get_running_loop())
         async_engine.start()
         s = engine.stats()
         logger.info("serving %s as %s on http://%s:%d (KV cache: %d blocks of %d tokens = %d tokens; "
@@ -95,14 +129,19 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                     config.model_path, ", ".join(names), config.host, config.port, s["num_total_blocks"],
                     s["block_size"], s["num_total_blocks"] * s["block_size"], s["max_model_len"], engine.device,
                     config.max_queued_requests, "; API key required on /v1" if config.api_key else "")
+        logger.info("request bodies up to %d bytes; request chat templates %s", max_request_bytes,
+                    "trusted" if config.trust_request_chat_template else "refused")
         try:
             yield
         finally:
             await async_engine.shutdown()
+            workers.shutdown()
 
     app = FastAPI(title="nanovllm OpenAI-compatible server", version=VERSION, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    # Added last is outermost: the API key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, read_timeout=config.header_timeout)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.state.async_engine = async_engine
@@ -136,17 +175,21 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenize.tokenize(body)
+        return await tokenize.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenize.detokenize(body)
+        return await tokenize.detokenize(body)
 
     return app
 
 
 def run_server(engine: LLMEngine, config: ServerConfig) -> None:
     app = build_app(engine, config)
+    fd_limit = raise_fd_limit()
+    limit_concurrency = config.limit_concurrency or default_limit_concurrency(fd_limit)
+    logger.info("at most %d connections and requests at once (open-file limit %d)", limit_concurrency, fd_limit)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        access_log=config.access_log, timeout_graceful_shutdown=5)
-    uvicorn.Server(uv).run()
+                        access_log=config.access_log, http=guarded_protocol(config.header_timeout, limit_concurrency),
+                        timeout_keep_alive=config.timeout_keep_alive)  # type: ignore[arg-type]
+    GracefulServer(uv, app.state.async_engine.shutdown, config.shutdown_timeout).run()

@@ -1,6 +1,8 @@
 """Every failure leaves the server as an OpenAI-style error body: `{"error": {"message", "type",
 "param", "code"}}`. The handlers below map what FastAPI and the engine raise onto status codes,
-so a bad request is always a 4xx (never a 500 and never a hung connection)."""
+so a bad request is always a 4xx (never a 500 and never a hung connection). Building an error
+response never raises itself: a message quoting the client's lone surrogate ("\ud800") cannot
+be encoded as UTF-8 and would otherwise turn a 4xx into a 500."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
@@ -23,6 +25,7 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
     499: "ClientClosedRequest",
@@ -39,13 +42,32 @@ class OpenAIError(Exception):
         self.param = param
 
 
+# The last resort when even an error body cannot be built.
+_FALLBACK_BODY = b'{"error":{"message":"internal error","type":"InternalServerError","param":null,"code":500}}'
+
+
+def _printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot carry (lone surrogates) written as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
-    kind = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+    kind = _ERROR_TYPES.get(status)
+    if kind is None:
+        try:
+            kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        except ValueError:  # a status http.HTTPStatus does not know
+            kind = "Error"
+    return ErrorResponse(error=ErrorInfo(message=_printable(message), type=kind,
+                                         param=None if param is None else _printable(param), code=status))
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    try:
+        return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+    except Exception:
+        logger.exception("could not build an error response")
+        return Response(_FALLBACK_BODY, status_code=500, media_type="application/json")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -65,31 +87,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
+    async def _openai(_: Request, exc: OpenAIError) -> Response:
         return error_response(exc.status, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(QueueFullError)
-    async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+    async def _queue_full(_: Request, exc: QueueFullError) -> Response:
         return error_response(503, str(exc))
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+    async def _dead(_: Request, exc: EngineDeadError) -> Response:
         return error_response(503, str(exc))
 
     @app.exception_handler(RequestFailedError)
-    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+    async def _failed(_: Request, exc: RequestFailedError) -> Response:
         return error_response(500, str(exc))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}")

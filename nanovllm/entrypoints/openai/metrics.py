@@ -92,6 +92,9 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=r)
         self._aborted = Counter("nanovllm:request_aborted", "Requests aborted before finishing "
                                 "(client gone or engine error).", labels, registry=r).labels(model_name)
+        self._stalled = Counter("nanovllm:stream_stall_aborts", "Requests aborted because their client stopped "
+                                "reading (--stream-stall-timeout, or too much output left unread).", labels,
+                                registry=r).labels(model_name)
         self._ttft = Histogram("nanovllm:time_to_first_token_seconds", "Arrival to first generated token.",
                                labels, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self._itl = Histogram("nanovllm:inter_token_latency_seconds",
@@ -132,6 +135,9 @@ class ServerMetrics:
     def on_abort(self, request_id: str) -> None:
         self._timings.pop(request_id, None)
         self._aborted.inc()
+
+    def on_stall(self) -> None:
+        self._stalled.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,15 +13,14 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
 
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict floats still accept JSON integers
 Bool = StrictBool
 Str = StrictStr
 
-# torch generators take 64-bit seeds.
-Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
+Seed = Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -140,9 +139,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
-    # vLLM's chat-template controls.
+    # vLLM's chat-template controls (a request's own template only runs on a server started with
+    # --trust-request-chat-template).
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    chat_template: Str | None = None
     chat_template_kwargs: dict[Str, Any] | None = None
 
 
@@ -155,6 +156,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_special_tokens: Bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
+    chat_template: Str | None = None
+    chat_template_kwargs: dict[Str, Any] | None = None
     return_token_strs: Bool = False
 
 

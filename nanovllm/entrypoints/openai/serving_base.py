@@ -4,6 +4,7 @@ prompt rendering, admission into the engine, and how a response outlives (or not
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import weakref
@@ -16,8 +17,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestGroup
-from nanovllm.engine.llm_engine import PromptType
+from nanovllm.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestGroup,
+    StreamStalledError,
+)
+from nanovllm.engine.llm_engine import PromptType, valid_text
 from nanovllm.entrypoints.openai.errors import OpenAIError, error_body
 from nanovllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -25,6 +32,7 @@ from nanovllm.entrypoints.openai.protocol import (
     CompletionRequest,
     OpenAIBaseModel,
 )
+from nanovllm.entrypoints.openai.text_workers import RenderTimeoutError, TextWorkers, run_with_deadline
 from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.sampling_params import SamplingParams
 
@@ -49,11 +57,19 @@ def sse(payload: BaseModel | str) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 # What can still go wrong once a stream has started: reported as an error event, then [DONE].
-STREAM_ERRORS = (RequestFailedError, EngineDeadError)
+STREAM_ERRORS = (RequestFailedError, EngineDeadError, StreamStalledError)
 
 
 def stream_error(error: BaseException) -> str:
-    return sse(error_body(503 if isinstance(error, EngineDeadError) else 500, str(error)))
+    status = 503 if isinstance(error, EngineDeadError) else 408 if isinstance(error, StreamStalledError) else 500
+    return sse(error_body(status, str(error)))
+
+
+# apply_chat_template's own options: chat_template_kwargs must not set them (`return_tensors: "np"`
+# would change what it returns, `chat_template` would run the client's template).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    name for name, p in inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.items()
+    if p.kind is not inspect.Parameter.VAR_KEYWORD) - {"self"}
 
 
 @dataclass
@@ -62,8 +78,8 @@ class Prompt:
     text: str | None  # None when the client sent token ids (or a conversation)
 
     def for_engine(self) -> PromptType:
-        # The engine gets token ids only: the tokenizer is used on the event loop and never
-        # concurrently from the engine thread.
+        # The engine gets token ids only: the tokenizer is only used by the server's text workers,
+        # never from the engine thread.
         return {"prompt_token_ids": self.token_ids, "prompt": self.text}
 
 
@@ -74,6 +90,9 @@ class ServingContext:
     model_names: list[str]  # the first is the name responses report
     model_path: str
     max_model_len: int
+    workers: TextWorkers
+    render_timeout: float  # seconds a chat template may take to render
+    trust_request_chat_template: bool = False
 
     @property
     def model_name(self) -> str:
@@ -115,38 +134,70 @@ class ServingContext:
         except ValueError as e:
             raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool, extra: dict[str, Any] | None = None) -> Prompt:
-        """Applies the tokenizer's chat template, as `LLM.chat` does."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+    async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None = None,
+                          extra: dict[str, Any] | None = None) -> Prompt:
+        """Applies the chat template (the model's; the request's only on a server that trusts
+        them), as `LLM.chat` does, in a text worker and within the render time limit."""
         if add_generation_prompt and continue_final_message:
             raise OpenAIError(400, "add_generation_prompt and continue_final_message cannot both be true")
-        conversation = [_message_dict(m) for m in messages]
         kwargs: dict[str, Any] = dict(extra or {})
-        kwargs.update(add_generation_prompt=add_generation_prompt)
+        if "chat_template" in kwargs:
+            if chat_template is not None:
+                raise OpenAIError(400, "give the chat template once: as chat_template, not also in "
+                                       "chat_template_kwargs", param="chat_template")
+            chat_template = kwargs.pop("chat_template")
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIError(400, "this server does not run chat templates sent with a request (start it with "
+                                   "--trust-request-chat-template to allow them); leave out chat_template",
+                              param="chat_template")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise OpenAIError(400, "chat_template must be a string", param="chat_template")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise OpenAIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: those are options "
+                                   "of the server, not template variables", param="chat_template_kwargs")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        conversation = [_message_dict(m) for m in messages]
+        kwargs.update(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        try:
-            rendered: Any = self.tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs)
-        except Exception as e:  # jinja errors, bad roles, ...: the conversation's fault
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        # Newer transformers return a BatchEncoding, older ones the list of ids.
-        ids = rendered if isinstance(rendered, list) else list(rendered["input_ids"])
-        return Prompt([int(t) for t in ids], None)
+        return Prompt(await self.workers.run(self._render_and_encode, conversation, kwargs), None)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _render_and_encode(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+        """Runs in a text worker. Rendering to text, then encoding without special tokens (the
+        template writes them), is exactly what apply_chat_template(tokenize=True) does."""
         try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except Exception as e:  # e.g. a lone surrogate ("\ud800") the tokenizer cannot take
-            raise OpenAIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from None
+            text = run_with_deadline(
+                lambda: self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs),
+                self.render_timeout)
+        except RenderTimeoutError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
+        except Exception as e:  # jinja errors, bad roles, bad template variables: the request's fault
+            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        if not isinstance(text, str):
+            raise OpenAIError(400, f"the chat template rendered {type(text).__name__}, not text", param="messages")
+        return self._encode(text, False, "messages")
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(valid_text(text), add_special_tokens=add_special_tokens))
+        except Exception as e:  # a lone surrogate ("\ud800"), or anything else the tokenizer refuses
+            raise OpenAIError(400, f"cannot tokenize the {param}: {e}", param=param) from None
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.workers.run(self._encode, text, add_special_tokens, "prompt")
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self.workers.run(lambda: str(self.tokenizer.decode(token_ids)))
 
     def decode_token(self, token_id: int) -> str:
         # The engine's token table: the same strings its logprobs carry (read-only, thread-safe).
         return self.engine.engine.token_table.decode_token(token_id)
 
-    def prompt_text(self, prompt: Prompt) -> str:
-        return prompt.text if prompt.text is not None else str(self.tokenizer.decode(prompt.token_ids))
+    async def prompt_text(self, prompt: Prompt) -> str:
+        return prompt.text if prompt.text is not None else await self.decode(prompt.token_ids)
 
     async def submit(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                      arrival_time: float) -> RequestGroup:

@@ -51,8 +51,8 @@ class ChatServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        prompt = ctx.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                 req.chat_template_kwargs)
+        prompt = await ctx.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                       req.chat_template, req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

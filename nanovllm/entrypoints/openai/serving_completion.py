@@ -50,7 +50,7 @@ class CompletionServing:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise OpenAIError(400, "best_of must be unset or equal n (no best-of selection)", param="best_of")
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         k = req.logprobs
         echo = bool(req.echo)
         params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, req.max_tokens), k,
@@ -63,14 +63,14 @@ class CompletionServing:
         response = await until_disconnected(raw, self._collect(req, request_id, group, prompts))
         return JSONResponse(response.model_dump())
 
-    def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         prompt = req.prompt
         if isinstance(prompt, str):
-            return [Prompt(self.ctx.encode(prompt), prompt)]
+            return [Prompt(await self.ctx.encode(prompt), prompt)]
         if not prompt:
             raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
         if isinstance(prompt[0], str):
-            return [Prompt(self.ctx.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+            return [Prompt(await self.ctx.encode(p), p) for p in prompt]  # type: ignore[arg-type]
         if isinstance(prompt[0], int):
             return [Prompt(list(prompt), None)]  # type: ignore[arg-type]
         return [Prompt(list(p), None) for p in prompt]  # type: ignore[union-attr]
@@ -97,11 +97,12 @@ class CompletionServing:
             })
         return out, offset
 
-    def _echo(self, prompt: Prompt, prompt_logprobs: LogprobEntries | None) -> tuple[str, list[int], LogprobEntries]:
+    async def _echo(self, prompt: Prompt,
+                    prompt_logprobs: LogprobEntries | None) -> tuple[str, list[int], LogprobEntries]:
         entries: LogprobEntries = [None] * len(prompt.token_ids)
         if prompt_logprobs is not None:
             entries = list(prompt_logprobs)
-        return self.ctx.prompt_text(prompt), list(prompt.token_ids), entries
+        return await self.ctx.prompt_text(prompt), list(prompt.token_ids), entries
 
     async def _collect(self, req: CompletionRequest, request_id: str, group: RequestGroup,
                        prompts: list[Prompt]) -> CompletionResponse:
@@ -124,7 +125,7 @@ class CompletionServing:
                 text, ids = st.text, st.token_ids
                 entries: LogprobEntries = list(st.logprobs)
                 if req.echo:
-                    head, head_ids, head_entries = self._echo(prompt, prompt_logprobs[i])
+                    head, head_ids, head_entries = await self._echo(prompt, prompt_logprobs[i])
                     text, ids, entries = head + text, head_ids + ids, head_entries + entries
                 logprobs = self._logprobs(ids, entries, req.logprobs, 0)[0] if req.logprobs is not None else None
                 choices.append(CompletionChoice(index=i * n + j, text=text, logprobs=logprobs,
@@ -149,7 +150,7 @@ class CompletionServing:
                     text, ids = c.text, list(c.token_ids)
                     entries: LogprobEntries = list(c.logprobs or [])
                     if req.echo and choice not in offsets:  # the first chunk of a choice repeats the prompt
-                        head, head_ids, head_entries = self._echo(prompts[i], out.prompt_logprobs)
+                        head, head_ids, head_entries = await self._echo(prompts[i], out.prompt_logprobs)
                         text, ids, entries = head + text, head_ids + ids, head_entries + entries
                     offsets.setdefault(choice, 0)
                     if not text and c.finish_reason is None and not (k is not None and ids):
