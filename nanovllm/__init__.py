@@ -9,11 +9,12 @@ from nanovllm.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",

@@ -2,13 +2,68 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 # As vLLM: how many top log-probabilities a request may ask for per token.
 MAX_LOGPROBS = 20
 # A seed seeds a torch.Generator, whose manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+# The kinds of StructuredOutputsParams, in the order its fields are declared.
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): a JSON schema (dict or JSON string), a regular
+    expression, one of a list of strings, an xgrammar EBNF grammar, or any JSON object. Exactly
+    one kind; whether the schema, regex or grammar is valid is found out when it is compiled
+    (before the request is admitted)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of " + ", ".join(KINDS)
+                             + (f"; got {', '.join(given)}" if given else ""))
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), got {value!r}")
+        if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice" and not (isinstance(value, (list, tuple)) and value
+                                     and all(isinstance(c, str) and _encodable(c) for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+        if kind == "choice":
+            object.__setattr__(self, "choice", list(value))
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: (kind, its text). A dict schema keeps its key order,
+        which is the order the properties are generated in."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json" and isinstance(value, dict):
+            return kind, json.dumps(value, ensure_ascii=False)
+        if kind == "choice":
+            return kind, json.dumps(value, ensure_ascii=False)
+        return kind, "" if kind == "json_object" else value
 
 
 @dataclass
@@ -32,6 +87,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +149,8 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if token < 0 or not is_number(bias) or not -100.0 <= bias <= 100.0:
                     fail("logit_bias", "a map of token id -> bias in [-100, 100]")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            fail("structured_outputs", "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

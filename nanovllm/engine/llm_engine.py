@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xgrammar as xgr
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm import _C
@@ -35,7 +36,9 @@ from nanovllm.executor.model_runner import ModelRunner, SampleOutput
 from nanovllm.model_config import load_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sample import SequenceIds, build_entries, gather_logprobs
+from nanovllm.sample.grammar import GrammarCompiler
 from nanovllm.sample.rows import RowColumns
+from nanovllm.sample.state import GrammarEnds
 from nanovllm.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -93,6 +96,7 @@ class LLMEngine:
         self.token_table = build_token_table(self.tokenizer, vocab_size=self.vocab_size)
         self.detokenizer = Detokenizer(self.token_table)
         self.sampling = self.runner.sampling
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._seq_ids = SequenceIds()
         self._seqs = RowColumns(SEQUENCE_COLUMNS)
         self._requests: dict[str, Request] = {}
@@ -154,6 +158,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_params(params)
+        # Compiled before admission (a cache hit when the server compiled it in a worker thread).
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
         req = Request(request_id, text, token_ids, params, metrics, stream,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -161,7 +167,7 @@ class LLMEngine:
         sid = self._seq_ids.acquire()
         # The Python side first, then the core: whatever fails, nothing is left behind.
         try:
-            comp = self._add_completion(req, sid)
+            comp = self._add_completion(req, sid, grammar=grammar)
         except BaseException:
             self._seq_ids.release(sid)
             raise
@@ -183,9 +189,11 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
 
-    def _add_completion(self, req: Request, sid: int, parent: int | None = None) -> Completion:
-        """Registers sequence `sid` as the request's next completion: a new prompt, or (with
-        `parent`) one of its n samples, which continues from the parent's sampling state."""
+    def _add_completion(self, req: Request, sid: int, parent: int | None = None,
+                        grammar: xgr.CompiledGrammar | None = None) -> Completion:
+        """Registers sequence `sid` as the request's next completion: a new prompt (constrained by
+        `grammar`, if any), or (with `parent`) one of its n samples, which continues from the
+        parent's sampling state."""
         params = req.params
         comp = Completion(len(req.completions), sid)
         if params.logprobs is not None:
@@ -196,7 +204,7 @@ class LLMEngine:
         try:
             if parent is None:
                 self._seqs.reset(sid)
-                self.sampling.add(sid, params, req.prompt_token_ids)
+                self.sampling.add(sid, params, req.prompt_token_ids, grammar)
             else:
                 self._seqs.copy_row(parent, sid)
                 self.sampling.fork(parent, sid)
@@ -263,9 +271,9 @@ class LLMEngine:
             first_tokens = out.tokens[first_rows]
             forks = self._fan_out(sids, repeats, first_rows, rows, out.tokens)
         finished = self.core.postprocess(first_tokens, forks=forks)
-        self.sampling.record(rows, out.token_tensor)
+        grammar_ends = self.sampling.record(rows, out.token_tensor, out.tokens)
         self._record(rows, out)
-        return self._finish_step(rows, out.tokens, finished)
+        return self._finish_step(rows, out.tokens, finished, grammar_ends)
 
     def _fan_out(self, sids: np.ndarray, repeats: np.ndarray, first_rows: np.ndarray, rows: np.ndarray,
                  tokens: np.ndarray) -> list[tuple[int, int, int]]:
@@ -298,12 +306,13 @@ class LLMEngine:
         # Each row's (block, row) onto its completion's list; map() keeps the loop in C.
         deque(map(list.append, self._seqs.lp_refs[lp_sids], zip(repeat(block), range(len(lp_sids)))), maxlen=0)
 
-    def _finish_step(self, rows: np.ndarray, tokens: np.ndarray,
-                     finished: list[tuple[int, str, int | None]]) -> list[RequestOutput]:
+    def _finish_step(self, rows: np.ndarray, tokens: np.ndarray, finished: list[tuple[int, str, int | None]],
+                     grammar_ends: GrammarEnds) -> list[RequestOutput]:
         """Text deltas and stop strings (one Cython call; only streamed sequences and stop-string
-        matches come back), then the finishes: a stop string aborts the sequence in the core at
-        once (its blocks are freed); the core's own finishes (EOS, stop ids, length) are recorded
-        unless a stop string in the same token wins, as in vLLM."""
+        matches come back), then the finishes: a stop string, like a grammar that terminated,
+        aborts the sequence in the core at once (its blocks are freed); the core's own finishes
+        (EOS, stop ids, length) are recorded unless a stop string or a grammar's end in the same
+        token wins, as in vLLM. A sequence whose grammar rejected its token is aborted."""
         core_done = {sid: (reason, stop) for sid, reason, stop in finished}
         by_seq = self._by_seq
         streamed: dict[str, Request] = {}
@@ -317,6 +326,16 @@ class LLMEngine:
                 if core_done.pop(sid, None) is None:
                     self.core.abort(sid)
                 self._finish(req, comp, "stop", stop_str, done_reqs)
+        for sids, reason in ((grammar_ends.terminated, "stop"), (grammar_ends.rejected, "abort")):
+            for sid in sids:
+                if sid not in by_seq:  # a stop string ended it first
+                    continue
+                if core_done.pop(sid, None) is None:
+                    self.core.abort(sid)
+                req, comp = by_seq[sid]
+                if req.stream:
+                    streamed[req.request_id] = req
+                self._finish(req, comp, reason, None, done_reqs)
         for sid, (reason, stop) in core_done.items():
             req, comp = by_seq[sid]
             if req.stream:

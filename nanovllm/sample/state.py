@@ -10,7 +10,10 @@ per column, so its cost grows with the batch, never with the sequences' lengths:
   scatter-add per step for all penalized rows);
 * logit bias is a dense `[vocab]` row per biased sequence, added in one indexed add;
 * min_tokens masks each sequence's stop tokens (its stop ids, plus EOS unless ignore_eos) while
-  it has produced fewer tokens than asked, from a padded `[rows, stops]` id table.
+  it has produced fewer tokens than asked, from a padded `[rows, stops]` id table;
+* structured output keeps, in a sequence with a grammar, only the tokens its grammar allows next
+  (`GrammarRows`: one bitmask fill and one masking call per step for all constrained rows), and
+  advances its grammar with each sampled token.
 
 Preemption needs nothing here: a recomputed sequence keeps its generated tokens, so its counts
 stay right. Rows of sequences that never ask for penalties or bias cost nothing but a few columns.
@@ -18,11 +21,15 @@ stay right. Rows of sequences that never ask for penalties or bias cost nothing 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
+import xgrammar as xgr
 
 from nanovllm.sample.rows import DenseRows, RowColumns
 from nanovllm.sample.sampler import SamplingBatch
+from nanovllm.sample.structured import GrammarRows
 from nanovllm.sampling_params import SamplingParams
 
 COLUMNS = {
@@ -40,6 +47,7 @@ COLUMNS = {
     "penalty_slot": (np.int64, -1),    # DenseRows slot of [prompt presence, output counts]
     "bias_slot": (np.int64, -1),       # DenseRows slot of the logit bias
     "stop_row": (np.int64, -1),        # row of `_stop_ids` masked until min_tokens
+    "constrained": (bool, False),      # has a grammar (a matcher in `grammars`)
 }
 
 
@@ -52,14 +60,17 @@ class SamplingState:
         self.generators: dict[int, torch.Generator] = {}
         self._penalties = DenseRows((2, vocab_size), device)
         self._bias = DenseRows((vocab_size,), device)
+        self.grammars = GrammarRows(vocab_size, device)
         # Stop ids masked while min_tokens is not reached, -1 padded; rows recycled through a free list.
         self._stop_ids = np.full((0, 1), -1, dtype=np.int64)
         self._free_stop_rows: list[int] = []
 
     # Lifecycle ----------------------------------------------------------------------------------
 
-    def add(self, sid: int, params: SamplingParams, prompt_token_ids: list[int]) -> None:
-        """Admit a sequence: its parameters, its seeded generator and the rows its filters read."""
+    def add(self, sid: int, params: SamplingParams, prompt_token_ids: list[int],
+            grammar: xgr.CompiledGrammar | None = None) -> None:
+        """Admit a sequence: its parameters, its seeded generator, the rows its filters read and
+        its grammar (`params.structured_outputs` compiled)."""
         r = self.rows
         r.reset(sid)
         r.temperature[sid] = params.temperature
@@ -89,10 +100,13 @@ class SamplingState:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if stops:
                 r.stop_row[sid] = self._take_stop_row(sorted(stops))
+        if grammar is not None:
+            self.grammars.add(sid, grammar)
+            r.constrained[sid] = True
 
     def fork(self, parent: int, child: int) -> None:
         """`child` continues from `parent` (n > 1): same parameters, the same seeded stream, its
-        own copies of the penalty and bias rows."""
+        own copies of the penalty and bias rows and of the grammar's state."""
         r = self.rows
         r.copy_row(parent, child)
         if parent in self.generators:
@@ -104,10 +118,14 @@ class SamplingState:
         if r.stop_row[parent] >= 0:
             ids = self._stop_ids[r.stop_row[parent]]
             r.stop_row[child] = self._take_stop_row(ids[ids >= 0].tolist())
+        if r.constrained[parent]:
+            self.grammars.fork(parent, child)
 
     def remove(self, sid: int) -> None:
         r = self.rows
         self.generators.pop(sid, None)
+        if r.constrained[sid]:
+            self.grammars.remove(sid)
         if r.penalty_slot[sid] >= 0:
             self._penalties.release(int(r.penalty_slot[sid]))
         if r.bias_slot[sid] >= 0:
@@ -142,8 +160,9 @@ class SamplingState:
         return SamplingBatch(r.temperature[sids], r.top_k[sids], r.top_p[sids], r.min_p[sids], generators)
 
     def process(self, logits: torch.Tensor, sids: np.ndarray) -> torch.Tensor:
-        """Penalties, logit bias and min_tokens masking for the rows that ask; the input itself is
-        returned untouched when none does (it stays the raw logits logprobs are computed from)."""
+        """Penalties, logit bias, min_tokens masking and grammars for the rows that ask; the input
+        itself is returned untouched when none does (it stays the raw logits logprobs are computed
+        from)."""
         r = self.rows
         pen_slots = r.penalty_slot[sids]
         bias_slots = r.bias_slot[sids]
@@ -152,7 +171,8 @@ class SamplingState:
         pen_rows = np.flatnonzero(pen_slots >= 0)
         bias_rows = np.flatnonzero(bias_slots >= 0)
         mask_rows = np.flatnonzero(masked)
-        if not (len(pen_rows) or len(bias_rows) or len(mask_rows)):
+        grammar_rows = np.flatnonzero(r.constrained[sids]) if self.grammars.matchers else mask_rows[:0]
+        if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or len(grammar_rows)):
             return logits
         logits = logits.clone()
         dev = logits.device
@@ -169,11 +189,19 @@ class SamplingState:
             valid = ids >= 0
             rows = np.broadcast_to(mask_rows[:, None], ids.shape)[valid]
             logits[torch.from_numpy(rows).to(dev), torch.from_numpy(ids[valid]).to(dev)] = float("-inf")
+        if len(grammar_rows):
+            self.grammars.mask(logits, grammar_rows, sids[grammar_rows])
         return logits
 
-    def record(self, sids: np.ndarray, tokens: torch.Tensor) -> None:
-        """The tokens just sampled for rows `sids` (each sequence at most once)."""
+    def record(self, sids: np.ndarray, tokens: torch.Tensor, host_tokens: np.ndarray) -> GrammarEnds:
+        """The tokens just sampled for rows `sids` (each sequence at most once), on the device and
+        on the host. Returns the sequences whose grammar ended or rejected its token."""
         r = self.rows
+        ends = GrammarEnds()
+        if self.grammars.matchers:
+            rows = np.flatnonzero(r.constrained[sids])
+            if len(rows):
+                ends = GrammarEnds(*self.grammars.accept(sids[rows], host_tokens[rows]))
         r.num_output[sids] += 1
         slots = r.penalty_slot[sids]
         rows = np.flatnonzero(slots >= 0)
@@ -183,6 +211,17 @@ class SamplingState:
             self._penalties.data.index_put_(
                 (torch.from_numpy(slots[rows]).to(dev), torch.ones_like(idx), tokens[idx].to(dev)),
                 torch.ones(len(rows), device=dev), accumulate=True)
+        return ends
+
+
+@dataclass
+class GrammarEnds:
+    """What a step's tokens did to the grammars: sequences whose grammar terminated (a finished
+    output: the sequence stops), and sequences whose token the grammar rejected (it had no token
+    left to allow, e.g. min_tokens masked the only one, EOS: the sequence cannot go on)."""
+
+    terminated: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
 
 
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor, repetition: np.ndarray,

@@ -1,0 +1,67 @@
+"""Grammar-constrained rows: one xgrammar matcher per constrained sequence.
+
+Each step, `mask` fills the token bitmask of the batch's constrained rows (one multi-threaded
+xgrammar call) and applies it to their logits (one batched call; disallowed tokens become -inf);
+`accept` advances the matchers with the tokens sampled for them. A matcher's state is a function of
+the sequence's generated tokens, which survive preemption, so a recomputed sequence keeps its
+matcher as is. A sequence forked for n > 1 gets its own copy of the parent's matcher.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+
+class GrammarRows:
+    def __init__(self, vocab_size: int, device: torch.device, max_threads: int = 1) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.matchers: dict[int, xgr.GrammarMatcher] = {}
+        self._filler = xgr.BatchGrammarMatcher(max_threads)
+        self._bitmask = self._allocate(64)
+
+    def _allocate(self, rows: int) -> torch.Tensor:
+        mask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        # Pinned on CUDA: the step copies it to the device without blocking.
+        return mask.pin_memory() if self.device.type == "cuda" else mask
+
+    def add(self, sid: int, grammar: xgr.CompiledGrammar) -> None:
+        self.matchers[sid] = xgr.GrammarMatcher(grammar)
+
+    def fork(self, parent: int, child: int) -> None:
+        self.matchers[child] = self.matchers[parent].fork()
+
+    def remove(self, sid: int) -> None:
+        self.matchers.pop(sid, None)
+
+    def mask(self, logits: torch.Tensor, rows: np.ndarray, sids: np.ndarray) -> None:
+        """In place: logits[rows[i]] keeps only the tokens sequence sids[i]'s grammar allows next.
+        A sequence may hold several rows (a prompt fanning out into n samples): its matcher fills
+        the first, the others copy it."""
+        num_rows = logits.shape[0]
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = self._allocate(max(num_rows, 2 * self._bitmask.shape[0]))
+        unique, first = np.unique(sids, return_index=True)
+        fill_rows = rows[first]
+        self._filler.batch_fill_next_token_bitmask([self.matchers[int(s)] for s in unique], self._bitmask,
+                                                   fill_rows.tolist())
+        if len(unique) < len(sids):
+            src = fill_rows[np.searchsorted(unique, sids)]
+            self._bitmask[torch.from_numpy(rows)] = self._bitmask[torch.from_numpy(src)]
+        bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows.tolist())
+
+    def accept(self, sids: np.ndarray, tokens: np.ndarray) -> tuple[list[int], list[int]]:
+        """Advance each sequence's matcher by its sampled token. Returns (sequences whose grammar
+        has terminated: it accepted its stop token, sequences whose token the grammar rejected)."""
+        matchers = [self.matchers[s] for s in sids.tolist()]
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens.tolist())
+        done, rejected = [], []
+        for sid, matcher, ok in zip(sids.tolist(), matchers, accepted):
+            if not ok:
+                rejected.append(sid)
+            elif matcher.is_terminated():
+                done.append(sid)
+        return done, rejected
