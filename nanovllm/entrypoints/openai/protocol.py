@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
 
-from nanovllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from nanovllm.sampling_params import KINDS, SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict floats still accept JSON integers
@@ -62,6 +62,18 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: Bool | None = None
     skip_special_tokens: Bool | None = None
+    # vLLM's structured outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}.
+    structured_outputs: dict[Str, Any] | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for; ValueError naming the field if malformed."""
+        if self.structured_outputs is None:
+            return None
+        unknown = sorted(set(self.structured_outputs) - set(KINDS))
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; "
+                             f"it takes one of {', '.join(KINDS)}")
+        return StructuredOutputsParams(**self.structured_outputs)
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None,
                            prompt_logprobs: int | None = None) -> SamplingParams:
@@ -98,6 +110,7 @@ class SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=pick(self.include_stop_str_in_output, False),
             # JSON keys are strings; SamplingParams turns them into token ids (or names the bad one).
             logit_bias=cast(Any, dict(self.logit_bias)) if self.logit_bias else None,
+            structured_outputs=self.structured(),
         )
 
     @property
@@ -133,6 +146,19 @@ class ChatMessage(OpenAIBaseModel):
     name: Str | None = None
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Str | None = None
+    description: Str | None = None
+    # "schema" would shadow a (deprecated) BaseModel method: the field takes it as its alias.
+    json_schema: dict[Str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -145,6 +171,20 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: Bool = False
     chat_template: Str | None = None
     chat_template_kwargs: dict[Str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """OpenAI's response_format, or vLLM's structured_outputs (not both)."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().structured()
+        if self.structured_outputs is not None:
+            raise ValueError("response_format and structured_outputs cannot both constrain the output; give one")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -199,9 +199,22 @@ class ServingContext:
     async def prompt_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else await self.decode(prompt.token_ids)
 
+    async def compile_grammars(self, params: Sequence[SamplingParams]) -> None:
+        """Compiles the requests' output grammars in a text worker, so that compiling never holds
+        up the engine's steps: only this request waits. The engine, admitting the request, finds
+        them in its grammar cache. An invalid schema, regex or grammar is a 400."""
+        specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs}
+        for spec in specs.values():
+            try:
+                await self.workers.run(self.engine.engine.grammars.compile, spec)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
+
     async def submit(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                      arrival_time: float) -> RequestGroup:
-        """Admits requests into the engine; a rejected prompt or parameter is a 400."""
+        """Compiles the requests' grammars, then admits them into the engine; a rejected prompt,
+        parameter or grammar is a 400."""
+        await self.compile_grammars([params for _, _, params in requests])
         try:
             return await self.engine.add_requests(
                 [(rid, prompt.for_engine(), params) for rid, prompt, params in requests], arrival_time)
@@ -251,8 +264,8 @@ _REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatComp
 
 def _leading_field(message: str) -> str | None:
     """SamplingParams' and the engine's messages start with the field they are about
-    ("top_p must be ...", "stop_token_ids holds ...")."""
-    head = message.split(" ", 1)[0]
+    ("top_p must be ...", "stop_token_ids holds ...", "structured_outputs.regex is ...")."""
+    head = message.split(" ", 1)[0].split(".", 1)[0]
     return head if head in _REQUEST_FIELDS else None
 
 
