@@ -1,6 +1,7 @@
 """Sampling, as one package: the persistent per-sequence state (`SamplingState`), the logits
-processors it applies (penalties, logit bias, min_tokens), the sampler and logprobs. The model
-runner owns an instance: `runner.sample(...)` returns a step's tokens and logprobs."""
+processors it applies (penalties, logit bias, min_tokens, grammars for structured output), the
+sampler and logprobs. The model runner owns an instance: `runner.sample(...)` returns a step's
+tokens and logprobs."""
 
 from nanovllm.sample.logprobs import LogprobBlock, build_entries, gather_logprobs
 from nanovllm.sample.rows import SequenceIds
