@@ -76,7 +76,7 @@ def run(state: SamplingState, sampler: Sampler, sids: np.ndarray, vocab: int, st
     for _ in range(steps):
         logits = torch.randn(len(sids), vocab, generator=gen)
         t = time.perf_counter()
-        processed = state.process(logits, sids)
+        processed = state.process(logits, sids, keep_input=False)  # as the runner does without logprobs
         tokens = sampler(processed, state.batch(sids))
         ends = state.record(sids, tokens, tokens.numpy())
         times.append(time.perf_counter() - t)

@@ -255,9 +255,10 @@ class ModelRunner:
         raw = self.logits(hidden[sample_indices])
         if repeats is not None:
             raw = raw.repeat_interleave(torch.from_numpy(repeats).to(raw.device), dim=0)
-        tokens = self.sampler(self.sampling.process(raw, row_sids), self.sampling.batch(row_sids))
         wanted = self.sampling.rows.logprobs[row_sids]
         lp_rows = np.flatnonzero(wanted >= 0)
+        processed = self.sampling.process(raw, row_sids, keep_input=len(lp_rows) > 0)
+        tokens = self.sampler(processed, self.sampling.batch(row_sids))
         logprobs = None
         if len(lp_rows):
             idx = torch.from_numpy(lp_rows).to(raw.device)

@@ -159,10 +159,11 @@ class SamplingState:
             generators = {int(row): self.generators[int(sids[row])] for row in seeded}
         return SamplingBatch(r.temperature[sids], r.top_k[sids], r.top_p[sids], r.min_p[sids], generators)
 
-    def process(self, logits: torch.Tensor, sids: np.ndarray) -> torch.Tensor:
-        """Penalties, logit bias, min_tokens masking and grammars for the rows that ask; the input
-        itself is returned untouched when none does (it stays the raw logits logprobs are computed
-        from)."""
+    def process(self, logits: torch.Tensor, sids: np.ndarray, keep_input: bool = True) -> torch.Tensor:
+        """Penalties, logit bias, min_tokens masking and grammars for the rows that ask. With
+        `keep_input` the input stays untouched (the raw logits logprobs are computed from): it is
+        returned as is when no row asks, else a processed copy; without it, it is processed in
+        place (no copy of [rows, vocab] floats when no row wants logprobs)."""
         r = self.rows
         pen_slots = r.penalty_slot[sids]
         bias_slots = r.bias_slot[sids]
@@ -174,7 +175,8 @@ class SamplingState:
         grammar_rows = np.flatnonzero(r.constrained[sids]) if self.grammars.matchers else mask_rows[:0]
         if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or len(grammar_rows)):
             return logits
-        logits = logits.clone()
+        if keep_input:
+            logits = logits.clone()
         dev = logits.device
         if len(pen_rows):
             rows = torch.from_numpy(pen_rows).to(dev)
