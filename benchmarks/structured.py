@@ -12,6 +12,8 @@ a byte-level BPE tokenizer trained by nanovllm.builtin_model with `--vocab` toke
     constrained_us  median step time, every row constrained
     extra_us        constrained_us - plain_us
     mask_us         median time of the bitmask fill + apply alone (GrammarRows.mask)
+    record_us       median time of SamplingState.record in the constrained steps (the matchers
+                    accept their tokens)
 
 Usage: python benchmarks/structured.py [--num-rows 16 64 256] [--vocab 4096 32000] [--steps 100]
            [--json out.json]
@@ -56,8 +58,9 @@ SPECS = {"json_schema": StructuredOutputsParams(json=SCHEMA), "json_object": Str
 
 
 def run(state: SamplingState, sampler: Sampler, sids: np.ndarray, vocab: int, steps: int,
-        grammar: xgr.CompiledGrammar | None) -> tuple[float, float | None]:
-    """Median microseconds of a whole step and of the masking alone (None when unconstrained)."""
+        grammar: xgr.CompiledGrammar | None) -> tuple[float, float, float]:
+    """Median microseconds of a whole step, of the masking alone (0 when unconstrained) and of
+    `record`."""
     params = SamplingParams(temperature=0.0)  # greedy: the cheapest sampler, so the grammar's share shows
     for sid in sids.tolist():
         state.add(sid, params, [1, 2, 3], grammar)
@@ -71,22 +74,25 @@ def run(state: SamplingState, sampler: Sampler, sids: np.ndarray, vocab: int, st
         mask_times.append(time.perf_counter() - t)
 
     grammars.mask = timed_mask  # type: ignore[method-assign]
-    times = []
+    times, record_times = [], []
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         logits = torch.randn(len(sids), vocab, generator=gen)
         t = time.perf_counter()
         processed = state.process(logits, sids, keep_input=False)  # as the runner does without logprobs
         tokens = sampler(processed, state.batch(sids))
+        t_record = time.perf_counter()
         ends = state.record(sids, tokens, tokens.numpy())
-        times.append(time.perf_counter() - t)
+        end = time.perf_counter()
+        times.append(end - t)
+        record_times.append(end - t_record)
         for sid in ends.terminated + ends.rejected:  # a finished output: start a new one
             grammars.matchers[sid].reset()
     grammars.mask = real_mask  # type: ignore[method-assign]
     for sid in sids.tolist():
         state.remove(sid)
-    mask_us = statistics.median(mask_times) * 1e6 if mask_times else None
-    return statistics.median(times) * 1e6, mask_us
+    mask_us = statistics.median(mask_times) * 1e6 if mask_times else 0.0
+    return statistics.median(times) * 1e6, mask_us, statistics.median(record_times) * 1e6
 
 
 def main() -> None:
@@ -109,16 +115,17 @@ def main() -> None:
                 sampler = Sampler()
                 sids = np.arange(n)
                 run(state, sampler, sids, vocab, 5, None)  # warm-up
-                plain, _ = run(state, sampler, sids, vocab, args.steps, None)
-                constrained, mask = run(state, sampler, sids, vocab, args.steps, grammar)
+                plain, _, _ = run(state, sampler, sids, vocab, args.steps, None)
+                constrained, mask, record = run(state, sampler, sids, vocab, args.steps, grammar)
                 records.append(dict(vocab=vocab, grammar=kind, rows=n, compile_ms=round(compile_ms, 1),
                                     plain_us=round(plain), constrained_us=round(constrained),
-                                    extra_us=round(constrained - plain), mask_us=round(mask or 0)))
+                                    extra_us=round(constrained - plain), mask_us=round(mask),
+                                    record_us=round(record)))
                 print(records[-1], flush=True)
     versions = dict(torch=torch.__version__, xgrammar=importlib.metadata.version("xgrammar"))
     print(f"\nMachine: {machine(**versions)}")
     print(markdown_table(records, ["vocab", "grammar", "rows", "compile_ms", "plain_us", "constrained_us",
-                                   "extra_us", "mask_us"]))
+                                   "extra_us", "mask_us", "record_us"]))
     if args.json:
         write_json(args.json, {"machine": machine(**versions), "records": records})
 

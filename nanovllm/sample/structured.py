@@ -56,11 +56,12 @@ class GrammarRows:
     def accept(self, sids: np.ndarray, tokens: np.ndarray) -> tuple[list[int], list[int]]:
         """Advance each sequence's matcher by its sampled token. Returns (sequences whose grammar
         has terminated: it accepted its stop token, sequences whose token the grammar rejected)."""
-        matchers = [self.matchers[s] for s in sids.tolist()]
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens.tolist())
+        # One call per matcher: xgrammar's batch_accept_token costs more in converting its result
+        # list than the accepts themselves (measured: 120-240 us against 80 us for 64 rows).
         done, rejected = [], []
-        for sid, matcher, ok in zip(sids.tolist(), matchers, accepted):
-            if not ok:
+        for sid, token in zip(sids.tolist(), tokens.tolist()):
+            matcher = self.matchers[sid]
+            if not matcher.accept_token(token):
                 rejected.append(sid)
             elif matcher.is_terminated():
                 done.append(sid)
