@@ -124,6 +124,6 @@ def load_model(
     """Read config.json, build the architecture and load its weights. Returns (model, config)."""
     config = load_model_config(model_dir)
     find_weight_files(model_dir)  # fail on missing weights before allocating the model
-    model = build_model(config, resolve_dtype(config, dtype), device, attn_backend)
+    model = build_model(config, resolve_dtype(config, dtype, device), device, attn_backend)
     load_weights(model, model_dir)
     return model, config
