@@ -43,16 +43,87 @@ inline void narrow(float x, Bf16* dst) {
 }
 
 struct Task {
-  int32_t seq, kv_head, row_begin, row_end;  // rows relative to the sequence's first query row
+  int32_t seq, head_begin, head_end;  // KV heads [head_begin, head_end)
+  int32_t row_begin, row_end;         // query rows, relative to the sequence's first one
 };
 
 struct Scratch {
-  std::vector<float> q, scores, acc, k_row, v_row;
+  std::vector<float> q, scores, acc, row;
 };
 
-// One task: query rows [row_begin, row_end) of one sequence, for the `group` query heads of one
-// KV head. Vector v = r * group + g is row row_begin + r, head kv_head * group + g; it sees
-// `base + r + 1` keys, base = the absolute position of row row_begin.
+// Scores of query vectors [v, end) (rows of `q`, D apart) against one key, into column t of `sc`
+// (rows L apart). Four, then two vectors per pass: each loaded key element feeds several products.
+[[gnu::always_inline]] inline void score_key(const float* __restrict q, const float* __restrict k, int D, int v,
+                                             int end, float* __restrict sc, int64_t L, int t) {
+  for (; v + 4 <= end; v += 4) {
+    const float* q0 = q + static_cast<int64_t>(v) * D;
+    const float* q1 = q0 + D;
+    const float* q2 = q1 + D;
+    const float* q3 = q2 + D;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int d = 0; d < D; ++d) {
+      s0 += q0[d] * k[d];
+      s1 += q1[d] * k[d];
+      s2 += q2[d] * k[d];
+      s3 += q3[d] * k[d];
+    }
+    sc[v * L + t] = s0;
+    sc[(v + 1) * L + t] = s1;
+    sc[(v + 2) * L + t] = s2;
+    sc[(v + 3) * L + t] = s3;
+  }
+  for (; v + 2 <= end; v += 2) {
+    const float* q0 = q + static_cast<int64_t>(v) * D;
+    const float* q1 = q0 + D;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1)
+    for (int d = 0; d < D; ++d) {
+      s0 += q0[d] * k[d];
+      s1 += q1[d] * k[d];
+    }
+    sc[v * L + t] = s0;
+    sc[(v + 1) * L + t] = s1;
+  }
+  if (v < end) {
+    const float* q0 = q + static_cast<int64_t>(v) * D;
+    float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+    for (int d = 0; d < D; ++d) s0 += q0[d] * k[d];
+    sc[v * L + t] = s0;
+  }
+}
+
+// acc[v .. end) += p[v, t] * value, the same blocking as score_key.
+[[gnu::always_inline]] inline void accumulate_value(const float* __restrict p, const float* __restrict x, int D,
+                                                    int v, int end, float* __restrict acc, int64_t L, int t) {
+  for (; v + 4 <= end; v += 4) {
+    const float p0 = p[v * L + t], p1 = p[(v + 1) * L + t], p2 = p[(v + 2) * L + t], p3 = p[(v + 3) * L + t];
+    float* __restrict a0 = acc + static_cast<int64_t>(v) * D;
+    float* __restrict a1 = a0 + D;
+    float* __restrict a2 = a1 + D;
+    float* __restrict a3 = a2 + D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      a0[d] += p0 * x[d];
+      a1[d] += p1 * x[d];
+      a2[d] += p2 * x[d];
+      a3[d] += p3 * x[d];
+    }
+  }
+  for (; v < end; ++v) {
+    const float p0 = p[v * L + t];
+    float* __restrict a0 = acc + static_cast<int64_t>(v) * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) a0[d] += p0 * x[d];
+  }
+}
+
+// One task: query rows [row_begin, row_end) of one sequence for the query heads of KV heads
+// [head_begin, head_end). Vector v = h * per_head + r * group + g is row row_begin + r, query head
+// (head_begin + h) * group + g; it sees `base + r + 1` keys, base = the absolute position of row
+// row_begin. The cache is walked row by row, every KV head of the task per row, so a decode task
+// (all heads of a sequence) reads each K/V row once, sequentially.
 template <typename T>
 [[gnu::always_inline]] inline void attend_task(const PagedAttentionArgs& a, const Task& task, Scratch& s) {
   const int group = a.num_heads / a.num_kv_heads;
@@ -62,72 +133,51 @@ template <typename T>
   const int q_len = a.cu_seqlens_q[task.seq + 1] - q_start;
   const int base = a.context_lens[task.seq] - q_len + task.row_begin;
   const int rows = task.row_end - task.row_begin;
-  const int V = rows * group;
-  const int L = base + rows;  // keys the last row sees
+  const int heads = task.head_end - task.head_begin;
+  const int per_head = rows * group;
+  const int V = heads * per_head;
+  const int64_t L = base + rows;  // keys the last row sees
   const int32_t* table = a.block_tables + static_cast<int64_t>(task.seq) * a.block_table_stride;
   const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
-  const int64_t head_off = static_cast<int64_t>(task.kv_head) * D;
+  const int64_t head_off = static_cast<int64_t>(task.head_begin) * D;
   const T* query = static_cast<const T*>(a.query);
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
 
   s.q.resize(static_cast<size_t>(V) * D);
   s.scores.resize(static_cast<size_t>(V) * L);
   s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
-  s.k_row.resize(D);
-  s.v_row.resize(D);
+  s.row.resize(D);
   float* __restrict qf = s.q.data();
   float* __restrict sc = s.scores.data();  // [V, L]
   float* __restrict acc = s.acc.data();    // [V, D]
-  for (int r = 0; r < rows; ++r) {
-    const T* src = query + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
-                            static_cast<int64_t>(task.kv_head) * group) * D;
-    float* dst = qf + static_cast<int64_t>(r) * group * D;
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const T* src = query + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
+                              static_cast<int64_t>(task.head_begin + h) * group) * D;
+      float* dst = qf + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
 #pragma omp simd
-    for (int d = 0; d < group * D; ++d) dst[d] = widen(src[d]) * a.scale;
+      for (int d = 0; d < group * D; ++d) dst[d] = widen(src[d]) * a.scale;
+    }
   }
 
-  // Scores. Key t is visible to vectors from (t - base) * group on (all of them for t < base).
-  for (int t0 = 0; t0 < L; t0 += bs) {
+  // Scores. Key t is visible to a head's vectors from (t - base) * group on (all for t < base).
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const T* k = k_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
-    const int n = std::min(bs, L - t0);
+    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int i = 0; i < n; ++i, k += kv_row) {
-      const int t = t0 + i;
-      const float* __restrict kf = as_f32(k, s.k_row.data(), D);
-      int v = std::max(0, t - base) * group;
-      // Four query vectors per pass: each loaded key element feeds four products.
-      for (; v + 4 <= V; v += 4) {
-        const float* q0 = qf + static_cast<int64_t>(v) * D;
-        const float* q1 = q0 + D;
-        const float* q2 = q1 + D;
-        const float* q3 = q2 + D;
-        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int d = 0; d < D; ++d) {
-          s0 += q0[d] * kf[d];
-          s1 += q1[d] * kf[d];
-          s2 += q2[d] * kf[d];
-          s3 += q3[d] * kf[d];
-        }
-        sc[static_cast<int64_t>(v) * L + t] = s0;
-        sc[static_cast<int64_t>(v + 1) * L + t] = s1;
-        sc[static_cast<int64_t>(v + 2) * L + t] = s2;
-        sc[static_cast<int64_t>(v + 3) * L + t] = s3;
-      }
-      for (; v < V; ++v) {
-        const float* q0 = qf + static_cast<int64_t>(v) * D;
-        float s0 = 0.0f;
-#pragma omp simd reduction(+ : s0)
-        for (int d = 0; d < D; ++d) s0 += q0[d] * kf[d];
-        sc[static_cast<int64_t>(v) * L + t] = s0;
+      const int t = static_cast<int>(t0) + i;
+      const int first = std::max(0, t - base) * group;
+      for (int h = 0; h < heads; ++h) {
+        const float* kf = as_f32(k + static_cast<int64_t>(h) * D, s.row.data(), D);
+        score_key(qf, kf, D, h * per_head + first, (h + 1) * per_head, sc, L, t);
       }
     }
   }
 
   // Softmax over each vector's own visible keys.
   for (int v = 0; v < V; ++v) {
-    float* p = sc + static_cast<int64_t>(v) * L;
-    const int n = base + v / group + 1;
+    float* p = sc + v * L;
+    const int n = base + (v % per_head) / group + 1;
     float m = p[0];
     for (int t = 1; t < n; ++t) m = std::max(m, p[t]);
     float sum = 0.0f;
@@ -142,45 +192,28 @@ template <typename T>
   }
 
   // Weighted sum of V, with the same visibility.
-  for (int t0 = 0; t0 < L; t0 += bs) {
-    const T* vrow = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
-    const int n = std::min(bs, L - t0);
-    for (int i = 0; i < n; ++i, vrow += kv_row) {
-      const int t = t0 + i;
-      const float* __restrict vf = as_f32(vrow, s.v_row.data(), D);
-      int v = std::max(0, t - base) * group;
-      for (; v + 4 <= V; v += 4) {
-        const float p0 = sc[static_cast<int64_t>(v) * L + t];
-        const float p1 = sc[static_cast<int64_t>(v + 1) * L + t];
-        const float p2 = sc[static_cast<int64_t>(v + 2) * L + t];
-        const float p3 = sc[static_cast<int64_t>(v + 3) * L + t];
-        float* __restrict a0 = acc + static_cast<int64_t>(v) * D;
-        float* __restrict a1 = a0 + D;
-        float* __restrict a2 = a1 + D;
-        float* __restrict a3 = a2 + D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) {
-          a0[d] += p0 * vf[d];
-          a1[d] += p1 * vf[d];
-          a2[d] += p2 * vf[d];
-          a3[d] += p3 * vf[d];
-        }
-      }
-      for (; v < V; ++v) {
-        const float p0 = sc[static_cast<int64_t>(v) * L + t];
-        float* __restrict a0 = acc + static_cast<int64_t>(v) * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) a0[d] += p0 * vf[d];
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
+    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+    for (int i = 0; i < n; ++i, x += kv_row) {
+      const int t = static_cast<int>(t0) + i;
+      const int first = std::max(0, t - base) * group;
+      for (int h = 0; h < heads; ++h) {
+        const float* xf = as_f32(x + static_cast<int64_t>(h) * D, s.row.data(), D);
+        accumulate_value(sc, xf, D, h * per_head + first, (h + 1) * per_head, acc, L, t);
       }
     }
   }
 
   T* out = static_cast<T*>(a.out);
-  for (int r = 0; r < rows; ++r) {
-    T* dst = out + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
-                    static_cast<int64_t>(task.kv_head) * group) * D;
-    const float* src = acc + static_cast<int64_t>(r) * group * D;
-    for (int d = 0; d < group * D; ++d) narrow(src[d], dst + d);
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      T* dst = out + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
+                      static_cast<int64_t>(task.head_begin + h) * group) * D;
+      const float* src = acc + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+      for (int d = 0; d < group * D; ++d) narrow(src[d], dst + d);
+    }
   }
 }
 
@@ -197,7 +230,10 @@ void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std
   for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) attend_task<Bf16>(a, tasks[i], s);
 }
 
-// Prefill tiles first: they are the long tasks, and handing them out first balances the threads.
+// A decode row is one task with every KV head (its K/V rows read once, sequentially); a prefill
+// chunk is cut into tiles of rows per KV head, so a loaded K/V row serves many queries and long
+// chunks spread over the threads. Prefill tiles go first: handing out the long tasks first
+// balances the threads.
 std::vector<Task> make_tasks(const PagedAttentionArgs& a, int64_t& work) {
   const int group = a.num_heads / a.num_kv_heads;
   const int tile = std::max(1, kQueryVectorsPerTask / group);
@@ -205,14 +241,19 @@ std::vector<Task> make_tasks(const PagedAttentionArgs& a, int64_t& work) {
   work = 0;
   for (int32_t seq = 0; seq < a.num_seqs; ++seq) {
     const int32_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
-    auto& list = q_len > 1 ? prefill : decode;
+    const int32_t prefix = a.context_lens[seq] - q_len;
+    if (q_len == 1) {
+      decode.push_back({seq, 0, a.num_kv_heads, 0, 1});
+      work += prefix + 1;
+      continue;
+    }
     for (int32_t r = 0; r < q_len; r += tile) {
       const int32_t end = std::min(q_len, r + tile);
-      work += static_cast<int64_t>(end - r) * (a.context_lens[seq] - q_len + end) * a.num_kv_heads;
-      for (int32_t h = 0; h < a.num_kv_heads; ++h) list.push_back({seq, h, r, end});
+      work += static_cast<int64_t>(end - r) * (prefix + end);
+      for (int32_t h = 0; h < a.num_kv_heads; ++h) prefill.push_back({seq, h, h + 1, r, end});
     }
   }
-  work *= static_cast<int64_t>(group) * a.head_dim * 2;
+  work *= static_cast<int64_t>(a.num_heads) * a.head_dim * 2;  // multiply-adds: scores and values
   prefill.insert(prefill.end(), decode.begin(), decode.end());
   return prefill;
 }
