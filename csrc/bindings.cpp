@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <unordered_set>
@@ -11,6 +12,7 @@
 #include "block_pool.h"
 #include "kv_cache_manager.h"
 #include "cpu_attention.h"
+#include "cpu_fused_ops.h"
 #include "scheduler.h"
 #include "xxhash64.h"
 
@@ -494,6 +496,41 @@ void bind_cpu_attention(py::module_& m) {
       "Scatter K/V rows into their cache slots (-1 = skip), from raw pointers (cpu_backend checks the tensors).");
 }
 
+void bind_cpu_fused_ops(py::module_& m) {
+  m.def(
+      "rms_norm_cpu",
+      [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, uintptr_t residual_out, int64_t rows,
+         int64_t hidden, int64_t heads, int64_t x_stride, double eps, int64_t dtype, int64_t num_threads) {
+        if (rows < 0 || hidden < 1 || heads < 1 || x_stride < heads * hidden) value_error("rms_norm_cpu: bad sizes");
+        if ((rows > 0 && (!x || !weight || !out)) || (residual && !residual_out)) {
+          value_error("null pointer passed to rms_norm_cpu");
+        }
+        const RmsNormArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(residual),
+                            reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out),
+                            reinterpret_cast<void*>(residual_out), rows, hidden, heads, x_stride,
+                            static_cast<float>(eps), static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+        py::gil_scoped_release release;
+        rms_norm(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
+      },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("residual_out"), py::arg("rows"),
+      py::arg("hidden"), py::arg("heads"), py::arg("x_stride"), py::arg("eps"), py::arg("dtype"),
+      py::arg("num_threads") = 1,
+      "RMSNorm (with an optional fused residual add) from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
+  m.def(
+      "silu_and_mul_cpu",
+      [](uintptr_t x, uintptr_t out, int64_t rows, int64_t inner, int64_t x_stride, int64_t dtype, int64_t num_threads) {
+        if (rows < 0 || inner < 1 || x_stride < 2 * inner) value_error("silu_and_mul_cpu: bad sizes");
+        if (rows > 0 && (!x || !out)) value_error("null pointer passed to silu_and_mul_cpu");
+        const SiluAndMulArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), rows, inner, x_stride,
+                               static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+        py::gil_scoped_release release;
+        silu_and_mul(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
+      },
+      py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("inner"), py::arg("x_stride"), py::arg("dtype"),
+      py::arg("num_threads") = 1,
+      "silu(gate) * up over [rows, 2 * inner] rows, from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -503,4 +540,5 @@ PYBIND11_MODULE(_C, m) {
   bind_step_plan(m);
   bind_scheduler(m);
   bind_cpu_attention(m);
+  bind_cpu_fused_ops(m);
 }

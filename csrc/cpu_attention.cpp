@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -12,27 +11,11 @@
 namespace nanovllm {
 namespace {
 
-using Bf16 = uint16_t;  // the upper half of an IEEE float
-
 // Rows of query vectors per task: enough that one K/V row, once loaded, serves many queries
 // (a prefill tile), few enough that the task's scores stay in cache.
 constexpr int kQueryVectorsPerTask = 64;
 // Below this many multiply-adds a step is not worth waking a second thread for.
 constexpr int64_t kMinWorkPerThread = 1 << 16;
-
-inline float widen(float x) { return x; }
-inline float widen(Bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
-
-inline void narrow(float x, float* dst) { *dst = x; }
-inline void narrow(float x, Bf16* dst) {
-  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a (quiet) NaN.
-  const uint32_t u = std::bit_cast<uint32_t>(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *dst = static_cast<Bf16>((u >> 16) | 0x40u);
-    return;
-  }
-  *dst = static_cast<Bf16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 // A row as fp32: fp32 rows are used in place, bf16 rows widened into `buf`.
 [[gnu::always_inline]] inline const float* as_f32(const float* row, float*, int) { return row; }

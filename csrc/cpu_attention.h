@@ -8,9 +8,9 @@
 
 #include <cstdint>
 
-namespace nanovllm {
+#include "cpu_dtype.h"
 
-enum class CpuDtype : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+namespace nanovllm {
 
 struct PagedAttentionArgs {
   const void* query;            // [num_tokens, num_heads, head_dim], dtype

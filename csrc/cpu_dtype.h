@@ -1,0 +1,37 @@
+// The element types of the CPU kernels (float32, bfloat16) and bf16 <-> float conversion: a bf16
+// value is the upper half of an IEEE float.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+
+namespace nanovllm {
+
+enum class CpuDtype : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+using Bf16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(Bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+
+inline void narrow(float x, float* dst) { *dst = x; }
+inline void narrow(float x, Bf16* dst) {
+  // Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a (quiet) NaN.
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *dst = static_cast<Bf16>((u >> 16) | 0x40u);
+    return;
+  }
+  *dst = static_cast<Bf16>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// x as it would be stored in T: rounded to bf16 for T = Bf16, unchanged for float. Mirrors torch,
+// which rounds the result of every bf16 op.
+template <typename T>
+inline float round_to(float x) {
+  T t;
+  narrow(x, &t);
+  return widen(t);
+}
+
+}  // namespace nanovllm
