@@ -1,5 +1,7 @@
 #include "cpu_attention.h"
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -166,7 +168,7 @@ template <typename T>
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < n; ++t) {
-      p[t] = std::exp(p[t] - m);
+      p[t] = vec_exp(p[t] - m);
       sum += p[t];
     }
     const float inv = 1.0f / sum;
@@ -195,6 +197,7 @@ template <typename T>
       T* dst = out + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
                       static_cast<int64_t>(task.head_begin + h) * group) * D;
       const float* src = acc + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+#pragma omp simd
       for (int d = 0; d < group * D; ++d) narrow(src[d], dst + d);
     }
   }

@@ -1,5 +1,7 @@
 #include "cpu_fused_ops.h"
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <thread>
@@ -34,6 +36,7 @@ template <typename T>
     if (a.residual != nullptr) {
       const T* res = static_cast<const T*>(a.residual) + i * H;
       T* res_out = static_cast<T*>(a.residual_out) + i * H;
+#pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < H; ++d) {
         const float r = round_to<T>(widen(x[d]) + widen(res[d]));
         narrow(r, res_out + d);
@@ -45,20 +48,22 @@ template <typename T>
       for (int64_t d = 0; d < H; ++d) sum += widen(x[d]) * widen(x[d]);
     }
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + a.eps);
+#pragma omp simd
     for (int64_t d = 0; d < H; ++d) narrow(widen(w[d]) * round_to<T>(widen(x[d]) * inv), out + d);
   }
 }
 
 template <typename T>
 [[gnu::always_inline]] inline void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t begin, int64_t end) {
+  const int64_t inner = a.inner;  // a local: the stores below could alias `a` as far as the compiler knows
   for (int64_t i = begin; i < end; ++i) {
-    const T* gate = static_cast<const T*>(a.x) + i * a.x_stride;
-    const T* up = gate + a.inner;
-    T* out = static_cast<T*>(a.out) + i * a.inner;
+    const T* __restrict gate = static_cast<const T*>(a.x) + i * a.x_stride;
+    const T* __restrict up = gate + inner;
+    T* __restrict out = static_cast<T*>(a.out) + i * inner;
 #pragma omp simd
-    for (int64_t d = 0; d < a.inner; ++d) {
+    for (int64_t d = 0; d < inner; ++d) {
       const float g = widen(gate[d]);
-      narrow(round_to<T>(g / (1.0f + std::exp(-g))) * widen(up[d]), out + d);
+      narrow(round_to<T>(g / (1.0f + vec_exp(-g))) * widen(up[d]), out + d);
     }
   }
 }
