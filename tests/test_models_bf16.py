@@ -9,6 +9,7 @@ letting a wrong computation through (a skipped norm or a misplaced head changes 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import transformers
 from tiny_models import make_tiny_model
 from tiny_pager import TinyPager
 
-from nanovllm import model_config
+from nanovllm import SamplingParams, model_config
 from nanovllm.layers import bind_kv_cache
 from nanovllm.llm import LLM
 from nanovllm.model_config import load_model_config, resolve_dtype
@@ -76,8 +77,6 @@ def test_llm_bfloat16_runs_bf16_throughout(tmp_path: Path) -> None:
     assert runner.dtype == torch.bfloat16 and runner.attn_backend == "cpu"
     assert runner.kv_cache is not None and runner.kv_cache.dtype == torch.bfloat16
     assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
-    from nanovllm import SamplingParams
-
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
 
@@ -88,8 +87,6 @@ def config(tmp_path: Path) -> model_config.ModelConfig:
 
 
 def _with_checkpoint_dtype(config: model_config.ModelConfig, dtype: torch.dtype) -> model_config.ModelConfig:
-    from dataclasses import replace
-
     return replace(config, torch_dtype=dtype)
 
 
