@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <unordered_set>
@@ -11,6 +12,7 @@
 #include "block_pool.h"
 #include "kv_cache_manager.h"
 #include "cpu_attention.h"
+#include "cpu_fused_ops.h"
 #include "scheduler.h"
 #include "xxhash64.h"
 
@@ -413,11 +415,12 @@ void bind_scheduler(py::module_& m) {
 
 void bind_cpu_attention(py::module_& m) {
   m.def(
-      "paged_decode_attention_cpu",
+      "paged_attention_cpu",
       [](uintptr_t query, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t context_lens,
-         uintptr_t out, int64_t block_table_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-         int64_t head_dim, int64_t block_size, int64_t num_blocks, double scale, int64_t num_threads) {
-        DecodeAttentionArgs a{};
+         uintptr_t cu_seqlens_q, uintptr_t out, int64_t num_tokens, int64_t block_table_stride, int64_t num_seqs,
+         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+         double scale, int64_t dtype, int64_t num_threads) {
+        PagedAttentionArgs a{};
         a.num_seqs = checked_int32(num_seqs, "num_seqs", 0);
         a.num_heads = checked_int32(num_heads, "num_heads", 1);
         a.num_kv_heads = checked_int32(num_kv_heads, "num_kv_heads", 1);
@@ -426,21 +429,29 @@ void bind_cpu_attention(py::module_& m) {
         a.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
         a.block_table_stride = checked_int32(block_table_stride, "block_table_stride", 0);
         checked_int32(num_blocks, "num_blocks", 1);
-        if (!query || !k_cache || !v_cache || !out || (a.num_seqs > 0 && (!block_tables || !context_lens))) {
-          value_error("null pointer passed to paged_decode_attention_cpu");
+        checked_int32(num_tokens, "num_tokens", 0);
+        a.dtype = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
+        if (!query || !k_cache || !v_cache || !out ||
+            (a.num_seqs > 0 && (!block_tables || !context_lens || !cu_seqlens_q))) {
+          value_error("null pointer passed to paged_attention_cpu");
         }
-        a.query = reinterpret_cast<const float*>(query);
-        a.k_cache = reinterpret_cast<const float*>(k_cache);
-        a.v_cache = reinterpret_cast<const float*>(v_cache);
+        a.query = reinterpret_cast<const void*>(query);
+        a.k_cache = reinterpret_cast<const void*>(k_cache);
+        a.v_cache = reinterpret_cast<const void*>(v_cache);
         a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
         a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
-        a.out = reinterpret_cast<float*>(out);
+        a.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
+        a.out = reinterpret_cast<void*>(out);
         a.scale = static_cast<float>(scale);
-        // Every block the kernel will read must exist: one pass over the used table entries.
+        // Every row the kernel writes and every block it reads must exist: one pass over the used entries.
+        if (a.num_seqs > 0 && a.cu_seqlens_q[0] != 0) value_error("cu_seqlens_q[0] must be 0");
         for (int32_t i = 0; i < a.num_seqs; ++i) {
+          const std::string at = "[" + std::to_string(i) + "]";
+          const int64_t q_len = static_cast<int64_t>(a.cu_seqlens_q[i + 1]) - a.cu_seqlens_q[i];
+          if (q_len < 0 || a.cu_seqlens_q[i + 1] > num_tokens) value_error("cu_seqlens_q" + at + " out of range");
           const int64_t ctx = a.context_lens[i];
           const int64_t used = (ctx + a.block_size - 1) / a.block_size;
-          if (ctx < 0 || used > a.block_table_stride) value_error("context_lens[" + std::to_string(i) + "] out of range");
+          if (ctx < q_len || used > a.block_table_stride) value_error("context_lens" + at + " out of range");
           const int32_t* row = a.block_tables + static_cast<int64_t>(i) * a.block_table_stride;
           for (int64_t b = 0; b < used; ++b) {
             if (row[b] < 0 || row[b] >= num_blocks) {
@@ -450,13 +461,76 @@ void bind_cpu_attention(py::module_& m) {
           }
         }
         py::gil_scoped_release release;
-        paged_decode_attention(a, static_cast<int>(std::max<int64_t>(1, num_threads)));
+        paged_attention(a, static_cast<int>(std::max<int64_t>(1, num_threads)));
       },
       py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-      py::arg("out"), py::arg("block_table_stride"), py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"),
-      py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("scale"), py::arg("num_threads") = 1,
-      "fp32 decode attention over the paged cache, from raw pointers of contiguous host tensors "
-      "(nanovllm.attention.cpu_backend checks the tensors before calling).");
+      py::arg("cu_seqlens_q"), py::arg("out"), py::arg("num_tokens"), py::arg("block_table_stride"),
+      py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+      py::arg("num_blocks"), py::arg("scale"), py::arg("dtype"), py::arg("num_threads") = 1,
+      "Paged attention (decode rows and prefill chunks) over the cache, fp32 (dtype 0) or bf16 (1), from raw "
+      "pointers of contiguous host tensors (nanovllm.attention.cpu_backend checks the tensors before calling).");
+  m.def(
+      "write_kv_cache_cpu",
+      [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
+         int64_t num_tokens, int64_t row_bytes, int64_t key_stride, int64_t value_stride, int64_t num_slots) {
+        if (num_tokens < 0 || row_bytes < 1 || key_stride < row_bytes || value_stride < row_bytes) {
+          value_error("write_kv_cache_cpu: bad sizes");
+        }
+        if (num_tokens > 0 && (!key || !value || !k_cache || !v_cache || !slot_mapping)) {
+          value_error("null pointer passed to write_kv_cache_cpu");
+        }
+        const auto* slots = reinterpret_cast<const int32_t*>(slot_mapping);
+        for (int64_t i = 0; i < num_tokens; ++i) {
+          if (slots[i] >= num_slots || slots[i] < -1) {
+            throw py::index_error("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
+                                  " is not a slot of the cache");
+          }
+        }
+        const KVWriteArgs a{reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
+                            reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache), slots,
+                            num_tokens, row_bytes, key_stride, value_stride};
+        py::gil_scoped_release release;
+        write_kv_cache(a);
+      },
+      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+      py::arg("num_tokens"), py::arg("row_bytes"), py::arg("key_stride"), py::arg("value_stride"),
+      py::arg("num_slots"),
+      "Scatter K/V rows into their cache slots (-1 = skip), from raw pointers (cpu_backend checks the tensors).");
+}
+
+void bind_cpu_fused_ops(py::module_& m) {
+  m.def(
+      "rms_norm_cpu",
+      [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, uintptr_t residual_out, int64_t rows,
+         int64_t hidden, int64_t heads, int64_t x_stride, double eps, int64_t dtype, int64_t num_threads) {
+        if (rows < 0 || hidden < 1 || heads < 1 || x_stride < heads * hidden) value_error("rms_norm_cpu: bad sizes");
+        if ((rows > 0 && (!x || !weight || !out)) || (residual && !residual_out)) {
+          value_error("null pointer passed to rms_norm_cpu");
+        }
+        const RmsNormArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(residual),
+                            reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out),
+                            reinterpret_cast<void*>(residual_out), rows, hidden, heads, x_stride,
+                            static_cast<float>(eps), static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+        py::gil_scoped_release release;
+        rms_norm(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
+      },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("residual_out"), py::arg("rows"),
+      py::arg("hidden"), py::arg("heads"), py::arg("x_stride"), py::arg("eps"), py::arg("dtype"),
+      py::arg("num_threads") = 1,
+      "RMSNorm (with an optional fused residual add) from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
+  m.def(
+      "silu_and_mul_cpu",
+      [](uintptr_t x, uintptr_t out, int64_t rows, int64_t inner, int64_t x_stride, int64_t dtype, int64_t num_threads) {
+        if (rows < 0 || inner < 1 || x_stride < 2 * inner) value_error("silu_and_mul_cpu: bad sizes");
+        if (rows > 0 && (!x || !out)) value_error("null pointer passed to silu_and_mul_cpu");
+        const SiluAndMulArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), rows, inner, x_stride,
+                               static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+        py::gil_scoped_release release;
+        silu_and_mul(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
+      },
+      py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("inner"), py::arg("x_stride"), py::arg("dtype"),
+      py::arg("num_threads") = 1,
+      "silu(gate) * up over [rows, 2 * inner] rows, from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
 }
 
 }  // namespace
@@ -468,4 +542,5 @@ PYBIND11_MODULE(_C, m) {
   bind_step_plan(m);
   bind_scheduler(m);
   bind_cpu_attention(m);
+  bind_cpu_fused_ops(m);
 }

@@ -1,98 +1,272 @@
 #include "cpu_attention.h"
 
+#include "cpu_math.h"
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <thread>
 #include <vector>
 
 namespace nanovllm {
 namespace {
 
-// `omp simd` (compiled with -fopenmp-simd: no OpenMP runtime) lets the compiler reassociate the
-// reduction and call the vector expf; target_clones builds an AVX2 copy picked at load time.
-inline float dot(const float* __restrict a, const float* __restrict b, int n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int d = 0; d < n; ++d) s += a[d] * b[d];
-  return s;
+// Rows of query vectors per task: enough that one K/V row, once loaded, serves many queries
+// (a prefill tile), few enough that the task's scores stay in cache.
+constexpr int kQueryVectorsPerTask = 64;
+// Below this many multiply-adds a step is not worth waking a second thread for.
+constexpr int64_t kMinWorkPerThread = 1 << 16;
+
+// A row as fp32: fp32 rows are used in place, bf16 rows widened into `buf`.
+[[gnu::always_inline]] inline const float* as_f32(const float* row, float*, int) { return row; }
+[[gnu::always_inline]] inline const float* as_f32(const Bf16* __restrict row, float* __restrict buf, int n) {
+#pragma omp simd
+  for (int d = 0; d < n; ++d) buf[d] = widen(row[d]);
+  return buf;
 }
 
-// One sequence, all heads: scores, softmax, weighted sum of V. A block holds block_size rows of
-// num_kv_heads * head_dim contiguous floats, so walking it row by row (all heads at once) reads
-// memory sequentially; each K/V head vector is read once for the query heads sharing it.
-__attribute__((target_clones("avx2,fma", "default")))
-void attend(const DecodeAttentionArgs& a, int seq, std::vector<float>& scores) {
-  const int heads = a.num_heads;
-  const int kv_heads = a.num_kv_heads;
-  const int group = heads / kv_heads;
-  const int D = a.head_dim;
-  const int ctx = a.context_lens[seq];
-  const int bs = a.block_size;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.block_table_stride;
-  const int64_t row_stride = static_cast<int64_t>(kv_heads) * D;
-  const float* q = a.query + static_cast<int64_t>(seq) * heads * D;
-  float* out = a.out + static_cast<int64_t>(seq) * heads * D;
-  std::fill(out, out + static_cast<int64_t>(heads) * D, 0.0f);
-  if (ctx <= 0) return;
-  scores.resize(static_cast<size_t>(heads) * ctx);
-  float* sc = scores.data();  // [heads, ctx]
+struct Task {
+  int32_t seq, head_begin, head_end;  // KV heads [head_begin, head_end)
+  int32_t row_begin, row_end;         // query rows, relative to the sequence's first one
+};
 
-  // Walk the context block by block, so a row's address is a pointer bump, not a division.
-  for (int t0 = 0; t0 < ctx; t0 += bs) {
-    const float* k = a.k_cache + static_cast<int64_t>(table[t0 / bs]) * bs * row_stride;
-    const int n = std::min(bs, ctx - t0);
-    for (int i = 0; i < n; ++i, k += row_stride) {
+struct Scratch {
+  std::vector<float> q, scores, acc, row;
+};
+
+// Scores of query vectors [v, end) (rows of `q`, D apart) against one key, into column t of `sc`
+// (rows L apart). Four, then two vectors per pass: each loaded key element feeds several products.
+[[gnu::always_inline]] inline void score_key(const float* __restrict q, const float* __restrict k, int D, int v,
+                                             int end, float* __restrict sc, int64_t L, int t) {
+  for (; v + 4 <= end; v += 4) {
+    const float* q0 = q + static_cast<int64_t>(v) * D;
+    const float* q1 = q0 + D;
+    const float* q2 = q1 + D;
+    const float* q3 = q2 + D;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int d = 0; d < D; ++d) {
+      s0 += q0[d] * k[d];
+      s1 += q1[d] * k[d];
+      s2 += q2[d] * k[d];
+      s3 += q3[d] * k[d];
+    }
+    sc[v * L + t] = s0;
+    sc[(v + 1) * L + t] = s1;
+    sc[(v + 2) * L + t] = s2;
+    sc[(v + 3) * L + t] = s3;
+  }
+  for (; v + 2 <= end; v += 2) {
+    const float* q0 = q + static_cast<int64_t>(v) * D;
+    const float* q1 = q0 + D;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1)
+    for (int d = 0; d < D; ++d) {
+      s0 += q0[d] * k[d];
+      s1 += q1[d] * k[d];
+    }
+    sc[v * L + t] = s0;
+    sc[(v + 1) * L + t] = s1;
+  }
+  if (v < end) {
+    const float* q0 = q + static_cast<int64_t>(v) * D;
+    float s0 = 0.0f;
+#pragma omp simd reduction(+ : s0)
+    for (int d = 0; d < D; ++d) s0 += q0[d] * k[d];
+    sc[v * L + t] = s0;
+  }
+}
+
+// acc[v .. end) += p[v, t] * value, the same blocking as score_key.
+[[gnu::always_inline]] inline void accumulate_value(const float* __restrict p, const float* __restrict x, int D,
+                                                    int v, int end, float* __restrict acc, int64_t L, int t) {
+  for (; v + 4 <= end; v += 4) {
+    const float p0 = p[v * L + t], p1 = p[(v + 1) * L + t], p2 = p[(v + 2) * L + t], p3 = p[(v + 3) * L + t];
+    float* __restrict a0 = acc + static_cast<int64_t>(v) * D;
+    float* __restrict a1 = a0 + D;
+    float* __restrict a2 = a1 + D;
+    float* __restrict a3 = a2 + D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) {
+      a0[d] += p0 * x[d];
+      a1[d] += p1 * x[d];
+      a2[d] += p2 * x[d];
+      a3[d] += p3 * x[d];
+    }
+  }
+  for (; v < end; ++v) {
+    const float p0 = p[v * L + t];
+    float* __restrict a0 = acc + static_cast<int64_t>(v) * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) a0[d] += p0 * x[d];
+  }
+}
+
+// One task: query rows [row_begin, row_end) of one sequence for the query heads of KV heads
+// [head_begin, head_end). Vector v = h * per_head + r * group + g is row row_begin + r, query head
+// (head_begin + h) * group + g; it sees `base + r + 1` keys, base = the absolute position of row
+// row_begin. The cache is walked row by row, every KV head of the task per row, so a decode task
+// (all heads of a sequence) reads each K/V row once, sequentially.
+template <typename T>
+[[gnu::always_inline]] inline void attend_task(const PagedAttentionArgs& a, const Task& task, Scratch& s) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int D = a.head_dim;
+  const int bs = a.block_size;
+  const int q_start = a.cu_seqlens_q[task.seq];
+  const int q_len = a.cu_seqlens_q[task.seq + 1] - q_start;
+  const int base = a.context_lens[task.seq] - q_len + task.row_begin;
+  const int rows = task.row_end - task.row_begin;
+  const int heads = task.head_end - task.head_begin;
+  const int per_head = rows * group;
+  const int V = heads * per_head;
+  const int64_t L = base + rows;  // keys the last row sees
+  const int32_t* table = a.block_tables + static_cast<int64_t>(task.seq) * a.block_table_stride;
+  const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
+  const int64_t head_off = static_cast<int64_t>(task.head_begin) * D;
+  const T* query = static_cast<const T*>(a.query);
+
+  s.q.resize(static_cast<size_t>(V) * D);
+  s.scores.resize(static_cast<size_t>(V) * L);
+  s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
+  s.row.resize(D);
+  float* __restrict qf = s.q.data();
+  float* __restrict sc = s.scores.data();  // [V, L]
+  float* __restrict acc = s.acc.data();    // [V, D]
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      const T* src = query + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
+                              static_cast<int64_t>(task.head_begin + h) * group) * D;
+      float* dst = qf + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+#pragma omp simd
+      for (int d = 0; d < group * D; ++d) dst[d] = widen(src[d]) * a.scale;
+    }
+  }
+
+  // Scores. Key t is visible to a head's vectors from (t - base) * group on (all for t < base).
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const T* k = k_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
+    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+    for (int i = 0; i < n; ++i, k += kv_row) {
+      const int t = static_cast<int>(t0) + i;
+      const int first = std::max(0, t - base) * group;
       for (int h = 0; h < heads; ++h) {
-        sc[static_cast<size_t>(h) * ctx + t0 + i] = dot(q + static_cast<int64_t>(h) * D, k + (h / group) * D, D) * a.scale;
+        const float* kf = as_f32(k + static_cast<int64_t>(h) * D, s.row.data(), D);
+        score_key(qf, kf, D, h * per_head + first, (h + 1) * per_head, sc, L, t);
       }
     }
   }
-  for (int h = 0; h < heads; ++h) {
-    float* s = sc + static_cast<size_t>(h) * ctx;
-    float m = s[0];
-    for (int t = 1; t < ctx; ++t) m = std::max(m, s[t]);
+
+  // Softmax over each vector's own visible keys.
+  for (int v = 0; v < V; ++v) {
+    float* p = sc + v * L;
+    const int n = base + (v % per_head) / group + 1;
+    float m = p[0];
+    for (int t = 1; t < n; ++t) m = std::max(m, p[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < ctx; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
+    for (int t = 0; t < n; ++t) {
+      p[t] = vec_exp(p[t] - m);
+      sum += p[t];
     }
     const float inv = 1.0f / sum;
 #pragma omp simd
-    for (int t = 0; t < ctx; ++t) s[t] *= inv;
+    for (int t = 0; t < n; ++t) p[t] *= inv;
   }
-  for (int t0 = 0; t0 < ctx; t0 += bs) {
-    const float* v = a.v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * row_stride;
-    const int n = std::min(bs, ctx - t0);
-    for (int i = 0; i < n; ++i, v += row_stride) {
+
+  // Weighted sum of V, with the same visibility.
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
+    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+    for (int i = 0; i < n; ++i, x += kv_row) {
+      const int t = static_cast<int>(t0) + i;
+      const int first = std::max(0, t - base) * group;
       for (int h = 0; h < heads; ++h) {
-        const float p = sc[static_cast<size_t>(h) * ctx + t0 + i];
-        const float* __restrict vh = v + (h / group) * D;
-        float* __restrict o = out + static_cast<int64_t>(h) * D;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) o[d] += p * vh[d];
+        const float* xf = as_f32(x + static_cast<int64_t>(h) * D, s.row.data(), D);
+        accumulate_value(sc, xf, D, h * per_head + first, (h + 1) * per_head, acc, L, t);
       }
+    }
+  }
+
+  T* out = static_cast<T*>(a.out);
+  for (int h = 0; h < heads; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      T* dst = out + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
+                      static_cast<int64_t>(task.head_begin + h) * group) * D;
+      const float* src = acc + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+#pragma omp simd
+      for (int d = 0; d < group * D; ++d) narrow(src[d], dst + d);
     }
   }
 }
 
-void run_range(const DecodeAttentionArgs& a, int64_t begin, int64_t end) {
-  std::vector<float> scores;
-  for (int64_t seq = begin; seq < end; ++seq) attend(a, static_cast<int>(seq), scores);
+// One copy per instruction set, picked when the library loads: AVX-512, AVX2 + FMA, baseline.
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void run_f32(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std::atomic<int64_t>& next) {
+  Scratch s;
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) attend_task<float>(a, tasks[i], s);
+}
+
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std::atomic<int64_t>& next) {
+  Scratch s;
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) attend_task<Bf16>(a, tasks[i], s);
+}
+
+// A decode row is one task with every KV head (its K/V rows read once, sequentially); a prefill
+// chunk is cut into tiles of rows per KV head, so a loaded K/V row serves many queries and long
+// chunks spread over the threads. Prefill tiles go first: handing out the long tasks first
+// balances the threads.
+std::vector<Task> make_tasks(const PagedAttentionArgs& a, int64_t& work) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int tile = std::max(1, kQueryVectorsPerTask / group);
+  std::vector<Task> prefill, decode;
+  work = 0;
+  for (int32_t seq = 0; seq < a.num_seqs; ++seq) {
+    const int32_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
+    const int32_t prefix = a.context_lens[seq] - q_len;
+    if (q_len == 1) {
+      decode.push_back({seq, 0, a.num_kv_heads, 0, 1});
+      work += prefix + 1;
+      continue;
+    }
+    for (int32_t r = 0; r < q_len; r += tile) {
+      const int32_t end = std::min(q_len, r + tile);
+      work += static_cast<int64_t>(end - r) * (prefix + end);
+      for (int32_t h = 0; h < a.num_kv_heads; ++h) prefill.push_back({seq, h, h + 1, r, end});
+    }
+  }
+  work *= static_cast<int64_t>(a.num_heads) * a.head_dim * 2;  // multiply-adds: scores and values
+  prefill.insert(prefill.end(), decode.begin(), decode.end());
+  return prefill;
 }
 
 }  // namespace
 
-void paged_decode_attention(const DecodeAttentionArgs& a, int num_threads) {
-  const int64_t tasks = a.num_seqs;
-  const int64_t threads = std::clamp<int64_t>(num_threads, 1, std::max<int64_t>(tasks, 1));
+void paged_attention(const PagedAttentionArgs& a, int num_threads) {
+  int64_t work = 0;
+  const std::vector<Task> tasks = make_tasks(a, work);
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::clamp<int64_t>(std::min<int64_t>(num_threads, work / kMinWorkPerThread), 1,
+                                              std::max<int64_t>(count, 1));
+  const auto run = a.dtype == CpuDtype::kBFloat16 ? run_bf16 : run_f32;
+  std::atomic<int64_t> next{0};
   std::vector<std::jthread> workers;
   workers.reserve(threads - 1);
-  for (int64_t i = 1; i < threads; ++i) {
-    workers.emplace_back([&a, i, tasks, threads] { run_range(a, tasks * i / threads, tasks * (i + 1) / threads); });
+  for (int64_t i = 1; i < threads; ++i) workers.emplace_back([&] { run(a, tasks.data(), count, next); });
+  run(a, tasks.data(), count, next);
+}
+
+void write_kv_cache(const KVWriteArgs& a) {
+  for (int64_t i = 0; i < a.num_tokens; ++i) {
+    const int64_t slot = a.slot_mapping[i];
+    if (slot < 0) continue;
+    std::memcpy(a.k_cache + slot * a.row_bytes, a.key + i * a.key_stride, a.row_bytes);
+    std::memcpy(a.v_cache + slot * a.row_bytes, a.value + i * a.value_stride, a.row_bytes);
   }
-  run_range(a, 0, tasks / threads);
 }
 
 }  // namespace nanovllm

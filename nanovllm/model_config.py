@@ -9,11 +9,16 @@ Reading the raw file lets us accept both and report problems naming the exact fi
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nanovllm.cpu_features import native_bf16
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -152,13 +157,36 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
-def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto") -> torch.dtype:
-    """`"auto"` means the checkpoint's dtype; otherwise a torch dtype or its name ("bfloat16")."""
+def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
+                  device: torch.device | str = "cpu") -> torch.dtype:
+    """`"auto"` means the checkpoint's dtype; otherwise a torch dtype or its name ("bfloat16").
+
+    On CPU: float16 has no kernels (a clear error when asked for; an fp16 checkpoint under "auto"
+    runs in float32, which holds every fp16 value exactly). A bf16 checkpoint under "auto" stays
+    bf16 where the CPU computes bf16 natively and runs in float32 elsewhere; an explicit
+    "bfloat16" runs anyway, correct but slow without those instructions, with a warning.
+    """
     if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return config.torch_dtype
-    name = dtype.removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r} (use 'auto' or one of {sorted(_DTYPES)})")
-    return _DTYPES[name]
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = config.torch_dtype
+    else:
+        name = dtype.removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (use 'auto' or one of {sorted(_DTYPES)})")
+        resolved = _DTYPES[name]
+    if torch.device(device).type != "cpu" or resolved == torch.float32:
+        return resolved
+    auto = dtype == "auto"
+    if resolved == torch.float16:
+        if not auto:
+            raise ValueError("float16 is not supported on CPU: use dtype='bfloat16' or 'float32'")
+        logger.info("float16 checkpoint on CPU: running in float32 (no float16 CPU kernels)")
+        return torch.float32
+    if resolved == torch.bfloat16 and not native_bf16():
+        if auto:
+            logger.info("bfloat16 checkpoint on a CPU without AVX512-BF16/AMX: running in float32 (faster there)")
+            return torch.float32
+        logger.warning("bfloat16 on a CPU without AVX512-BF16/AMX: torch emulates it through float32 "
+                       "conversions, slower than dtype='float32' on this CPU")
+    return resolved

@@ -1,5 +1,5 @@
-"""The fast CPU backend (C++ decode kernel, fused SDPA prefill) against the torch reference, on
-random caches with shuffled block tables, GQA and ragged context lengths."""
+"""The fast CPU backend (one C++ call for decode rows and prefill chunks, fp32 and bf16) against the
+torch reference, on random caches with shuffled block tables, GQA and ragged context lengths."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import torch
 from nanovllm.attention import cpu_backend, torch_backend
 from nanovllm.attention.metadata import make_attention_metadata
 
+# bf16 inputs, fp32 accumulation on both sides: the outputs differ by the final rounding to bf16
+# (2^-8 relative) plus summation order.
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}
+
 
 def random_case(seed: int, q_lens: list[int], ctx_lens: list[int], heads: int, kv_heads: int, dim: int,
-                block_size: int):  # noqa: ANN202
+                block_size: int, dtype: torch.dtype = torch.float32):  # noqa: ANN202
+    """Sequences in the given order (decodes must come first); every context's K/V already cached."""
     g = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-c // block_size) for c in ctx_lens]
     num_blocks = sum(blocks_needed) + 3
@@ -20,9 +25,9 @@ def random_case(seed: int, q_lens: list[int], ctx_lens: list[int], heads: int, k
     for b in blocks_needed:
         tables.append(perm[start:start + b])
         start += b
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g)
-    query = torch.randn(sum(q_lens), heads, dim, generator=g)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+    query = torch.randn(sum(q_lens), heads, dim, generator=g).to(dtype)
     cu = [0]
     for q in q_lens:
         cu.append(cu[-1] + q)
@@ -33,38 +38,76 @@ def random_case(seed: int, q_lens: list[int], ctx_lens: list[int], heads: int, k
     return query, k_cache, v_cache, meta
 
 
+def assert_matches_reference(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> None:  # noqa: ANN001
+    ours = cpu_backend.paged_attention(query, k, v, meta, scale)
+    ref = torch_backend.paged_attention(query, k, v, meta, scale)
+    assert ours.dtype == query.dtype
+    torch.testing.assert_close(ours, ref, **TOL[query.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
                          [(4, 4, 32, 16), (8, 2, 64, 16), (16, 2, 128, 4), (6, 3, 20, 256), (4, 1, 7, 1)])
-def test_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int) -> None:
+def test_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype) -> None:
     ctx = [1, block_size, block_size + 1, 3 * block_size, 37, 2]
-    query, k, v, meta = random_case(1, [1] * len(ctx), ctx, heads, kv_heads, dim, block_size)
-    ours = cpu_backend.paged_attention(query, k, v, meta, 0.3)
-    ref = torch_backend.paged_attention(query, k, v, meta, 0.3)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    query, k, v, meta = random_case(1, [1] * len(ctx), ctx, heads, kv_heads, dim, block_size, dtype)
+    assert_matches_reference(query, k, v, meta, 0.3)
 
 
-def test_mixed_decode_and_prefill_chunks_match_reference() -> None:
-    q_lens = [1, 1, 5, 9, 1]
-    ctx = [17, 3, 5, 30, 1]  # a fresh prompt, a chunk after a cached prefix, ...
-    # Decodes first, as the core lays out a batch.
-    order = sorted(range(len(q_lens)), key=lambda i: q_lens[i] != 1)
-    q_lens = [q_lens[i] for i in order]
-    ctx = [ctx[i] for i in order]
-    query, k, v, meta = random_case(2, q_lens, ctx, 8, 2, 16, 4)
-    ours = cpu_backend.paged_attention(query, k, v, meta, 0.25)
-    ref = torch_backend.paged_attention(query, k, v, meta, 0.25)
-    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_mixed_decode_and_prefill_chunks_match_reference(block_size: int, dtype: torch.dtype) -> None:
+    # Decodes first, as the core lays out a batch; then a fresh prompt, chunks after a cached prefix
+    # (a prefix hit or an earlier chunk: the kernel cannot tell them apart), one longer than a
+    # task's tile of query rows and crossing blocks, and a one-token chunk after a long prefix.
+    q_lens = [1, 1, 1, 5, 9, 70, 300, 2]
+    ctx = [17, 3, 290, 5, 30, 100, 333, 260]
+    query, k, v, meta = random_case(2, q_lens, ctx, 8, 2, 64, block_size, dtype)
+    assert_matches_reference(query, k, v, meta, 0.125)
 
 
-def test_decode_rejects_bad_tensors_before_running() -> None:
+def test_padding_rows_are_zero_and_no_sequences_is_fine() -> None:
+    query, k, v, meta = random_case(4, [1, 3], [4, 9], 4, 2, 8, 4)
+    padded = torch.cat([query, torch.randn(2, 4, 8)])
+    out = cpu_backend.paged_attention(padded, k, v, meta, 1.0)
+    torch.testing.assert_close(out[:4], torch_backend.paged_attention(query, k, v, meta, 1.0), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[4:], torch.zeros(2, 4, 8))
+    empty = make_attention_metadata(slot_mapping=[], cu_seqlens_q=[0], context_lens=[], block_tables=[],
+                                    num_decode_tokens=0, block_size=4)
+    assert cpu_backend.paged_attention(query[:0], k, v, empty, 1.0).shape == (0, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(6, 4, 2, 8, generator=g).to(dtype) for _ in range(2))
+    caches = [k_cache, v_cache, k_cache.clone(), v_cache.clone()]
+    qkv = torch.randn(5, 3 * 16, generator=g).to(dtype)  # key and value as strided views, as the model passes them
+    key, value = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([3, -1, 17, 0], dtype=torch.int32)  # one skipped, the fifth row is padding
+    cpu_backend.write_kv_cache(key, value, caches[0], caches[1], slots)
+    torch_backend.write_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_rejects_bad_tensors_before_running() -> None:
     query, k, v, meta = random_case(3, [1, 1], [4, 9], 4, 2, 8, 4)
-    with pytest.raises(ValueError, match="query"):
-        cpu_backend.decode_attention(query.double(), k, v, meta.block_tables, meta.context_lens, 1.0)
     with pytest.raises(ValueError, match="k_cache"):
-        cpu_backend.decode_attention(query, k.transpose(1, 2), v, meta.block_tables, meta.context_lens, 1.0)
+        cpu_backend.paged_attention(query, k.transpose(1, 2), v, meta, 1.0)
+    with pytest.raises(ValueError, match="k_cache"):
+        cpu_backend.paged_attention(query, k.bfloat16(), v, meta, 1.0)  # caches not in the query's dtype
+    meta.block_tables = meta.block_tables.long()
     with pytest.raises(ValueError, match="block_tables"):
-        cpu_backend.decode_attention(query, k, v, meta.block_tables.long(), meta.context_lens, 1.0)
-    bad_tables = meta.block_tables.clone()
-    bad_tables[1, 0] = k.shape[0]
+        cpu_backend.paged_attention(query, k, v, meta, 1.0)
+    meta.block_tables = meta.block_tables.int()
+    meta.block_tables[1, 0] = k.shape[0]
     with pytest.raises(IndexError, match="not a block"):
-        cpu_backend.decode_attention(query, k, v, bad_tables, meta.context_lens, 1.0)
+        cpu_backend.paged_attention(query, k, v, meta, 1.0)
+    with pytest.raises(IndexError, match="not a slot"):
+        cpu_backend.write_kv_cache(query[:, :2], query[:, :2], k, v, torch.tensor([0, 4 * k.shape[0]], dtype=torch.int32))
+
+
+def test_other_dtypes_use_the_reference() -> None:
+    query, k, v, meta = random_case(6, [1, 4], [5, 4], 4, 2, 8, 4, torch.float16)
+    assert torch.equal(cpu_backend.paged_attention(query, k, v, meta, 0.5),
+                       torch_backend.paged_attention(query, k, v, meta, 0.5))

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
+from nanovllm import model_config
 from nanovllm.model_config import load_model_config
 from nanovllm.models import (
     find_weight_files,
@@ -201,7 +202,10 @@ def test_untied_checkpoint_requires_lm_head(model_dir: Path) -> None:
         load_model(model_dir)
 
 
-def test_dtype_selection(model_dir: Path) -> None:
+def test_dtype_selection(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "auto" keeps a bf16 checkpoint in bf16 on a CPU with bf16 instructions (test_models_bf16
+    # covers the others).
+    monkeypatch.setattr(model_config, "native_bf16", lambda: True)
     model, _ = load_model(model_dir, dtype="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     edit_config(model_dir, dtype=None, torch_dtype="bfloat16")

@@ -1,20 +1,19 @@
-"""Fast CPU attention backend: decode via the C++ kernel in `nanovllm._C` (reads the paged cache
-in place, each sequence only up to its own context), prefill via torch's fused
-scaled-dot-product attention per sequence. fp32 only; other dtypes use the torch reference.
-
-The torch backend stays the reference this one is tested against.
+"""Fast CPU attention backend: one C++ call per layer per step (`nanovllm._C`) for the whole
+batch, decode rows and prefill chunks alike, reading the paged cache in place, each sequence only
+up to what its queries see; the KV write is one C++ scatter. fp32 and bf16 (fp32 accumulation);
+other dtypes use the torch reference, which stays the oracle this backend is tested against.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanovllm import _C
 from nanovllm.attention import torch_backend
 from nanovllm.attention.metadata import AttentionMetadata
 
-write_kv_cache = torch_backend.write_kv_cache
+# The kernel's dtype codes (csrc/cpu_attention.h, CpuDtype).
+KERNEL_DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
@@ -23,62 +22,62 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
                          f"{'' if t.is_contiguous() else ' (not contiguous)'}")
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [n, H, D] fp32, caches [blocks, block_size, Hkv, D] -> [n, H, D]."""
-    for t, name in ((query, "query"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check(t, name, torch.float32)
-    for t, name in ((block_tables, "block_tables"), (context_lens, "context_lens")):
-        _check(t, name, torch.int32)
-    n, heads, dim = query.shape
-    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape or cache_dim != dim:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] < n or context_lens.shape[0] < n:
-        raise ValueError("block_tables / context_lens have fewer rows than query")
-    out = torch.empty_like(query)
-    _C.paged_decode_attention_cpu(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-        out.data_ptr(), block_tables.shape[1], n, heads, kv_heads, dim, block_size, num_blocks, scale,
-        torch.get_num_threads(),
-    )
-    return out
+def _check_rows(t: torch.Tensor, name: str, cache: torch.Tensor) -> None:
+    """`[tokens, kv_heads, head_dim]` rows, each contiguous (token rows may be strided views)."""
+    if (t.device.type != "cpu" or t.dtype != cache.dtype or t.dim() != 3 or t.shape[1:] != cache.shape[2:]
+            or t.stride(2) != 1 or t.stride(1) != t.shape[2]):
+        raise ValueError(f"{name} must be [tokens, {cache.shape[2]}, {cache.shape[3]}] {cache.dtype} CPU rows, "
+                         f"got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
 
 
-def _prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-             context_len: int, scale: float) -> torch.Tensor:
-    q_len = query.shape[0]
-    block_size = k_cache.shape[1]
-    n_blocks = -(-context_len // block_size)
-    blocks = block_table[:n_blocks].long()
-    k = k_cache[blocks].flatten(0, 1)[:context_len]  # [L, Hkv, D]
-    v = v_cache[blocks].flatten(0, 1)[:context_len]
-    q = query.transpose(0, 1)  # [H, q, D]
-    k, v = k.transpose(0, 1), v.transpose(0, 1)
-    prefix = context_len - q_len
-    if prefix == 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Query i sits at absolute position prefix + i and sees keys 0 .. prefix + i.
-        allowed = torch.ones(q_len, context_len, dtype=torch.bool).tril(diagonal=prefix)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """As torch_backend.write_kv_cache: rows past `slot_mapping`'s length and slots of -1 are skipped."""
+    if k_cache.dtype not in KERNEL_DTYPES:
+        torch_backend.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
+    for t, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check(t, name, k_cache.dtype)
+    _check(slot_mapping, "slot_mapping", torch.int32)
+    n = slot_mapping.shape[0]
+    _check_rows(key, "key", k_cache)
+    _check_rows(value, "value", k_cache)
+    if key.shape[0] < n or value.shape[0] < n or v_cache.shape != k_cache.shape:
+        raise ValueError("key/value have fewer rows than slot_mapping, or the caches differ in shape")
+    item = k_cache.element_size()
+    _C.write_kv_cache_cpu(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slot_mapping.data_ptr(), n, k_cache.shape[2] * k_cache.shape[3] * item,
+                          key.stride(0) * item, value.stride(0) * item, k_cache.shape[0] * k_cache.shape[1])
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    if query.dtype != torch.float32:
+    """query `[T, H, D]`, caches `[blocks, block_size, Hkv, D]` of the same dtype -> `[T, H, D]`;
+    rows past the metadata's tokens (padding) are zero, as in the reference."""
+    if query.dtype not in KERNEL_DTYPES:
         return torch_backend.paged_attention(query, k_cache, v_cache, meta, scale)
+    for t, name in ((query, "query"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check(t, name, query.dtype)
+    for t, name in ((meta.block_tables, "block_tables"), (meta.context_lens, "context_lens"),
+                    (meta.cu_seqlens_q, "cu_seqlens_q")):
+        _check(t, name, torch.int32)
+    tokens, heads, dim = query.shape
+    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
+    n = meta.num_seqs
+    if v_cache.shape != k_cache.shape or cache_dim != dim:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}")
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < n or meta.cu_seqlens_q.shape[0] < n + 1:
+        raise ValueError("block_tables / cu_seqlens_q have fewer rows than there are sequences")
+    if n == 0:
+        return torch.zeros_like(query)
     out = torch.empty_like(query)
-    host = meta.host_lens()
-    nd = meta.num_decode_tokens
-    if nd:
-        out[:nd] = decode_attention(query[:nd].contiguous(), k_cache, v_cache, meta.block_tables,
-                                    meta.context_lens, scale)
-    for i in range(nd, meta.num_seqs):
-        start, end = int(host.cu_seqlens_q[i]), int(host.cu_seqlens_q[i + 1])
-        out[start:end] = _prefill(query[start:end], k_cache, v_cache, meta.block_tables[i],
-                                  int(host.context_lens[i]), scale)
-    if out.shape[0] > (int(host.cu_seqlens_q[-1]) if meta.num_seqs else 0):
-        out[int(host.cu_seqlens_q[-1]) if meta.num_seqs else 0:] = 0  # padding rows, as the reference
+    _C.paged_attention_cpu(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+        meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), out.data_ptr(), tokens,
+        meta.block_tables.shape[1], n, heads, kv_heads, dim, block_size, num_blocks, scale,
+        KERNEL_DTYPES[query.dtype], torch.get_num_threads(),
+    )
+    covered = int(meta.host_lens().cu_seqlens_q[n])
+    if covered < tokens:
+        out[covered:] = 0
     return out

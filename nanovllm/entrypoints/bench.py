@@ -36,12 +36,14 @@ class Workload:
 
 
 def make_workload(num_seqs: int, max_input: int, max_output: int, vocab_size: int, seed: int = 0,
-                  min_len: int = 100) -> Workload:
+                  min_len: int = 100, min_output_len: int | None = None) -> Workload:
+    """`min_len` bounds both ranges from below unless `min_output_len` gives the output's own."""
     rng = random.Random(seed)
     top = min(vocab_size, 10_000)
+    min_out = min_len if min_output_len is None else min_output_len
     prompts = [[rng.randrange(top) for _ in range(rng.randint(min(min_len, max_input), max_input))]
                for _ in range(num_seqs)]
-    outputs = [rng.randint(min(min_len, max_output), max_output) for _ in range(num_seqs)]
+    outputs = [rng.randint(min(min_out, max_output), max_output) for _ in range(num_seqs)]
     return Workload(prompts, outputs)
 
 

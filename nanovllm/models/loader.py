@@ -126,6 +126,6 @@ def load_model(
     # Every file's header is checked before the model takes any memory: a truncated shard fails
     # here, naming the file, not halfway through the load.
     validate_weight_files(find_weight_files(model_dir))
-    model = build_model(config, resolve_dtype(config, dtype), device, attn_backend)
+    model = build_model(config, resolve_dtype(config, dtype, device), device, attn_backend)
     load_weights(model, model_dir)
     return model, config

@@ -1,0 +1,78 @@
+"""CPU GEMMs of the bench models' shapes: plain `F.linear` against weights prepacked once (oneDNN's
+`mkldnn_linear` on a reordered weight, MKL's packed sgemm), in fp32 and bf16. A prepacked variant
+the CPU cannot run (oneDNN bf16 needs AVX512-BW or AVX-NE-CONVERT) is reported as such.
+
+Median microseconds of `--repeats` calls per shape; the engine keeps `F.linear` unless a prepacked
+variant wins on the decode shapes (see benchmarks/RESULTS.md).
+
+Usage: python benchmarks/cpu_linear.py [--repeats 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_report import machine, markdown_table, write_json
+
+# (batch rows, in, out): decode at batch 64 of the Qwen3-shaped bench model (qkv, o, gate_up,
+# down, LM head) and of the built-in model (qkv, gate_up), and one prefill chunk.
+SHAPES = [(64, 1024, 2048), (64, 1024, 1024), (64, 1024, 6144), (64, 3072, 1024), (64, 1024, 32000),
+          (64, 256, 512), (64, 256, 1536), (512, 1024, 6144)]
+
+
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    out: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, w)}
+    packed = w.to_mkldnn()
+    out["oneDNN prepacked"] = lambda: torch._C._nn.mkldnn_linear(x.to_mkldnn(), packed, None).to_dense()
+    if x.dtype == torch.float32:
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, x.shape[0])
+        out["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, x.shape[0])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for m, k, n in SHAPES:
+            g = torch.Generator().manual_seed(0)
+            x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+            row: dict[str, object] = {"dtype": str(dtype).removeprefix("torch."), "shape": f"{m}x{k}x{n}"}
+            for name, fn in variants(x, w).items():
+                try:
+                    row[name] = round(median_us(fn, args.repeats))
+                except RuntimeError as e:  # the CPU lacks what the variant needs
+                    row[name] = f"unsupported ({str(e).split(':')[0]})"
+            rows.append(row)
+    print(f"{machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; median us per call")
+    columns = ["dtype", "shape", "F.linear", "oneDNN prepacked", "MKL packed"]
+    print(markdown_table(({c: r.get(c) for c in columns} for r in rows), columns))
+    if args.json is not None:
+        write_json(args.json, {"machine": machine(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Where a CPU decode step's time goes: GEMMs, attention, norms, rotary, activation, logits,
+sampling, and the rest (Python, the scheduler, tensor plumbing), under torch.profiler.
+
+`--num-seqs` prompts of `--prompt-len` random tokens are prefilled first; then `--steps` decode
+steps of the whole batch are profiled. The layers' forwards are wrapped in
+`torch.profiler.record_function` labels here, in the benchmark (the engine's code is not touched),
+and each label's total CPU time, children included, is attributed to its category. A GEMM inside
+an attention label counts as attention: the labels do not nest except the LM head inside logits.
+
+Usage: python benchmarks/profile_cpu_step.py [--model DIR] [--dtype bfloat16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench_report import machine, write_json
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.builtin_model import ensure_default_model
+from nanovllm.layers import activation, attention, embed_head, layernorm, linear, rotary_embedding, sampler
+
+# label -> (class, method) wrapped under it. Attention covers the KV write and the kernel.
+WRAPPED: dict[str, tuple[type, str]] = {
+    "gemm": (linear.LinearBase, "forward"),
+    "attention": (attention.Attention, "forward"),
+    "norm": (layernorm.RMSNorm, "forward"),
+    "rotary": (rotary_embedding.RotaryEmbedding, "forward"),
+    "activation": (activation.SiluAndMul, "forward"),
+    "lm_head": (embed_head.ParallelLMHead, "forward"),
+    "sampling": (sampler.Sampler, "__call__"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: the built-in model)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-seqs", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def _label(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for name, (cls, method) in WRAPPED.items():
+        setattr(cls, method, _label(name, getattr(cls, method)))
+    model = args.model or str(ensure_default_model())
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.num_seqs)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 8)
+    for _ in range(args.num_seqs):
+        prompt = [rng.randrange(min(engine.vocab_size, 10_000)) for _ in range(args.prompt_len)]
+        engine.add_request(engine.next_request_id(), prompt, params)
+    # Prefill everything (and a couple of decodes, so the profiled steps are all decode).
+    for _ in range(1 + -(-args.num_seqs * args.prompt_len // 8192) + 2):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            with record_function("step"):
+                engine.step()
+        wall = time.perf_counter() - start
+    totals = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages() if e.key in (*WRAPPED, "step")}
+    step_ms = totals["step"] / args.steps
+    parts = {name: totals.get(name, 0.0) / args.steps for name in WRAPPED}
+    parts["other (python, scheduler, plumbing)"] = step_ms - sum(parts.values())
+    print(f"{model}, {engine.runner.dtype}, backend {engine.runner.attn_backend}, batch {args.num_seqs}, "
+          f"context ~{args.prompt_len}, {torch.get_num_threads()} threads, {machine()}")
+    print(f"decode step: {step_ms:.2f} ms under the profiler ({1000 * wall / args.steps:.2f} ms wall)")
+    print("| part | ms / step | share |\n|---|---:|---:|")
+    for name, ms in parts.items():
+        print(f"| {name} | {ms:.2f} | {100 * ms / step_ms:.0f}% |")
+    if args.json is not None:
+        write_json(args.json, {"model": model, "dtype": str(engine.runner.dtype), "num_seqs": args.num_seqs,
+                               "prompt_len": args.prompt_len, "step_ms": step_ms, "parts_ms": parts,
+                               "machine": machine()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+// The element types of the CPU kernels (float32, bfloat16) and bf16 <-> float conversion: a bf16
+// value is the upper half of an IEEE float.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <type_traits>
+
+namespace nanovllm {
+
+enum class CpuDtype : int32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+using Bf16 = uint16_t;
+
+inline float widen(float x) { return x; }
+inline float widen(Bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+
+// Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays a (quiet) NaN. A
+// select, not a branch, so that loops over it vectorize.
+inline Bf16 to_bf16(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<Bf16>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+inline void narrow(float x, float* dst) { *dst = x; }
+inline void narrow(float x, Bf16* dst) { *dst = to_bf16(x); }
+
+// x as it would be stored in T: rounded to bf16 for T = Bf16, unchanged for float. Mirrors torch,
+// which rounds the result of every bf16 op.
+template <typename T>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    return widen(to_bf16(x));
+  } else {
+    return x;
+  }
+}
+
+}  // namespace nanovllm

@@ -1,0 +1,91 @@
+#include "cpu_fused_ops.h"
+
+#include "cpu_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+#include <vector>
+
+namespace nanovllm {
+namespace {
+
+// Below this many elements per thread a second thread costs more than it saves.
+constexpr int64_t kMinElementsPerThread = 1 << 15;
+
+// fn(begin, end) over [0, n) rows split evenly; the calling thread takes the first range.
+template <typename F>
+void parallel_rows(int64_t n, int64_t row_elements, int num_threads, const F& fn) {
+  const int64_t threads =
+      std::clamp<int64_t>(std::min<int64_t>(num_threads, n * row_elements / kMinElementsPerThread), 1,
+                          std::max<int64_t>(n, 1));
+  std::vector<std::jthread> workers;
+  workers.reserve(threads - 1);
+  for (int64_t i = 1; i < threads; ++i) workers.emplace_back([&fn, n, i, threads] { fn(n * i / threads, n * (i + 1) / threads); });
+  fn(0, n / threads);
+}
+
+template <typename T>
+[[gnu::always_inline]] inline void rms_norm_rows(const RmsNormArgs& a, int64_t begin, int64_t end) {
+  const int64_t H = a.hidden;
+  const T* w = static_cast<const T*>(a.weight);
+  for (int64_t i = begin; i < end; ++i) {
+    const T* x = static_cast<const T*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
+    T* out = static_cast<T*>(a.out) + i * H;
+    float sum = 0.0f;
+    if (a.residual != nullptr) {
+      const T* res = static_cast<const T*>(a.residual) + i * H;
+      T* res_out = static_cast<T*>(a.residual_out) + i * H;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < H; ++d) {
+        const float r = round_to<T>(widen(x[d]) + widen(res[d]));
+        narrow(r, res_out + d);
+        sum += r * r;
+      }
+      x = res_out;
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < H; ++d) sum += widen(x[d]) * widen(x[d]);
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + a.eps);
+#pragma omp simd
+    for (int64_t d = 0; d < H; ++d) narrow(widen(w[d]) * round_to<T>(widen(x[d]) * inv), out + d);
+  }
+}
+
+template <typename T>
+[[gnu::always_inline]] inline void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t begin, int64_t end) {
+  const int64_t inner = a.inner;  // a local: the stores below could alias `a` as far as the compiler knows
+  for (int64_t i = begin; i < end; ++i) {
+    const T* __restrict gate = static_cast<const T*>(a.x) + i * a.x_stride;
+    const T* __restrict up = gate + inner;
+    T* __restrict out = static_cast<T*>(a.out) + i * inner;
+#pragma omp simd
+    for (int64_t d = 0; d < inner; ++d) {
+      const float g = widen(gate[d]);
+      narrow(round_to<T>(g / (1.0f + vec_exp(-g))) * widen(up[d]), out + d);
+    }
+  }
+}
+
+// One copy per instruction set, picked when the library loads: AVX-512, AVX2 + FMA, baseline.
+#define NANOVLLM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+NANOVLLM_CLONES void rms_norm_f32(const RmsNormArgs& a, int64_t b, int64_t e) { rms_norm_rows<float>(a, b, e); }
+NANOVLLM_CLONES void rms_norm_bf16(const RmsNormArgs& a, int64_t b, int64_t e) { rms_norm_rows<Bf16>(a, b, e); }
+NANOVLLM_CLONES void silu_f32(const SiluAndMulArgs& a, int64_t b, int64_t e) { silu_and_mul_rows<float>(a, b, e); }
+NANOVLLM_CLONES void silu_bf16(const SiluAndMulArgs& a, int64_t b, int64_t e) { silu_and_mul_rows<Bf16>(a, b, e); }
+
+}  // namespace
+
+void rms_norm(const RmsNormArgs& a, int num_threads) {
+  const auto run = a.dtype == CpuDtype::kBFloat16 ? rms_norm_bf16 : rms_norm_f32;
+  parallel_rows(a.rows, a.hidden, num_threads, [&a, run](int64_t b, int64_t e) { run(a, b, e); });
+}
+
+void silu_and_mul(const SiluAndMulArgs& a, int num_threads) {
+  const auto run = a.dtype == CpuDtype::kBFloat16 ? silu_bf16 : silu_f32;
+  parallel_rows(a.rows, a.inner, num_threads, [&a, run](int64_t b, int64_t e) { run(a, b, e); });
+}
+
+}  // namespace nanovllm

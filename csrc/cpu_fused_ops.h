@@ -1,0 +1,37 @@
+// Fused elementwise layers for the CPU forward, fp32 or bf16: each is one pass over its rows
+// instead of the 3-9 torch ops (and temporaries) of the layer written in torch. The numerics follow
+// the torch layers (nanovllm/layers): fp32 math, rounded to the model dtype where torch rounds.
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_dtype.h"
+
+namespace nanovllm {
+
+// RMSNorm of rows of `hidden` elements. Row i (i < rows) starts at x + (i / heads) * x_stride +
+// (i % heads) * hidden: a 2-D input has heads = 1; q/k norm passes [tokens, heads, head_dim] views
+// of the fused qkv output. With `residual`, x + residual (rounded to the dtype) is normalized and
+// also written to `residual_out`. `out` and `residual_out` are contiguous [rows, hidden].
+struct RmsNormArgs {
+  const void* x;
+  const void* residual;  // nullable; contiguous [rows, hidden]
+  const void* weight;    // [hidden]
+  void* out;
+  void* residual_out;    // written when residual is given
+  int64_t rows, hidden, heads, x_stride;
+  float eps;
+  CpuDtype dtype;
+};
+void rms_norm(const RmsNormArgs& a, int num_threads);
+
+// x [rows, 2 * inner] (gate | up), rows x_stride elements apart -> out [rows, inner] = silu(gate) * up.
+struct SiluAndMulArgs {
+  const void* x;
+  void* out;
+  int64_t rows, inner, x_stride;
+  CpuDtype dtype;
+};
+void silu_and_mul(const SiluAndMulArgs& a, int num_threads);
+
+}  // namespace nanovllm

@@ -1,0 +1,24 @@
+"""What the host CPU can compute natively, for choosing a dtype on CPU.
+
+torch runs bfloat16 on any x86 CPU, but without AVX512-BF16 or AMX it converts every operand to
+fp32 and back: on such a CPU (AVX2 only) a bf16 GEMM measured 2x slower than fp32
+(benchmarks/RESULTS.md), so bf16 is worth it only where the instructions exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _probe(name: str) -> bool:
+    # Private torch helpers (torch.cpu._is_*_supported, torch >= 2.3): absent means unknown, i.e. no.
+    fn = getattr(torch.cpu, name, None)
+    return bool(fn()) if fn is not None else False
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """AVX512-BF16 or AMX tiles (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later)."""
+    return _probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported")
