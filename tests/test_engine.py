@@ -164,6 +164,8 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
         llm.generate([good, [1] * 65], use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([good, [1, VOCAB]], use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):  # checked before penalty rows index it
+        llm.generate([good, [1, VOCAB]], SamplingParams(presence_penalty=0.5, seed=3), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([good, 3.5], use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):

@@ -157,6 +157,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
+        self._check_prompt(token_ids)
         self._check_params(params)
         # Compiled before admission (a cache hit when the server compiled it in a worker thread).
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
@@ -182,6 +183,12 @@ class LLMEngine:
         self._requests[request_id] = req
         if req.prompt_logprobs_pending:
             self._prompt_logprobs_pending[request_id] = req
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        """Prompt ids index device rows (penalties) before the core sees them: check them first."""
+        for i, t in enumerate(token_ids):
+            if isinstance(t, int) and not 0 <= t < self.vocab_size:  # other types: the core names them
+                raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_params(self, params: SamplingParams) -> None:
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
@@ -210,6 +217,7 @@ class LLMEngine:
                 self.sampling.fork(parent, sid)
         except BaseException:
             self.detokenizer.remove(sid)
+            self.sampling.remove(sid)  # whatever part of the row was taken
             raise
         self._seqs.lp_refs[sid] = comp.lp_refs
         req.completions.append(comp)
