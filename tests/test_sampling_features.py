@@ -297,3 +297,20 @@ class _Spy:
 
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self._core, name)
+
+
+def test_seeded_parallel_samples_do_not_depend_on_the_batch(model_dir: Path) -> None:
+    """Each of a seeded request's n samples draws from its own generator, so preemption (which runs
+    the siblings in another order) and batch neighbours do not change its tokens."""
+    prompt = random_prompts([45], VOCAB, seed=31)[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128, max_num_seqs=8)
+    expected = [c.token_ids for c in alone.generate([prompt], params, use_tqdm=False)[0].outputs]
+    assert len({tuple(t) for t in expected}) == 3
+    small = LLM(str(model_dir), device="cpu", num_kvcache_blocks=20, max_model_len=128, max_num_seqs=8)
+    others = random_prompts([50, 55, 40], VOCAB, seed=32)
+    outs = small.generate(others + [prompt], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)] * 3
+                          + [params], use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    assert [c.token_ids for c in outs[-1].outputs] == expected
+    assert_pool_whole(small)

@@ -214,7 +214,7 @@ class LLMEngine:
                 self.sampling.add(sid, params, req.prompt_token_ids, grammar)
             else:
                 self._seqs.copy_row(parent, sid)
-                self.sampling.fork(parent, sid)
+                self.sampling.fork(parent, sid, index=comp.index)
         except BaseException:
             self.detokenizer.remove(sid)
             self.sampling.remove(sid)  # whatever part of the row was taken

@@ -104,13 +104,18 @@ class SamplingState:
             self.grammars.add(sid, grammar)
             r.constrained[sid] = True
 
-    def fork(self, parent: int, child: int) -> None:
-        """`child` continues from `parent` (n > 1): same parameters, the same seeded stream, its
-        own copies of the penalty and bias rows and of the grammar's state."""
+    def fork(self, parent: int, child: int, index: int = 1) -> None:
+        """`child`, the request's sample number `index`, continues from `parent` (n > 1): same
+        parameters, its own copies of the penalty and bias rows and of the grammar's state, and,
+        when seeded, its own generator derived from (seed, index): a generator shared with its
+        siblings would hand out draws in whatever order the scheduler runs them (preemption),
+        so the tokens would depend on the batch."""
         r = self.rows
         r.copy_row(parent, child)
         if parent in self.generators:
-            self.generators[child] = self.generators[parent]
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((self.generators[parent].initial_seed() + index * 0x9E3779B97F4A7C15) % 2**64)
+            self.generators[child] = gen
         if r.penalty_slot[parent] >= 0:
             r.penalty_slot[child] = self._penalties.copy(int(r.penalty_slot[parent]))
         if r.bias_slot[parent] >= 0:
