@@ -13,6 +13,7 @@
 #include "kv_cache_manager.h"
 #include "cpu_attention.h"
 #include "cpu_fused_ops.h"
+#include "cpu_sampler.h"
 #include "scheduler.h"
 #include "xxhash64.h"
 
@@ -533,6 +534,85 @@ void bind_cpu_fused_ops(py::module_& m) {
       "silu(gate) * up over [rows, 2 * inner] rows, from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
 }
 
+
+LogitRows logit_rows(uintptr_t data, int64_t rows, int64_t vocab, int64_t stride, const char* what) {
+  if (rows < 0 || vocab < 1 || vocab > std::numeric_limits<int32_t>::max() || stride < vocab) {
+    value_error(std::string(what) + ": bad logits sizes");
+  }
+  if (rows > 0 && !data) value_error(std::string("null logits passed to ") + what);
+  return {reinterpret_cast<const float*>(data), rows, vocab, stride};
+}
+
+int clamp_threads(int64_t n) { return static_cast<int>(std::clamp<int64_t>(n, 1, 1024)); }
+
+void bind_cpu_sampler(py::module_& m) {
+  m.def(
+      "sample_cpu",
+      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t temperature, uintptr_t top_k,
+         uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t out, int64_t num_threads) {
+        const LogitRows l = logit_rows(logits, rows, vocab, stride, "sample_cpu");
+        if (rows > 0 && (!temperature || !top_k || !top_p || !min_p || !uniform || !out)) {
+          value_error("null pointer passed to sample_cpu");
+        }
+        const SampleArgs a{l, reinterpret_cast<const float*>(temperature), reinterpret_cast<const int64_t*>(top_k),
+                           reinterpret_cast<const float*>(top_p), reinterpret_cast<const float*>(min_p),
+                           reinterpret_cast<const double*>(uniform), reinterpret_cast<int64_t*>(out)};
+        py::gil_scoped_release release;
+        sample(a, clamp_threads(num_threads));
+      },
+      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("stride"), py::arg("temperature"),
+      py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("uniform"), py::arg("out"),
+      py::arg("num_threads") = 1,
+      "One token per row of fp32 logits, from raw pointers (nanovllm.sample.cpu_kernels checks the arrays).");
+  m.def(
+      "argmax_cpu",
+      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t out, int64_t num_threads) {
+        const LogitRows l = logit_rows(logits, rows, vocab, stride, "argmax_cpu");
+        if (rows > 0 && !out) value_error("null pointer passed to argmax_cpu");
+        py::gil_scoped_release release;
+        argmax_rows(l, reinterpret_cast<int64_t*>(out), clamp_threads(num_threads));
+      },
+      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("stride"), py::arg("out"),
+      py::arg("num_threads") = 1, "The first maximum of each row of fp32 logits, from raw pointers.");
+  m.def(
+      "logprobs_cpu",
+      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t chosen, int64_t k,
+         uintptr_t chosen_logprob, uintptr_t chosen_rank, uintptr_t top_ids, uintptr_t top_logprobs,
+         int64_t num_threads) {
+        const LogitRows l = logit_rows(logits, rows, vocab, stride, "logprobs_cpu");
+        if (k < 0 || k > vocab) value_error("logprobs_cpu: k must be in [0, vocab]");
+        if (rows > 0 && (!chosen || !chosen_logprob || !chosen_rank || (k > 0 && (!top_ids || !top_logprobs)))) {
+          value_error("null pointer passed to logprobs_cpu");
+        }
+        const LogprobArgs a{l, reinterpret_cast<const int64_t*>(chosen), k, reinterpret_cast<double*>(chosen_logprob),
+                            reinterpret_cast<int64_t*>(chosen_rank), reinterpret_cast<int64_t*>(top_ids),
+                            reinterpret_cast<double*>(top_logprobs)};
+        py::gil_scoped_release release;
+        logprobs(a, clamp_threads(num_threads));
+      },
+      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("stride"), py::arg("chosen"), py::arg("k"),
+      py::arg("chosen_logprob"), py::arg("chosen_rank"), py::arg("top_ids"), py::arg("top_logprobs"),
+      py::arg("num_threads") = 1,
+      "Logprobs of the chosen and the k most likely tokens per row, from raw pointers (cpu_kernels checks them).");
+  m.def(
+      "apply_penalties_cpu",
+      [](uintptr_t logits, int64_t vocab, int64_t stride, int64_t rows, uintptr_t logit_rows, uintptr_t seen,
+         uintptr_t slots, uintptr_t repetition, uintptr_t frequency, uintptr_t presence, int64_t num_threads) {
+        if (rows < 0 || vocab < 1 || stride < vocab) value_error("apply_penalties_cpu: bad sizes");
+        if (rows > 0 && (!logits || !logit_rows || !seen || !slots || !repetition || !frequency || !presence)) {
+          value_error("null pointer passed to apply_penalties_cpu");
+        }
+        const PenaltyArgs a{reinterpret_cast<float*>(logits), vocab, stride, rows,
+                            reinterpret_cast<const int64_t*>(logit_rows), reinterpret_cast<const float*>(seen),
+                            reinterpret_cast<const int64_t*>(slots), reinterpret_cast<const float*>(repetition),
+                            reinterpret_cast<const float*>(frequency), reinterpret_cast<const float*>(presence)};
+        py::gil_scoped_release release;
+        apply_penalties(a, clamp_threads(num_threads));
+      },
+      py::arg("logits"), py::arg("vocab"), py::arg("stride"), py::arg("rows"), py::arg("logit_rows"), py::arg("seen"),
+      py::arg("slots"), py::arg("repetition"), py::arg("frequency"), py::arg("presence"), py::arg("num_threads") = 1,
+      "Repetition, frequency and presence penalties in place, from raw pointers (cpu_kernels checks them).");
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -543,4 +623,5 @@ PYBIND11_MODULE(_C, m) {
   bind_scheduler(m);
   bind_cpu_attention(m);
   bind_cpu_fused_ops(m);
+  bind_cpu_sampler(m);
 }

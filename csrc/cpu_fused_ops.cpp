@@ -1,29 +1,13 @@
 #include "cpu_fused_ops.h"
 
 #include "cpu_math.h"
+#include "cpu_parallel.h"
 
 #include <algorithm>
 #include <cmath>
-#include <thread>
-#include <vector>
 
 namespace nanovllm {
 namespace {
-
-// Below this many elements per thread a second thread costs more than it saves.
-constexpr int64_t kMinElementsPerThread = 1 << 15;
-
-// fn(begin, end) over [0, n) rows split evenly; the calling thread takes the first range.
-template <typename F>
-void parallel_rows(int64_t n, int64_t row_elements, int num_threads, const F& fn) {
-  const int64_t threads =
-      std::clamp<int64_t>(std::min<int64_t>(num_threads, n * row_elements / kMinElementsPerThread), 1,
-                          std::max<int64_t>(n, 1));
-  std::vector<std::jthread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t i = 1; i < threads; ++i) workers.emplace_back([&fn, n, i, threads] { fn(n * i / threads, n * (i + 1) / threads); });
-  fn(0, n / threads);
-}
 
 template <typename T>
 [[gnu::always_inline]] inline void rms_norm_rows(const RmsNormArgs& a, int64_t begin, int64_t end) {
@@ -68,8 +52,6 @@ template <typename T>
   }
 }
 
-// One copy per instruction set, picked when the library loads: AVX-512, AVX2 + FMA, baseline.
-#define NANOVLLM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 NANOVLLM_CLONES void rms_norm_f32(const RmsNormArgs& a, int64_t b, int64_t e) { rms_norm_rows<float>(a, b, e); }
 NANOVLLM_CLONES void rms_norm_bf16(const RmsNormArgs& a, int64_t b, int64_t e) { rms_norm_rows<Bf16>(a, b, e); }

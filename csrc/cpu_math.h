@@ -9,6 +9,10 @@
 #include <algorithm>
 #include <cstdint>
 
+// One copy per instruction set, picked when the library loads: AVX-512, AVX2 + FMA, baseline. The
+// functions a marked one calls must be inlined into it (always_inline) to get its instructions.
+#define NANOVLLM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
 namespace nanovllm {
 
 inline float vec_exp(float x) {

@@ -103,6 +103,7 @@ class LLMEngine:
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
         self._prompt_logprobs_pending: dict[str, Request] = {}
         self._request_counter = 0
+        self._num_fanning = 0  # queued prompts whose first sample fans out into n > 1
 
     def _num_kv_blocks(self, budget: int) -> int:
         c = self.config
@@ -180,6 +181,7 @@ class LLMEngine:
             self._release(comp)
             raise
         self._seqs.fan_out[sid] = params.n
+        self._num_fanning += params.n > 1
         self._requests[request_id] = req
         if req.prompt_logprobs_pending:
             self._prompt_logprobs_pending[request_id] = req
@@ -237,6 +239,7 @@ class LLMEngine:
 
     def _release(self, comp: Completion) -> None:
         sid = comp.seq_id
+        self._num_fanning -= bool(self._seqs.fan_out[sid] > 1)
         self._by_seq.pop(sid, None)
         self.detokenizer.remove(sid)
         self.sampling.remove(sid)
@@ -257,8 +260,8 @@ class LLMEngine:
         request that gained something and for every other request that finished."""
         plan = self.core.schedule()
         sids = plan.sampled_seq_ids.copy()
-        repeats = self._seqs.fan_out[sids]
-        fanning = bool((repeats > 1).any())
+        repeats = self._seqs.fan_out[sids] if self._num_fanning else None
+        fanning = repeats is not None and bool((repeats > 1).any())
         try:
             v, hidden = self.runner.forward(plan)
             if self._prompt_logprobs_pending:
@@ -293,6 +296,7 @@ class LLMEngine:
             req = self._by_seq[parent][0]
             req.fanned_out = True
             self._seqs.fan_out[parent] = 1  # before the children copy the parent's row
+            self._num_fanning -= 1
             for r in range(first_rows[i] + 1, first_rows[i] + repeats[i]):
                 child = self._seq_ids.acquire()
                 self._add_completion(req, child, parent=parent)

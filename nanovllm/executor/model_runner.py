@@ -30,6 +30,9 @@ from nanovllm.sample import LogprobBlock, Sampler, SamplingState, gather_logprob
 
 logger = logging.getLogger(__name__)
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -252,18 +255,23 @@ class ModelRunner:
         position. `repeats[j]` rows come from sample position j (a prompt fanning out into n
         samples); without it, one row per position. Penalties, bias and min_tokens apply where the
         rows' sequences ask; logprobs are computed from the raw logits of the rows that ask."""
-        raw = self.logits(hidden[sample_indices])
+        # Every token sampled (a decode-only step): the indices are 0..n-1, skip the gather.
+        rows = hidden if len(sample_indices) == hidden.shape[0] else hidden[sample_indices]
+        raw = self.logits(rows)
         if repeats is not None:
             raw = raw.repeat_interleave(torch.from_numpy(repeats).to(raw.device), dim=0)
-        wanted = self.sampling.rows.logprobs[row_sids]
-        lp_rows = np.flatnonzero(wanted >= 0)
+        lp_rows = _NO_ROWS
+        if self.sampling.users.logprobs:
+            wanted = self.sampling.rows.logprobs[row_sids]
+            lp_rows = np.flatnonzero(wanted >= 0)
         processed = self.sampling.process(raw, row_sids, keep_input=len(lp_rows) > 0)
         tokens = self.sampler(processed, self.sampling.batch(row_sids))
         logprobs = None
         if len(lp_rows):
             idx = torch.from_numpy(lp_rows).to(raw.device)
             logprobs = gather_logprobs(raw[idx], tokens[idx], wanted[lp_rows])
-        return SampleOutput(tokens.to(torch.int32).cpu().numpy(), tokens, logprobs, lp_rows)
+        host = tokens.numpy().astype(np.int32) if tokens.device.type == "cpu" else tokens.to(torch.int32).cpu().numpy()
+        return SampleOutput(host, tokens, logprobs, lp_rows)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Log-probabilities of sampled (or prompt) tokens and of the top-k alternatives, as vLLM reports
 them: computed from the model's raw logits (before penalties, temperature and truncation).
 
-A step computes them for all rows that asked in one batched `log_softmax` + `topk` and one
-device-to-host transfer (`LogprobBlock`). The per-token `{token id: Logprob}` dicts users see are
+A step computes them for all rows that asked in one batched pass (`LogprobBlock`): on the CPU one
+kernel call (csrc/cpu_sampler.cpp), elsewhere `log_softmax` + `topk` and one device-to-host
+transfer. The per-token `{token id: Logprob}` dicts users see are
 built only when an output is built (`build_entries`), with every token string of that output
 decoded in one call.
 """
@@ -17,6 +18,7 @@ import torch
 
 from nanovllm._core import TokenTable
 from nanovllm.outputs import Logprob
+from nanovllm.sample import cpu_kernels
 
 
 @dataclass
@@ -35,7 +37,12 @@ class LogprobBlock:
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
     """logits [R, V] (raw), chosen [R] token ids, wanted [R] top-k sizes; one device->host transfer."""
     k = int(wanted.max()) if len(wanted) else 0
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    wanted = np.asarray(wanted, dtype=np.int64)
+    logits = logits.float()
+    if cpu_kernels.runs_on(logits):
+        ids = chosen.cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+        return LogprobBlock(*cpu_kernels.logprobs(logits, ids, k), ids, wanted)
+    logprobs = torch.log_softmax(logits, dim=-1)
     chosen = chosen.view(-1, 1).long()
     chosen_lp = logprobs.gather(1, chosen)
     # Rank 1 is the most likely token; ties count in the chosen token's favour.
@@ -46,7 +53,7 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarr
     a = torch.cat([chosen_lp.double(), rank.double(), chosen.double(), top_lp.double(), top_ids.double()],
                   dim=1).cpu().numpy()
     return LogprobBlock(a[:, 0], a[:, 1].astype(np.int64), a[:, 3 + k:].astype(np.int64), a[:, 3:3 + k],
-                        a[:, 2].astype(np.int64), np.asarray(wanted, dtype=np.int64))
+                        a[:, 2].astype(np.int64), wanted)
 
 
 def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:

@@ -9,11 +9,22 @@ in one batched pass:
 * top-p rows without a k: a full descending sort, only for these rows.
 * the rest (temperature, maybe min-p): softmax over the whole vocabulary.
 
-Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks token i with
-probability p_i, and needs no cumulative sum or host sync. A seeded row draws one uniform per
-vocabulary entry from its own torch.Generator and reads the candidates' entries from it, so its
-result depends only on its seed (and how many tokens it has sampled before), never on which other
-rows share the batch or how many candidates they made the group keep.
+Two implementations of these semantics, chosen per call by where the logits are:
+
+* fp32 logits on the CPU: the C++ kernels (csrc/cpu_sampler.cpp, `cpu_kernels`), a row at a time
+  in one or two passes: torch's CPU primitives cost a full-vocabulary pass each (argmax alone
+  ~150 us for 256 x 512), which made sampling, not the model, the price of a small step. A row
+  draws one uniform and walks its kept probabilities, best first, to where their running sum
+  passes it (inverse CDF); top-p without k looks at the 64 most likely tokens first and widens
+  only while the nucleus is not closed.
+* anywhere else (CUDA): torch, in the three groups above. Sampling uses the exponential race:
+  argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. picks token i with probability p_i, and needs no
+  cumulative sum or host sync.
+
+A seeded row draws from its own torch.Generator (one uniform per step in the kernels; on the torch
+path one per vocabulary entry, read at the row's candidates), so its result depends only on its
+seed and how many tokens it sampled before, never on which rows share the batch or how many
+candidates they made the group keep. Unseeded rows draw from torch's global generator.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
+
+from nanovllm.sample import cpu_kernels
 
 # Temperatures at or below this are treated as greedy (dividing by ~0 would overflow).
 GREEDY_EPS = 1e-5
@@ -65,10 +78,24 @@ def make_sampling_batch(
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits `[S, V]` -> sampled token ids, int64 `[S]`."""
+    def __init__(self, backend: str | None = None) -> None:
+        """`backend`: "cpu" (the C++ kernels), "torch", or None: the kernels wherever the logits
+        can take them (fp32 on the CPU), torch otherwise."""
+        super().__init__()
+        if backend not in (None, "cpu", "torch"):
+            raise ValueError(f"unknown sampler backend {backend!r}: 'cpu', 'torch' or None")
+        self.backend = backend
+
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
+        """logits `[S, V]` -> sampled token ids, int64 `[S]`. `batch` None: every row greedy."""
         logits = logits.float()
+        if self.backend == "cpu" or (self.backend is None and cpu_kernels.runs_on(logits)):
+            logits = logits.contiguous()
+            out = cpu_kernels.argmax(logits) if batch is None else _sample_cpu(logits, batch)
+            return torch.from_numpy(out)
         greedy = logits.argmax(dim=-1)
+        if batch is None:
+            return greedy
         sampled = batch.temperatures > GREEDY_EPS
         if not sampled.any():
             return greedy
@@ -84,6 +111,15 @@ class Sampler(nn.Module):
                 tokens = _sample_rows(logits, rows, kind, batch, top_k)
                 out = out.index_copy(0, torch.from_numpy(rows).to(logits.device), tokens)
         return out
+
+
+def _sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
+    if not (batch.temperatures > GREEDY_EPS).any():
+        return cpu_kernels.argmax(logits)
+    uniform = torch.rand(batch.num_rows, dtype=torch.float64).numpy()
+    for row, gen in batch.generators.items():
+        uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64).item()
+    return cpu_kernels.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, uniform)
 
 
 def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: SamplingBatch,

@@ -17,6 +17,11 @@ per column, so its cost grows with the batch, never with the sequences' lengths:
 
 Preemption needs nothing here: a recomputed sequence keeps its generated tokens, so its counts
 stay right. Rows of sequences that never ask for penalties or bias cost nothing but a few columns.
+
+`users` counts the live sequences that sample (temperature > 0), want logprobs, or need their
+logits processed; a step whose whole state has none of them gathers no columns at all. After a
+model forward the caches are cold and each small numpy or torch call costs tens of microseconds,
+so a greedy step that skips them is measurably faster (benchmarks/step_overhead.py).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from nanovllm.sample import cpu_kernels
 from nanovllm.sample.rows import DenseRows, RowColumns
-from nanovllm.sample.sampler import SamplingBatch
+from nanovllm.sample.sampler import GREEDY_EPS, SamplingBatch
 from nanovllm.sample.structured import GrammarRows
 from nanovllm.sampling_params import SamplingParams
 
@@ -43,11 +49,12 @@ COLUMNS = {
     "frequency": (np.float32, 0.0),
     "repetition": (np.float32, 1.0),
     "min_tokens": (np.int64, 0),
-    "num_output": (np.int64, 0),       # tokens sampled so far
+    "num_output": (np.int64, 0),       # tokens sampled so far (counted while any row has processors)
     "penalty_slot": (np.int64, -1),    # DenseRows slot of [prompt presence, output counts]
     "bias_slot": (np.int64, -1),       # DenseRows slot of the logit bias
     "stop_row": (np.int64, -1),        # row of `_stop_ids` masked until min_tokens
     "constrained": (bool, False),      # has a grammar (a matcher in `grammars`)
+    "counted": (bool, False),          # in the `users` counts
 }
 
 
@@ -64,6 +71,7 @@ class SamplingState:
         # Stop ids masked while min_tokens is not reached, -1 padded; rows recycled through a free list.
         self._stop_ids = np.full((0, 1), -1, dtype=np.int64)
         self._free_stop_rows: list[int] = []
+        self.users = FeatureUsers()
 
     # Lifecycle ----------------------------------------------------------------------------------
 
@@ -103,6 +111,7 @@ class SamplingState:
         if grammar is not None:
             self.grammars.add(sid, grammar)
             r.constrained[sid] = True
+        self._count(sid, 1)
 
     def fork(self, parent: int, child: int, index: int = 1) -> None:
         """`child`, the request's sample number `index`, continues from `parent` (n > 1): same
@@ -112,6 +121,7 @@ class SamplingState:
         so the tokens would depend on the batch."""
         r = self.rows
         r.copy_row(parent, child)
+        r.counted[child] = False  # until the whole row is taken (remove() after a failure)
         if parent in self.generators:
             gen = torch.Generator(device=self.device)
             gen.manual_seed((self.generators[parent].initial_seed() + index * 0x9E3779B97F4A7C15) % 2**64)
@@ -125,9 +135,12 @@ class SamplingState:
             r.stop_row[child] = self._take_stop_row(ids[ids >= 0].tolist())
         if r.constrained[parent]:
             self.grammars.fork(parent, child)
+        self._count(child, 1)
 
     def remove(self, sid: int) -> None:
         r = self.rows
+        if r.counted[sid]:
+            self._count(sid, -1)
         self.generators.pop(sid, None)
         if r.constrained[sid]:
             self.grammars.remove(sid)
@@ -138,6 +151,15 @@ class SamplingState:
         if r.stop_row[sid] >= 0:
             self._free_stop_rows.append(int(r.stop_row[sid]))
         r.reset(sid)
+
+    def _count(self, sid: int, delta: int) -> None:
+        r = self.rows
+        r.counted[sid] = delta > 0
+        u = self.users
+        u.sampled += delta * bool(r.temperature[sid] > GREEDY_EPS)
+        u.logprobs += delta * bool(r.logprobs[sid] >= 0)
+        u.processed += delta * bool(r.penalty_slot[sid] >= 0 or r.bias_slot[sid] >= 0 or r.stop_row[sid] >= 0
+                                    or r.constrained[sid])
 
     def _take_stop_row(self, ids: list[int]) -> int:
         if len(ids) > self._stop_ids.shape[1]:
@@ -155,8 +177,11 @@ class SamplingState:
 
     # The step -----------------------------------------------------------------------------------
 
-    def batch(self, sids: np.ndarray) -> SamplingBatch:
-        """The sampler's parameters for rows `sids` (a sequence may repeat: n samples of a prompt)."""
+    def batch(self, sids: np.ndarray) -> SamplingBatch | None:
+        """The sampler's parameters for rows `sids` (a sequence may repeat: n samples of a prompt);
+        None when no live sequence samples (every row is greedy)."""
+        if not self.users.sampled:
+            return None
         r = self.rows
         generators = {}
         if self.generators:
@@ -169,6 +194,8 @@ class SamplingState:
         `keep_input` the input stays untouched (the raw logits logprobs are computed from): it is
         returned as is when no row asks, else a processed copy; without it, it is processed in
         place (no copy of [rows, vocab] floats when no row wants logprobs)."""
+        if not self.users.processed:
+            return logits
         r = self.rows
         pen_slots = r.penalty_slot[sids]
         bias_slots = r.bias_slot[sids]
@@ -184,10 +211,15 @@ class SamplingState:
             logits = logits.clone()
         dev = logits.device
         if len(pen_rows):
-            rows = torch.from_numpy(pen_rows).to(dev)
-            slots = torch.from_numpy(pen_slots[pen_rows]).to(dev)
             s = sids[pen_rows]
-            apply_penalties(logits, rows, self._penalties.data[slots], r.repetition[s], r.frequency[s], r.presence[s])
+            if cpu_kernels.runs_on(logits):
+                cpu_kernels.apply_penalties(logits, pen_rows, self._penalties.data, pen_slots[pen_rows],
+                                            r.repetition[s], r.frequency[s], r.presence[s])
+            else:
+                rows = torch.from_numpy(pen_rows).to(dev)
+                slots = torch.from_numpy(pen_slots[pen_rows]).to(dev)
+                apply_penalties(logits, rows, self._penalties.data[slots], r.repetition[s], r.frequency[s],
+                                r.presence[s])
         if len(bias_rows):
             rows = torch.from_numpy(bias_rows).to(dev)
             logits[rows] += self._bias.data[torch.from_numpy(bias_slots[bias_rows]).to(dev)]
@@ -203,8 +235,10 @@ class SamplingState:
     def record(self, sids: np.ndarray, tokens: torch.Tensor, host_tokens: np.ndarray) -> GrammarEnds:
         """The tokens just sampled for rows `sids` (each sequence at most once), on the device and
         on the host. Returns the sequences whose grammar ended or rejected its token."""
-        r = self.rows
         ends = GrammarEnds()
+        if not self.users.processed:  # nothing reads the counts below
+            return ends
+        r = self.rows
         if self.grammars.matchers:
             rows = np.flatnonzero(r.constrained[sids])
             if len(rows):
@@ -219,6 +253,16 @@ class SamplingState:
                 (torch.from_numpy(slots[rows]).to(dev), torch.ones_like(idx), tokens[idx].to(dev)),
                 torch.ones(len(rows), device=dev), accumulate=True)
         return ends
+
+
+@dataclass
+class FeatureUsers:
+    """Live sequences that sample (temperature > 0), want logprobs, or have logits processors
+    (penalties, logit bias, min_tokens, a grammar)."""
+
+    sampled: int = 0
+    logprobs: int = 0
+    processed: int = 0
 
 
 @dataclass
