@@ -267,7 +267,7 @@ class ModelRunner:
         processed = self.sampling.process(raw, row_sids, keep_input=len(lp_rows) > 0)
         tokens = self.sampler(processed, self.sampling.batch(row_sids))
         logprobs = None
-        if len(lp_rows) == len(row_sids):  # every row asked: no gather
+        if len(lp_rows) and len(lp_rows) == len(row_sids):  # every row asked: no gather
             logprobs = gather_logprobs(raw, tokens, wanted)
         elif len(lp_rows):
             idx = torch.from_numpy(lp_rows).to(raw.device)
