@@ -15,6 +15,10 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import nanovllm
 
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import WorkerDiedError
@@ -24,6 +28,7 @@ from nanovllm.distributed.worker import WorkerSpec
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+PACKAGE_ROOT = str(Path(nanovllm.__file__).resolve().parent.parent)
 
 
 class WorkerProcesses:
@@ -34,11 +39,16 @@ class WorkerProcesses:
         self._dead: str | None = None
         self._on_death = on_death
         self._lock = threading.Lock()
+        config = replace(config, model=str(Path(config.model).resolve()))  # the workers run elsewhere
         try:
             for rank in ranks:
                 spec = WorkerSpec(config, parallel, rank, os.getpid())
+                # Run from the directory this nanovllm was imported from: `-m` puts the working
+                # directory first on sys.path, so the worker imports the very same package (not,
+                # say, a source tree that happens to be the caller's working directory).
                 self._procs[rank] = subprocess.Popen(
-                    [sys.executable, "-m", "nanovllm.distributed", spec.to_json()], stdin=subprocess.DEVNULL)
+                    [sys.executable, "-m", "nanovllm.distributed", spec.to_json()], stdin=subprocess.DEVNULL,
+                    cwd=PACKAGE_ROOT)
         except BaseException:
             self.stop()
             raise
