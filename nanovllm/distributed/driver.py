@@ -175,7 +175,7 @@ class TensorParallelRunner(ModelRunner):
         if res.channel is not None:
             return res.channel
         assert res.group is not None and res.workers is not None
-        layout = PlanLayout.of(plan)
+        layout = PlanLayout.of(plan, self.block_size)
         store = res.group.store
         if self.parallel.nnodes > 1:
             res.channel = BroadcastChannel(res.group, layout)

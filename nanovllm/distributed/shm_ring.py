@@ -84,7 +84,11 @@ class ShmRing:
         self._headers = [slots[i, :sm.HEADER_INTS] for i in range(SLOTS)]
         self._payloads = [slots[i, sm.HEADER_INTS:] for i in range(SLOTS)]
         self._plans = [ReceivedPlan(layout, p) for p in self._payloads]
+        if create:  # block-table columns past what any step copies read as the plan's padding
+            for p in self._payloads:
+                p[layout.offsets["block_tables"]:] = -1
         self._copiers: list[SectionCopier] | None = None
+        self._plan: StepPlan | None = None
         self._plan_address = 0
         self._next = 1  # the next message number to publish (writer) or to read (reader)
         self._ack_index = 0
@@ -135,12 +139,17 @@ class ShmRing:
 
     def publish_step(self, plan: StepPlan, alive: Callable[[], None] = lambda: None) -> None:
         seq, header, slot = self._claim(alive)
-        if self._copiers is None or plan.buffer.ctypes.data != self._plan_address:
+        # The same wrapper is the same buffer; only a new one needs the (slow, ~4 us) address check.
+        if plan is not self._plan:
             src = plan.buffer
-            self._plan_address = src.ctypes.data
-            self._copiers = [SectionCopier(self.layout, src, p) for p in self._payloads]
+            if self._copiers is None or src.ctypes.data != self._plan_address:
+                self._plan_address = src.ctypes.data
+                self._copiers = [SectionCopier(self.layout, src, p) for p in self._payloads]
+            self._plan = plan
+        assert self._copiers is not None
         sm.fill_step_header(header, plan)
-        self._copiers[slot].copy(plan.num_tokens, plan.num_seqs, plan.num_samples, plan.num_copies)
+        self._copiers[slot].copy(plan.num_tokens, plan.num_seqs, plan.num_samples, plan.num_copies,
+                                 int(header[sm.MAX_SEQLEN_K]))
         self._commit(seq)
 
     def publish_logits(self, rows: np.ndarray, alive: Callable[[], None] = lambda: None) -> None:

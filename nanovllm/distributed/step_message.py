@@ -36,13 +36,14 @@ class PlanLayout:
     max_tokens: int
     max_seqs: int
     max_blocks_per_seq: int
+    block_size: int
 
     @classmethod
-    def of(cls, plan: StepPlan) -> PlanLayout:
+    def of(cls, plan: StepPlan, block_size: int) -> PlanLayout:
         off = dict(plan.offsets)
         max_seqs = off["sample_indices"] - off["context_lens"]
         return cls(off, int(plan.buffer.shape[0]), off["positions"] - off["input_ids"], max_seqs,
-                   plan.max_blocks_per_seq)
+                   plan.max_blocks_per_seq, block_size)
 
     def used_size(self, num_seqs: int) -> int:
         return self.offsets["block_tables"] + num_seqs * self.max_blocks_per_seq
@@ -51,9 +52,13 @@ class PlanLayout:
 class SectionCopier:
     """Copies the used part of each section from one plan-layout buffer to another: six numpy
     assignments per step (the three token sections, and the two cu_seqlens sections, are adjacent
-    and equally long, so each group is one strided 2-D copy)."""
+    and equally long, so each group is one strided 2-D copy).
 
-    __slots__ = ("_tok", "_cu", "_ctx", "_smp", "_cpy", "_tab", "_mb")
+    Block tables: only the columns any step so far has used (the step's longest context decides),
+    not max_model_len's worth. Columns this destination has ever received are rewritten every step,
+    so every row reads exactly like the plan's (-1 past its blocks) wherever a reader looks."""
+
+    __slots__ = ("_tok", "_cu", "_ctx", "_smp", "_cpy", "_tab", "_bs", "_width")
 
     def __init__(self, layout: PlanLayout, src: np.ndarray, dst: np.ndarray) -> None:
         o, mt, ms = layout.offsets, layout.max_tokens, layout.max_seqs
@@ -66,13 +71,17 @@ class SectionCopier:
         self._ctx = pair(o["context_lens"], 1, ms)
         self._smp = pair(o["sample_indices"], 1, ms)
         self._cpy = pair(o["block_copies"], 1, 2 * ms)
-        self._tab = pair(o["block_tables"], 1, ms * layout.max_blocks_per_seq)
-        self._mb = layout.max_blocks_per_seq
+        self._tab = pair(o["block_tables"], ms, layout.max_blocks_per_seq)
+        self._bs = layout.block_size
+        self._width = 0
 
-    def copy(self, num_tokens: int, num_seqs: int, num_samples: int, num_copies: int) -> None:
+    def copy(self, num_tokens: int, num_seqs: int, num_samples: int, num_copies: int, max_seqlen_k: int) -> None:
         for (s, d), n in ((self._tok, num_tokens), (self._cu, num_seqs + 1), (self._ctx, num_seqs),
-                          (self._smp, num_samples), (self._cpy, 2 * num_copies), (self._tab, num_seqs * self._mb)):
+                          (self._smp, num_samples), (self._cpy, 2 * num_copies)):
             d[:, :n] = s[:, :n]
+        s, d = self._tab
+        self._width = w = min(s.shape[1], max(self._width, -(-max_seqlen_k // self._bs)))
+        d[:num_seqs, :w] = s[:num_seqs, :w]
 
 
 def fill_step_header(header: np.ndarray, plan: StepPlan) -> None:
