@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         v, hidden = runner.forward(plan)
-        tokens = runner.logits(hidden[v.sample_indices]).argmax(dim=-1).to(torch.int32)
+        tokens = runner.logits(hidden, v.sample_indices).argmax(dim=-1).to(torch.int32)
         if cuda:
             end.record()
         t2 = time.perf_counter()

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.distributed.parallel_state import ParallelConfig
+
 # Without a GPU to measure, the CPU KV cache gets this much unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -25,6 +27,13 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     device: str = "auto"
+    # Tensor parallelism (docs/design.md, "Tensor parallelism"); see ParallelConfig.
+    tensor_parallel_size: int = 1
+    distributed_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -39,6 +48,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        self.parallel  # validates the parallel options
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                              self.master_port, self.distributed_backend)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -33,13 +33,26 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         device: str = "auto",
+        tensor_parallel_size: int = 1,
+        distributed_backend: str | None = None,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
     ) -> None:
+        """`tensor_parallel_size` > 1 splits the model over that many ranks (GPUs, or processes on
+        CPU); `distributed_backend` None picks NCCL on CUDA and gloo on CPU. Across machines,
+        `nnodes` nodes with the same number of ranks each: this process is node 0 (the engine),
+        the others run `nanovllm serve ... --node-rank N --headless` with the same
+        `master_addr`/`master_port`."""
         self.engine = LLMEngine(EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes, num_kvcache_blocks=num_kvcache_blocks,
-            enforce_eager=enforce_eager, seed=seed, device=device,
+            enforce_eager=enforce_eager, seed=seed, device=device, tensor_parallel_size=tensor_parallel_size,
+            distributed_backend=distributed_backend, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+            master_port=master_port,
         ))
 
     def get_tokenizer(self) -> Any:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from nanovllm.distributed import WorkerDiedError
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.engine.output_buffer import DEFAULT_ENTRIES_PER_REQUEST, OutputBuffer
 from nanovllm.outputs import RequestOutput
@@ -132,6 +133,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._crashed = False
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -148,6 +150,11 @@ class AsyncLLMEngine:
             return
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, timeout)
+
+    @property
+    def crashed(self) -> bool:
+        """The engine thread stopped on an error (not a shutdown): the server should exit."""
+        return self._crashed
 
     @property
     def is_running(self) -> bool:
@@ -275,6 +282,7 @@ class AsyncLLMEngine:
         except BaseException as e:  # a bug outside step(): stop serving rather than hang requests
             logger.exception("engine thread crashed")
             self._error = e
+            self._crashed = True
             self._abort_live(EngineDeadError(f"the engine thread crashed: {e!r}"))
         finally:
             if self._error is None:
@@ -315,6 +323,8 @@ class AsyncLLMEngine:
         if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
+            except WorkerDiedError:
+                raise  # the engine cannot run any more step: the thread stops, the server exits
             except Exception as e:
                 # step() dropped its batch and left the engine consistent; fail everything in
                 # flight (simplest sound choice: we cannot tell which requests were in the batch).

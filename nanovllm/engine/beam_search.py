@@ -97,7 +97,7 @@ def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # no
     if not sids:  # only prefill chunks this step
         core.postprocess(np.empty(0, dtype=np.int32))
         return
-    logits = runner.logits(hidden[v.sample_indices])
+    logits = runner.logits(hidden, v.sample_indices)
     if params.temperature > 0:
         logits = logits / params.temperature
     logprobs = torch.log_softmax(logits, dim=-1)

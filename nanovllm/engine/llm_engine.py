@@ -28,11 +28,12 @@ import xgrammar as xgr
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm import _C
-from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from nanovllm.config import EngineConfig
 from nanovllm.detokenizer import build_token_table
 from nanovllm._core import Detokenizer
 from nanovllm.engine.request_state import Completion, Request
-from nanovllm.executor.model_runner import ModelRunner, SampleOutput
+from nanovllm.distributed.driver import make_model_runner
+from nanovllm.executor.model_runner import SampleOutput
 from nanovllm.model_config import load_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sample import SequenceIds, build_entries, gather_logprobs
@@ -77,10 +78,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
         # The loader checks every weight file before the model takes any memory.
-        self.runner = ModelRunner(config.model, config.dtype, self.device, config.block_size, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len, enforce_eager=config.enforce_eager,
-                                  eos_token_ids=self.eos_token_ids)
-        num_blocks = self._num_kv_blocks(budget)
+        self.runner = make_model_runner(config, self.device, max_model_len=self.max_model_len,
+                                        eos_token_ids=self.eos_token_ids)
+        num_blocks = self.runner.num_kv_blocks(config, budget)
         self._check_pool_holds_one_sequence(num_blocks)
         self.runner.allocate_kv_cache(num_blocks)
         self.core = _C.Scheduler(
@@ -104,22 +104,6 @@ class LLMEngine:
         self._prompt_logprobs_pending: dict[str, Request] = {}
         self._request_counter = 0
         self._num_fanning = 0  # queued prompts whose first sample fans out into n > 1
-
-    def _num_kv_blocks(self, budget: int) -> int:
-        c = self.config
-        if c.num_kvcache_blocks is not None:
-            return c.num_kvcache_blocks
-        per_block = self.runner.kv_spec.bytes_per_block
-        if self.device.type == "cuda" and c.kv_cache_memory_bytes is None:
-            blocks = self.runner.profile_num_blocks(c.gpu_memory_utilization, budget)
-        else:
-            blocks = (c.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
-        if blocks < 1:
-            raise ValueError(
-                f"no memory left for the KV cache (one block needs {per_block} bytes); "
-                "raise gpu_memory_utilization or kv_cache_memory_bytes"
-            )
-        return int(blocks)
 
     def _check_pool_holds_one_sequence(self, num_blocks: int) -> None:
         """A pool smaller than max_model_len would cut every long enough request at the pool's size
@@ -415,12 +399,16 @@ class LLMEngine:
             idx = torch.as_tensor(flat[lo:lo + chunk], device=hidden.device)
             targets = torch.as_tensor([req.prompt_token_ids[t] for req, t in part], device=hidden.device)
             wanted = np.array([req.params.prompt_logprobs for req, _ in part], dtype=np.int64)
-            block = gather_logprobs(self.runner.logits(hidden[idx]), targets, wanted)
+            block = gather_logprobs(self.runner.logits(hidden, idx), targets, wanted)
             entries = build_entries([(block, i) for i in range(len(part))], self.token_table)
             for (req, _), entry in zip(part, entries):
                 req.prompt_logprobs.append(entry)
         for rid in [rid for rid, req in self._prompt_logprobs_pending.items() if not req.prompt_logprobs_pending]:
             del self._prompt_logprobs_pending[rid]
+
+    def shutdown(self) -> None:
+        """Release what outlives a dropped engine otherwise until exit: tensor-parallel workers."""
+        self.runner.shutdown()
 
     def stats(self) -> dict[str, int]:
         s = dict(self.core.stats())

@@ -24,6 +24,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (processes on CPU)")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl on CUDA, gloo on CPU")
+    g.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 runs the engine)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=None, help="node 0's rendezvous port (default: a free one; "
+                   "required with --nnodes > 1)")
+    g.add_argument("--headless", action="store_true",
+                   help="run only this node's tensor-parallel workers (a node other than 0)")
 
 
 def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM imported lazily
@@ -35,7 +46,36 @@ def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM impor
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
         enforce_eager=args.enforce_eager, seed=args.seed, device=args.device,
+        **_parallel_kwargs(args),
     )
+
+
+def _parallel_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, distributed_backend=args.distributed_backend,
+                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port)
+
+
+def _run_headless(args: argparse.Namespace, model: str) -> int:
+    """A node other than 0: start this node's workers and wait for them (they end when the engine
+    on node 0 stops, or fail when it dies)."""
+    from nanovllm.config import EngineConfig
+    from nanovllm.distributed.launcher import WorkerProcesses
+
+    config = EngineConfig(
+        model=model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
+        enforce_eager=args.enforce_eager, seed=args.seed, device=args.device, **_parallel_kwargs(args))
+    parallel = config.parallel
+    if parallel.node_rank == 0:
+        raise ValueError("--headless is for nodes other than 0 (--node-rank >= 1): node 0 runs the engine")
+    workers = WorkerProcesses(config, parallel, parallel.local_ranks)
+    try:
+        return workers.wait()
+    finally:
+        workers.stop(timeout=0.5)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -45,6 +85,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from nanovllm.entrypoints.bench import make_workload, run_engine
 
     model = args.model or str(ensure_default_model())
+    if args.headless:
+        return _run_headless(args, model)
     llm = _make_llm(args, model)
     on_gpu = llm.engine.device.type == "cuda"
     num_seqs = args.num_seqs or (256 if on_gpu else 64)
@@ -62,6 +104,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from nanovllm.sampling_params import SamplingParams
 
+    if args.headless:
+        return _run_headless(args, args.model)
     llm = _make_llm(args, args.model)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
@@ -85,6 +129,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         model = args.model
         names = args.served_model_name or [model]
+    if args.headless:
+        return _run_headless(args, model)
     config = ServerConfig(model_path=model, served_model_names=names, host=args.host, port=args.port,
                           api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
@@ -93,8 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
                           timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                           shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout)
-    run_server(_make_llm(args, model).engine, config)
-    return 0
+    return run_server(_make_llm(args, model).engine, config)
 
 
 def build_parser() -> argparse.ArgumentParser:

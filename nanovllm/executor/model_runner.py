@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nanovllm import _C
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.executor.plan_tensors import PlanTensors, PlanViews
 from nanovllm.executor.cuda_graph import DecodeGraphs
@@ -27,6 +29,9 @@ from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.model_config import ModelConfig, load_model_config
 from nanovllm.models.loader import load_model
 from nanovllm.sample import LogprobBlock, Sampler, SamplingState, gather_logprobs, make_sampling_batch
+
+if TYPE_CHECKING:
+    from nanovllm.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +85,17 @@ def choose_attention_backend(model_dir: str, device: torch.device) -> str:
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int, *,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 attn_backend: str | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+                 attn_backend: str | None = None, eos_token_ids: Sequence[int] = (), tp: TPGroup | None = None) -> None:
         """`max_num_seqs` and `max_model_len` (default: the model's max_position_embeddings) size the
         CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
         automatic choice (see choose_attention_backend); `eos_token_ids` are what min_tokens masks
-        (besides a request's stop ids)."""
+        (besides a request's stop ids); `tp` makes this runner one rank of a tensor-parallel group
+        (it holds that rank's shard of the model and of the KV cache)."""
         self.device = device
+        self.tp = tp
         self.make_device_current()
         backend = attn_backend or choose_attention_backend(model_dir, device)
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
+        self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp)
         self.attn_backend = backend
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
@@ -105,6 +112,9 @@ class ModelRunner:
         if device.type == "cuda" and not enforce_eager and not self.use_cuda_graphs:
             logger.warning("CUDA graphs need the cuda attention backend (have %r): decoding eagerly", backend)
 
+    def shutdown(self) -> None:
+        """Release processes this runner started (none on one device; see TensorParallelRunner)."""
+
     def make_device_current(self) -> None:
         """Make this runner's GPU the calling thread's current CUDA device. Our kernels launch on the
         runtime's current device, not the tensors' (cuda:1 would otherwise get cuda:0's launches on
@@ -115,8 +125,30 @@ class ModelRunner:
 
     @property
     def kv_spec(self) -> KVCacheSpec:
+        """This rank's cache: its KV heads only under tensor parallelism."""
         c: ModelConfig = self.config
-        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.block_size, self.dtype)
+        kv_heads = c.num_key_value_heads if self.tp is None else max(1, c.num_key_value_heads // self.tp.world_size)
+        return KVCacheSpec(c.num_hidden_layers, kv_heads, c.head_dim, self.block_size, self.dtype)
+
+    def num_kv_blocks(self, config: EngineConfig, budget: int) -> int:
+        """KV blocks for `config` (num_kvcache_blocks, kv_cache_memory_bytes, or on CUDA the profiled
+        memory left); under tensor parallelism the minimum over ranks, so that every rank holds the
+        same pool (each rank calls this at the same point of its startup)."""
+        per_block = self.kv_spec.bytes_per_block
+        if config.num_kvcache_blocks is not None:
+            blocks = config.num_kvcache_blocks
+        elif self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
+            blocks = self.profile_num_blocks(config.gpu_memory_utilization, budget)
+        else:
+            blocks = (config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+        if self.tp is not None:
+            blocks = self.tp.all_reduce_min(blocks)
+        if blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache (one block needs {per_block} bytes); "
+                "raise gpu_memory_utilization or kv_cache_memory_bytes"
+            )
+        return int(blocks)
 
     def profile_num_blocks(self, gpu_memory_utilization: float, max_num_batched_tokens: int) -> int:
         """Blocks that fit in `gpu_memory_utilization` of the GPU after a forward at the maximum batch.
@@ -161,13 +193,15 @@ class ModelRunner:
         positions = torch.arange(num_tokens, dtype=torch.int32, device=dev)
         hidden = self.model(ids, positions, meta)
         rows = min(num_tokens, self.max_num_seqs)
-        logits = self.model.compute_logits(hidden[-rows:]).float()
+        logits = self.model.compute_logits(hidden[-rows:])
         del hidden
-        # The real sampler on its most memory-hungry path (top-p without top-k: a full sort, masks,
-        # the race); on a copy, as the engine samples processed logits while keeping the raw ones.
-        batch = make_sampling_batch([1.0] * rows, top_p=[0.9] * rows, min_p=[0.05] * rows)
-        self.sampler(logits.clone(), batch)
-        del logits
+        if logits is not None:  # only rank 0 of a tensor-parallel group gets logits and samples
+            # The real sampler on its most memory-hungry path (top-p without top-k: a full sort,
+            # masks, the race); on a copy, as the engine samples processed logits while keeping the
+            # raw ones.
+            batch = make_sampling_batch([1.0] * rows, top_p=[0.9] * rows, min_p=[0.05] * rows)
+            self.sampler(logits.clone(), batch)
+            del logits
         self.release_kv_cache()
         return scratch
 
@@ -229,24 +263,34 @@ class ModelRunner:
     def forward(self, plan: _C.StepPlan) -> tuple[PlanViews, torch.Tensor]:
         """Copy-on-write copies, then the model over the flattened batch: (views, hidden states)."""
         v = self._views(plan)
+        return v, self.execute(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
+
+    @torch.inference_mode()
+    def execute(self, v: PlanViews, host: HostSeqLens) -> torch.Tensor:
+        """`forward` from the plan's tensors and host lengths (a tensor-parallel worker's entry: its
+        plan arrives through the step channel). Returns the hidden states."""
         if v.num_copies:
             self._copy_blocks(v.block_copies)
         if self.graphs is not None and self.graphs.can_run(v):
-            return v, self.graphs.run(v)
+            return self.graphs.run(v)
         meta = AttentionMetadata(
             slot_mapping=v.slot_mapping, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
             context_lens=v.context_lens, block_tables=v.block_tables, max_seqlen_q=v.max_seqlen_q,
             max_seqlen_k=v.max_seqlen_k, num_prefill_tokens=v.num_prefill_tokens,
             num_decode_tokens=v.num_decode_tokens, block_size=self.block_size,
             # Host copies, so a backend that needs lengths as ints never syncs with the device.
-            host=HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens),
+            host=host,
         )
-        return v, self.model(v.input_ids, v.positions, meta)
+        return self.model(v.input_ids, v.positions, meta)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the given hidden-state rows, [rows, vocab]."""
-        return self.model.compute_logits(hidden).float()
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the hidden-state rows `rows` (indices into this step's hidden states),
+        [rows, vocab]."""
+        # Every row (a decode-only step samples every token: rows are 0..n-1): skip the gather.
+        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
+        assert logits is not None, "logits are gathered on rank 0 only"
+        return logits
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, sample_indices: torch.Tensor, row_sids: np.ndarray,
@@ -255,9 +299,7 @@ class ModelRunner:
         position. `repeats[j]` rows come from sample position j (a prompt fanning out into n
         samples); without it, one row per position. Penalties, bias and min_tokens apply where the
         rows' sequences ask; logprobs are computed from the raw logits of the rows that ask."""
-        # Every token sampled (a decode-only step): the indices are 0..n-1, skip the gather.
-        rows = hidden if len(sample_indices) == hidden.shape[0] else hidden[sample_indices]
-        raw = self.logits(rows)
+        raw = self.logits(hidden, sample_indices)
         if repeats is not None:
             raw = raw.repeat_interleave(torch.from_numpy(repeats).to(raw.device), dim=0)
         lp_rows = _NO_ROWS

@@ -9,7 +9,7 @@ checkpoints (`model.layers.N.self_attn...`) so the loader maps tensors by name, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -27,6 +27,9 @@ from nanovllm.layers.linear import (
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from nanovllm.distributed.parallel_state import TPGroup
+
 
 @dataclass(frozen=True)
 class ArchFlags:
@@ -37,20 +40,23 @@ class ArchFlags:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            config.num_attention_heads,
+            config.num_key_value_heads,
             bias=flags.qkv_bias,
+            tp=tp,
         )
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=flags.o_bias
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=flags.o_bias, tp=tp
         )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -84,13 +90,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, tp: TPGroup | None = None) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=flags.mlp_bias
+            config.hidden_size, [inter, inter], bias=flags.mlp_bias, tp=tp
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=flags.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=flags.mlp_bias, tp=tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +104,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, flags, layer_idx, backend)
-        self.mlp = DecoderMLP(config, flags)
+        self.self_attn = DecoderAttention(config, flags, layer_idx, backend, tp)
+        self.mlp = DecoderMLP(config, flags, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -124,11 +131,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, backend: str) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, backend: str, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, flags, i, backend) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, flags, i, backend, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -146,7 +153,10 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """`model(input_ids [T], positions [T], meta) -> hidden [T, H]`; `compute_logits(hidden [S, H])`."""
+    """`model(input_ids [T], positions [T], meta) -> hidden [T, H]`; `compute_logits(hidden [S, H])`.
+
+    Under tensor parallelism (`tp`) each rank holds its shard of every layer and computes the same
+    hidden states (the row-parallel layers all-reduce); logits come out on rank 0 only."""
 
     # checkpoint module name -> (our packed module name, shard id)
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
@@ -159,12 +169,13 @@ class DecoderForCausalLM(nn.Module):
     # checkpoint tensors that are deliberately not loaded (name suffixes)
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
-    def __init__(self, config: ModelConfig, flags: ArchFlags, attn_backend: str = "torch") -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, attn_backend: str = "torch",
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.flags = flags
-        self.model = DecoderModel(config, flags, attn_backend)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = DecoderModel(config, flags, attn_backend, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
@@ -173,9 +184,11 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden `[S, H]` (rows already selected at sample_indices) -> fp32 logits `[S, vocab]`."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden `[S, H]` (rows already selected at sample_indices) -> fp32 logits `[S, vocab]`
+        (None on a tensor-parallel rank other than 0)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
 
     def set_attention_backend(self, name: str) -> None:
         for module in self.modules():

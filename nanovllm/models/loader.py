@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.linear import ShardId, get_weight_loader
 from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
 from nanovllm.models.decoder import DecoderForCausalLM
@@ -98,15 +99,14 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
                     )
                 if name in loaded:
                     raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {file}")
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as e:
-                    raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
                 param = params[target.param_name]
                 try:
-                    get_weight_loader(param)(param, tensor, target.shard_id)
+                    # A lazy slice: the weight loader reads only the part this rank keeps.
+                    get_weight_loader(param)(param, f.get_slice(name), target.shard_id)
                 except ValueError as e:
                     raise ValueError(f"tensor {name!r} in {file}: {e}") from e
+                except Exception as e:  # safetensors' own errors for unreadable data
+                    raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
                 loaded[name] = file
     missing = sorted(set(targets) - set(loaded))
     if missing:
@@ -120,12 +120,14 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: torch.device | str = "cpu",
     attn_backend: str = "torch",
+    tp: TPGroup | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
-    """Read config.json, build the architecture and load its weights. Returns (model, config)."""
+    """Read config.json, build the architecture and load its weights (this rank's shards under
+    tensor parallelism `tp`). Returns (model, config)."""
     config = load_model_config(model_dir)
     # Every file's header is checked before the model takes any memory: a truncated shard fails
     # here, naming the file, not halfway through the load.
     validate_weight_files(find_weight_files(model_dir))
-    model = build_model(config, resolve_dtype(config, dtype, device), device, attn_backend)
+    model = build_model(config, resolve_dtype(config, dtype, device), device, attn_backend, tp)
     load_weights(model, model_dir)
     return model, config

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.model_config import ModelConfig
 from nanovllm.models.decoder import ArchFlags, DecoderForCausalLM
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):
-    def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
-        super().__init__(config, ArchFlags(qkv_bias=True), attn_backend)
+    def __init__(self, config: ModelConfig, attn_backend: str = "torch", tp: TPGroup | None = None) -> None:
+        super().__init__(config, ArchFlags(qkv_bias=True), attn_backend, tp)

@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 import torch
 
+from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.model_config import ModelConfig
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
-ModelFactory = Callable[[ModelConfig, str], DecoderForCausalLM]
+ModelFactory = Callable[[ModelConfig, str, TPGroup | None], DecoderForCausalLM]
 
 MODEL_REGISTRY: dict[str, ModelFactory] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -39,8 +40,10 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attn_backend: str = "torch",
+    tp: TPGroup | None = None,
 ) -> DecoderForCausalLM:
-    """Instantiate the architecture with uninitialized weights directly in `dtype` on `device`.
+    """Instantiate the architecture with uninitialized weights directly in `dtype` on `device`
+    (this rank's shards under tensor parallelism `tp`).
 
     Creating parameters in place avoids a full-precision CPU copy of a large model.
     """
@@ -49,7 +52,7 @@ def build_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = factory(config, attn_backend)
+            model = factory(config, attn_backend, tp)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

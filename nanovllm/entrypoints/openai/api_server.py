@@ -184,7 +184,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
-def run_server(engine: LLMEngine, config: ServerConfig) -> None:
+def run_server(engine: LLMEngine, config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine dies (1)."""
     app = build_app(engine, config)
     fd_limit = raise_fd_limit()
     limit_concurrency = config.limit_concurrency or default_limit_concurrency(fd_limit)
@@ -192,4 +193,7 @@ def run_server(engine: LLMEngine, config: ServerConfig) -> None:
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                         access_log=config.access_log, http=guarded_protocol(config.header_timeout, limit_concurrency),
                         timeout_keep_alive=config.timeout_keep_alive)  # type: ignore[arg-type]
-    GracefulServer(uv, app.state.async_engine.shutdown, config.shutdown_timeout).run()
+    async_engine = app.state.async_engine
+    server = GracefulServer(uv, async_engine.shutdown, config.shutdown_timeout, lambda: async_engine.crashed)
+    server.run()
+    return 1 if server.engine_died else 0

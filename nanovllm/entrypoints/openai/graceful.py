@@ -8,7 +8,9 @@ cancels the request tasks mid-response, stays only as a backstop for writes that
 (a client that does not read).
 
 The process then exits 0: uvicorn re-raises the signal it caught once it has shut down, so the
-process would die by it even after a clean drain.
+process would die by it even after a clean drain. When the engine itself dies (`engine_crashed()`,
+e.g. a tensor-parallel worker was lost) the server shuts down the same way and `run` says so, so
+that the process exits non-zero; requests meanwhile get 503.
 """
 
 from __future__ import annotations
@@ -30,12 +32,21 @@ BACKSTOP_S = 5.0
 
 class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, stop_engine: Callable[[], Awaitable[None]],
-                 drain_timeout: float) -> None:
+                 drain_timeout: float, engine_crashed: Callable[[], bool] = lambda: False) -> None:
         config.timeout_graceful_shutdown = int(drain_timeout + BACKSTOP_S + 0.999)
         super().__init__(config)
+        self._engine_crashed = engine_crashed
+        self.engine_died = False
         self._stop_engine = stop_engine
         self.drain_timeout = drain_timeout
         self._stopping: asyncio.Future[None] | None = None
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.engine_died and self._engine_crashed():
+            logger.error("the engine died: shutting down")
+            self.engine_died = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn's, without recording the signal to re-raise after the shutdown.

@@ -1,0 +1,132 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks) against transformers and against one rank: the
+sharded layers for three model shapes, the engine's scheduling features through the step channel,
+faults, and what a shut-down engine leaves behind (nothing)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from engine_helpers import hf_greedy, random_prompts
+from tp_helpers import alive, make_tp_model, shm_segments
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.distributed import WorkerDiedError
+from nanovllm.sampling_params import BeamSearchParams
+
+BLOCK = 16
+# A pool of 24 blocks for 6 prompts of 50-80 tokens plus 40 generated forces preemption; a token
+# budget of 48 chunks every prompt.
+ENGINE = dict(device="cpu", block_size=BLOCK, num_kvcache_blocks=24, max_model_len=24 * BLOCK, max_num_seqs=6,
+              max_num_batched_tokens=48)
+
+
+def make_llm(path: Path, tp: int, **kwargs: object) -> LLM:
+    return LLM(str(path), tensor_parallel_size=tp, **{**ENGINE, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen2_odd_vocab", "llama_mqa_tied"])
+def tp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, LLM]]:
+    path = make_tp_model(tmp_path_factory.mktemp("tp"), request.param)
+    llm = make_llm(path, 2)
+    pids = llm.engine.runner.worker_pids
+    assert len(pids) == 1 and alive(pids[0])
+    assert shm_segments() == []  # unlinked once attached (here: not yet created, before the first step)
+    yield path, llm
+    llm.engine.shutdown()
+    assert not any(alive(p) for p in pids), "a worker outlived the engine"
+    assert shm_segments() == [], "the step ring's segment was left in /dev/shm"
+
+
+def greedy_check(llm: LLM, path: Path, prompts: list[list[int]], max_new: int) -> None:
+    eos = llm.get_tokenizer().eos_token_id
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, max_new, eos), f"prompt of {len(prompt)} diverged"
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
+
+
+def test_greedy_matches_transformers_with_chunking_preemption_and_prefix_cache(tp_case: tuple[Path, LLM]) -> None:
+    path, llm = tp_case
+    vocab = llm.engine.vocab_size
+    greedy_check(llm, path, random_prompts([60, 70, 80, 50, 65, 75], vocab, seed=9), max_new=40)
+    assert llm.stats()["num_preemptions"] > 0
+    assert shm_segments() == []  # the ring exists now, its name is gone
+    system = random_prompts([70], vocab, seed=5)[0]
+    tails = random_prompts([3, 9, 20], vocab, seed=6)
+    greedy_check(llm, path, [system + tails[0]], max_new=8)
+    hits = llm.stats()["prefix_cache_hits"]
+    greedy_check(llm, path, [system + t for t in tails[1:]], max_new=8)
+    assert llm.stats()["prefix_cache_hits"] - hits >= 2 * 64  # the system prompt's 4 full blocks each
+
+
+def test_parallel_sampling_beam_search_and_prompt_logprobs_match_one_rank(tp_case: tuple[Path, LLM]) -> None:
+    """Copy-on-write block copies (n > 1 and beams fork shared blocks) run on every rank; prompt
+    logprobs take logits at rows other than the sampled ones."""
+    path, llm = tp_case
+    ref = make_llm(path, 1)
+    prompts = random_prompts([21, 40], llm.engine.vocab_size, seed=3)
+    sampled = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=12, prompt_logprobs=2)
+    for got, want in zip(llm.generate(prompts, sampled, use_tqdm=False), ref.generate(prompts, sampled, use_tqdm=False)):
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        assert [sorted(p) if p else p for p in got.prompt_logprobs] == [sorted(p) if p else p for p in want.prompt_logprobs]
+    beams = BeamSearchParams(beam_width=3, max_tokens=10)
+    got_b, want_b = llm.beam_search(prompts, beams), ref.beam_search(prompts, beams)
+    for g, w in zip(got_b, want_b):
+        assert [s.tokens for s in g.sequences] == [s.tokens for s in w.sequences]
+        for gs, ws in zip(g.sequences, w.sequences):
+            assert gs.cum_logprob == pytest.approx(ws.cum_logprob, abs=1e-4)
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_abort_mid_generation(tp_case: tuple[Path, LLM]) -> None:
+    path, llm = tp_case
+    engine = llm.engine
+    prompts = random_prompts([30, 33], engine.vocab_size, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    engine.add_request("keep", prompts[0], params)
+    engine.add_request("drop", prompts[1], params)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("drop")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["keep"]
+    eos = llm.get_tokenizer().eos_token_id
+    assert outs[0].outputs[0].token_ids == hf_greedy(path, prompts[0], 20, eos)
+
+
+def test_tp_size_must_divide_the_heads(tmp_path: Path) -> None:
+    path = make_tp_model(tmp_path, "qwen3")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the number of attention heads \(4\)"):
+        make_llm(path, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        make_llm(path, 0)
+
+
+def test_a_killed_worker_fails_the_engine_promptly_and_leaves_nothing(tmp_path: Path) -> None:
+    path = make_tp_model(tmp_path, "qwen3")
+    llm = make_llm(path, 2)
+    engine = llm.engine
+    [pid] = engine.runner.worker_pids
+    engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    engine.step()
+    engine.step()
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 10
+    with pytest.raises(WorkerDiedError):  # and every later step too, at once
+        engine.add_request("s", [4, 5], SamplingParams(max_tokens=3))
+        engine.step()
+    engine.shutdown()
+    assert not alive(pid) and shm_segments() == []
