@@ -139,7 +139,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
                           timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                           shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout)
-    return run_server(_make_llm(args, model).engine, config)
+    code = run_server(_make_llm(args, model).engine, config)
+    return 0 if code is None else code
 
 
 def build_parser() -> argparse.ArgumentParser:
