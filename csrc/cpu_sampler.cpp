@@ -255,8 +255,11 @@ struct Threshold {
   if (by_k) mass_total = block_sum(w, size);
   const double target = top_p < 1.0f ? static_cast<double>(top_p) * mass_total : mass_total * 2.0;  // 2x: all
   const int64_t keep = nucleus_prefix(w, size, target, floor);
-  const bool closed = keep < size || block_sum(w, size) >= target;
-  if (by_k || closed || size == V) return key_id(s.candidates[inverse_cdf(w, keep, u)]);
+  // Done with k, with the whole row, or when the nucleus closed among the candidates (the sum is
+  // taken only for a top-p row whose candidates were all kept).
+  if (by_k || size == V || keep < size || block_sum(w, size) >= target) {
+    return key_id(s.candidates[inverse_cdf(w, keep, u)]);
+  }
   // A flat row: its nucleus is not among the first candidates; select it among all tokens.
   s.items.resize(V);
   for (int64_t i = 0; i < V; ++i) s.items[i] = {rank_key(x[i], i), weight(x[i], best, inv_t)};

@@ -309,11 +309,12 @@ class ModelRunner:
         processed = self.sampling.process(raw, row_sids, keep_input=len(lp_rows) > 0)
         tokens = self.sampler(processed, self.sampling.batch(row_sids))
         logprobs = None
-        if len(lp_rows) and len(lp_rows) == len(row_sids):  # every row asked: no gather
-            logprobs = gather_logprobs(raw, tokens, wanted)
-        elif len(lp_rows):
-            idx = torch.from_numpy(lp_rows).to(raw.device)
-            logprobs = gather_logprobs(raw[idx], tokens[idx], wanted[lp_rows])
+        if len(lp_rows):
+            lp_raw, lp_tokens = raw, tokens
+            if len(lp_rows) < len(row_sids):  # gather only when some rows did not ask
+                idx = torch.from_numpy(lp_rows).to(raw.device)
+                lp_raw, lp_tokens, wanted = raw[idx], tokens[idx], wanted[lp_rows]
+            logprobs = gather_logprobs(lp_raw, lp_tokens, wanted)
         host = tokens.numpy().astype(np.int32) if tokens.device.type == "cpu" else tokens.to(torch.int32).cpu().numpy()
         return SampleOutput(host, tokens, logprobs, lp_rows)
 
