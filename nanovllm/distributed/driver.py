@@ -70,6 +70,7 @@ class _Resources:
             if self.healthy and workers is not None:
                 try:
                     workers.check()
+                    workers.expect_exit()
                     channel.publish_stop(workers.check)
                 except Exception:  # noqa: BLE001  (a worker died meanwhile: it is killed below)
                     self.healthy = False
