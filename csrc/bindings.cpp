@@ -14,6 +14,7 @@
 #include "cpu_attention.h"
 #include "cpu_fused_ops.h"
 #include "scheduler.h"
+#include "step_ring.h"
 #include "xxhash64.h"
 
 namespace py = pybind11;
@@ -244,6 +245,15 @@ void bind_block_pool(py::module_& m) {
 
 void bind_step_plan(py::module_& m) {
   using S = StepPlan;
+  py::class_<PlanMirror>(m, "PlanMirror",
+                         "What each block-table row of a copy of a StepPlan holds (a tensor-parallel ring "
+                         "slot, all -1 to begin with), so StepPlan.copy_used writes only new entries.")
+      .def(py::init([](int32_t max_seqs) {
+             if (max_seqs < 0) throw py::value_error("max_seqs must be >= 0");
+             return PlanMirror(max_seqs);
+           }),
+           py::arg("max_seqs"))
+      .def_property_readonly("rows", &PlanMirror::rows);
   auto section = [](S::Section sec, auto length) {
     return [sec, length](py::object self) {
       const S& p = self.cast<const S&>();
@@ -294,6 +304,18 @@ void bind_step_plan(py::module_& m) {
                                const S& p = self.cast<const S&>();
                                return view<int32_t>(p.buffer().data(), {static_cast<py::ssize_t>(p.buffer().size())}, self);
                              })
+      .def(
+          "copy_used",
+          [](const S& p, uintptr_t counts, uintptr_t dst, PlanMirror& mirror) {
+            if (mirror.rows() < p.num_seqs()) throw py::value_error("the mirror has fewer rows than the plan");
+            p.copy_used(reinterpret_cast<int32_t*>(counts), reinterpret_cast<int32_t*>(dst), mirror);
+          },
+          py::arg("counts"), py::arg("dst"), py::arg("mirror"),
+          "Write the seven counts (num_tokens, num_seqs, num_samples, num_copies, num_decode_tokens, "
+          "max_seqlen_q, max_seqlen_k) as int32 at address `counts`, and the used part of every section "
+          "into the int32 buffer at address `dst` (this plan's layout, at least len(buffer) ints), whose "
+          "block-table rows `mirror` describes: only the entries new to it are written. Raw addresses: "
+          "the caller keeps both buffers alive and large enough.")
       .def_property_readonly("offsets", [](const S& p) {
         py::dict d;
         for (int s = 0; s < S::kNumSections; ++s) {
@@ -301,6 +323,33 @@ void bind_step_plan(py::module_& m) {
         }
         return d;
       });
+}
+
+void bind_step_ring(py::module_& m) {
+  using W = StepRingWriter;
+  py::class_<W>(m, "StepRingWriter",
+                "Rank 0's end of the tensor-parallel step ring (nanovllm/distributed/shm_ring.py): one call "
+                "per message.")
+      .def(py::init([](uintptr_t control, int32_t num_workers, uintptr_t slots, int32_t num_slots, size_t slot_ints,
+                       int32_t max_seqs, py::object /*owner*/) {
+             if (num_workers < 1 || num_slots < 1 || slot_ints <= static_cast<size_t>(W::kHeaderInts) || max_seqs < 0) {
+               throw py::value_error("bad ring geometry");
+             }
+             return W(reinterpret_cast<int64_t*>(control), num_workers, reinterpret_cast<int32_t*>(slots), num_slots,
+                      slot_ints, max_seqs);
+           }),
+           py::arg("control"), py::arg("num_workers"), py::arg("slots"), py::arg("num_slots"), py::arg("slot_ints"),
+           py::arg("max_seqs"), py::arg("owner"), py::keep_alive<1, 8>(),
+           "Addresses into the mapped segment `owner` (kept alive with this writer).")
+      .def("try_publish_step", &W::try_publish_step, py::arg("plan"))
+      .def(
+          "try_publish_rows",
+          [](W& w, py::array_t<int32_t, py::array::c_style | py::array::forcecast> rows) {
+            return w.try_publish_rows(rows.data(), static_cast<int32_t>(rows.size()));
+          },
+          py::arg("rows"))
+      .def("try_publish_stop", &W::try_publish_stop)
+      .def_property_readonly("next", &W::next, "The next message number.");
 }
 
 void bind_scheduler(py::module_& m) {
@@ -540,6 +589,7 @@ PYBIND11_MODULE(_C, m) {
   bind_hashing(m);
   bind_block_pool(m);
   bind_step_plan(m);
+  bind_step_ring(m);
   bind_scheduler(m);
   bind_cpu_attention(m);
   bind_cpu_fused_ops(m);

@@ -11,10 +11,16 @@ Layout: a control area (the published counter and one ack word per worker, each 
 64-byte line, so the writer and the readers never share a cache line), then SLOTS slots of a
 16-int32 header plus a payload in the StepPlan buffer's layout.
 
+Rank 0's side is native (csrc/step_ring.h, StepRingWriter): one call per message writes the
+header, the used part of each plan section (of the block tables only the entries the slot does
+not hold yet, see StepPlan.copy_used / PlanMirror) and the counter. With cold caches between two
+steps (a forward runs in between) each numpy item access in Python cost a microsecond or more.
+
 Ordering: a reader acts on a slot only after it sees the counter reach the message's number, and
-the writer stores the counter (one aligned 8-byte store, atomic) after the slot's bytes. That the
-slot's bytes are then visible too relies on the CPU keeping stores in order, as x86-64 does; the
-header repeats the message number, so a stale slot is caught as an error, not run.
+the writer stores the counter (an atomic release store) after the slot's bytes. The reader loads
+the counter through numpy, a plain load, ordered before its later loads of the slot as x86-64
+orders loads; the header repeats the message number, so a stale slot is caught as an error, not
+run.
 
 Waiting: a reader spins for SPIN_S (a step usually follows the previous one within that time
 while generating), then sleeps with a short back-off (at most MAX_ACTIVE_NAP_S while the engine
@@ -30,17 +36,20 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import struct
 import time
 from collections.abc import Callable
 
 import _posixshmem
 import numpy as np
 
-from nanovllm._C import StepPlan
+from nanovllm._C import StepPlan, StepRingWriter
 from nanovllm.distributed import step_message as sm
-from nanovllm.distributed.step_message import Kind, Message, PlanLayout, ReceivedPlan, SectionCopier
+from nanovllm.distributed.step_message import KIND, NUM_ROWS, SEQ, Kind, Message, PlanLayout, ReceivedPlan
 
 SLOTS = 2
+_HEADER = struct.Struct(f"={sm.HEADER_INTS}i")
+_STEP, _LOGITS, _STOP = int(Kind.STEP), int(Kind.LOGITS), int(Kind.STOP)  # plain ints: cheaper compares
 LINE_INT64 = 8  # one 64-byte cache line of int64 words
 SPIN_S = 50e-6
 FIRST_NAP_S = 20e-6
@@ -79,17 +88,22 @@ class ShmRing:
             os.close(fd)
         self._linked = create
         # Control words: [0] the last published message number; [LINE * (1 + w)] worker w's ack.
-        self._ctl = np.frombuffer(self._mmap, dtype=np.int64, count=control_bytes // 8)
+        ctl = np.frombuffer(self._mmap, dtype=np.int64, count=control_bytes // 8)
         slots = np.frombuffer(self._mmap, dtype=np.int32, offset=control_bytes).reshape(SLOTS, self.slot_ints)
-        self._headers = [slots[i, :sm.HEADER_INTS] for i in range(SLOTS)]
         self._payloads = [slots[i, sm.HEADER_INTS:] for i in range(SLOTS)]
         self._plans = [ReceivedPlan(layout, p) for p in self._payloads]
+        # The reader's hot path reads the counter and a header through a memoryview and a Struct
+        # (plain C calls): numpy's item access costs microseconds once caches went cold.
+        self._words = memoryview(self._mmap).cast("q")[:control_bytes // 8]
+        self._header_offsets = [control_bytes + 4 * i * self.slot_ints for i in range(SLOTS)]
+        # A STEP's message object per slot, reused: valid, like the slot, until `ack()`.
+        self._step_messages = [Message(Kind.STEP, plan=p, slot=i) for i, p in enumerate(self._plans)]
         if create:  # block-table columns past what any step copies read as the plan's padding
             for p in self._payloads:
                 p[layout.offsets["block_tables"]:] = -1
-        self._copiers: list[SectionCopier] | None = None
-        self._plan: StepPlan | None = None
-        self._plan_address = 0
+        # Rank 0 writes through the native writer: one call per message (see csrc/step_ring.h).
+        self._writer = StepRingWriter(ctl.ctypes.data, num_workers, slots.ctypes.data, SLOTS, self.slot_ints,
+                                      layout.max_seqs, self._mmap) if create else None
         self._next = 1  # the next message number to publish (writer) or to read (reader)
         self._ack_index = 0
 
@@ -116,53 +130,33 @@ class ShmRing:
 
     def close(self) -> None:
         self.unlink()
-        # numpy views may outlive this object in a caller's hands; let the mapping go with them.
-        self._ctl = None  # type: ignore[assignment]
+        # numpy views of the slots may outlive this object in a caller's hands: the mapping stays
+        # until they are gone.
+        self._words.release()
 
     # Writer (rank 0) ---------------------------------------------------------------------
 
-    def _claim(self, alive: Callable[[], None]) -> tuple[int, np.ndarray, int]:
-        seq = self._next
-        oldest = seq - SLOTS  # the message this slot held: every worker must be done with it
-        if oldest > 0:
-            acks = self._ctl[LINE_INT64::LINE_INT64]
-            if int(acks.min()) < oldest:
-                _wait(lambda: int(acks.min()) >= oldest, alive, active_since=time.perf_counter())
-        slot = seq % SLOTS
-        header = self._headers[slot]
-        header[sm.SEQ] = seq & 0x7FFFFFFF
-        return seq, header, slot
-
-    def _commit(self, seq: int) -> None:
-        self._ctl[0] = seq  # after the slot's bytes: readers act on it from here on
-        self._next = seq + 1
+    def _publish(self, try_publish: Callable[[], bool], alive: Callable[[], None]) -> None:
+        """Publish into the next slot, first waiting (and checking `alive`) while a worker still
+        holds it."""
+        if not try_publish():
+            _wait(try_publish, alive, active_since=time.perf_counter())
 
     def publish_step(self, plan: StepPlan, alive: Callable[[], None] = lambda: None) -> None:
-        seq, header, slot = self._claim(alive)
-        # The same wrapper is the same buffer; only a new one needs the (slow, ~4 us) address check.
-        if plan is not self._plan:
-            src = plan.buffer
-            if self._copiers is None or src.ctypes.data != self._plan_address:
-                self._plan_address = src.ctypes.data
-                self._copiers = [SectionCopier(self.layout, src, p) for p in self._payloads]
-            self._plan = plan
-        assert self._copiers is not None
-        sm.fill_step_header(header, plan)
-        self._copiers[slot].copy(plan.num_tokens, plan.num_seqs, plan.num_samples, plan.num_copies,
-                                 int(header[sm.MAX_SEQLEN_K]))
-        self._commit(seq)
+        w = self._writer
+        assert w is not None, "only the ring's creator publishes"
+        if not w.try_publish_step(plan):
+            self._publish(lambda: w.try_publish_step(plan), alive)
 
     def publish_logits(self, rows: np.ndarray, alive: Callable[[], None] = lambda: None) -> None:
-        seq, header, slot = self._claim(alive)
-        header[sm.KIND] = Kind.LOGITS
-        header[sm.NUM_ROWS] = len(rows)
-        self._payloads[slot][:len(rows)] = rows
-        self._commit(seq)
+        w = self._writer
+        assert w is not None, "only the ring's creator publishes"
+        self._publish(lambda: w.try_publish_rows(rows), alive)
 
     def publish_stop(self, alive: Callable[[], None] = lambda: None) -> None:
-        seq, header, _ = self._claim(alive)
-        header[sm.KIND] = Kind.STOP
-        self._commit(seq)
+        w = self._writer
+        assert w is not None, "only the ring's creator publishes"
+        self._publish(w.try_publish_stop, alive)
 
     # Reader (workers) --------------------------------------------------------------------
 
@@ -170,24 +164,26 @@ class ShmRing:
         """The next message; its slot stays valid until `ack()`. `active_since` (perf_counter) is
         when the caller last had work: it naps shortly until ACTIVE_S after that, then idles."""
         seq = self._next
-        ctl = self._ctl
-        if ctl[0] < seq:
-            _wait(lambda: ctl[0] >= seq, alive, active_since=active_since or time.perf_counter())
+        words = self._words
+        if words[0] < seq:
+            _wait(lambda: words[0] >= seq, alive, active_since=active_since or time.perf_counter())
         slot = seq % SLOTS
-        header = self._headers[slot]
-        if header[sm.SEQ] != seq & 0x7FFFFFFF:
-            raise RuntimeError(f"shared-memory ring out of step: slot {slot} holds message {header[sm.SEQ]}, "
-                               f"expected {seq}")
-        kind = Kind(int(header[sm.KIND]))
-        if kind is Kind.STEP:
-            return Message(kind, plan=self._plans[slot].load(header), slot=slot)
-        if kind is Kind.LOGITS:
-            return Message(kind, rows=self._payloads[slot][:int(header[sm.NUM_ROWS])], slot=slot)
-        return Message(kind, slot=slot)
+        h = _HEADER.unpack_from(self._mmap, self._header_offsets[slot])
+        if h[SEQ] == seq & 0x7FFFFFFF:
+            kind = h[KIND]
+            if kind == _STEP:
+                self._plans[slot].load(h)
+                return self._step_messages[slot]
+            if kind == _LOGITS:
+                return Message(Kind.LOGITS, rows=self._payloads[slot][:h[NUM_ROWS]], slot=slot)
+            if kind == _STOP:
+                return Message(Kind.STOP, slot=slot)
+        raise RuntimeError(f"shared-memory ring out of step: slot {slot} holds message {h[SEQ]} of kind {h[KIND]}, "
+                           f"expected message {seq}")
 
     def ack(self) -> None:
         """Done with the last received message's slot."""
-        self._ctl[self._ack_index] = self._next
+        self._words[self._ack_index] = self._next
         self._next += 1
 
 
