@@ -306,14 +306,15 @@ void bind_step_plan(py::module_& m) {
                              })
       .def(
           "copy_used",
-          [](const S& p, uintptr_t counts, uintptr_t dst, PlanMirror& mirror) {
+          [](const S& p, uintptr_t counts, uintptr_t dst, size_t dst_size, PlanMirror& mirror) {
+            if (dst_size < p.buffer().size()) throw py::value_error("the destination is smaller than the plan's buffer");
             if (mirror.rows() < p.num_seqs()) throw py::value_error("the mirror has fewer rows than the plan");
             p.copy_used(reinterpret_cast<int32_t*>(counts), reinterpret_cast<int32_t*>(dst), mirror);
           },
-          py::arg("counts"), py::arg("dst"), py::arg("mirror"),
+          py::arg("counts"), py::arg("dst"), py::arg("dst_size"), py::arg("mirror"),
           "Write the seven counts (num_tokens, num_seqs, num_samples, num_copies, num_decode_tokens, "
           "max_seqlen_q, max_seqlen_k) as int32 at address `counts`, and the used part of every section "
-          "into the int32 buffer at address `dst` (this plan's layout, at least len(buffer) ints), whose "
+          "into the int32 buffer of `dst_size` ints at address `dst` (this plan's layout), whose "
           "block-table rows `mirror` describes: only the entries new to it are written. Raw addresses: "
           "the caller keeps both buffers alive and large enough.")
       .def_property_readonly("offsets", [](const S& p) {

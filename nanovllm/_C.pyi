@@ -69,11 +69,12 @@ class StepPlan:
     buffer: npt.NDArray[np.int32]
     used_size: int
     offsets: dict[str, int]
-    def copy_used(self, counts: int, dst: int, mirror: PlanMirror) -> None:
+    def copy_used(self, counts: int, dst: int, dst_size: int, mirror: PlanMirror) -> None:
         """The tensor-parallel step message in one call (distributed/step_message.py): the seven
         counts (num_tokens, num_seqs, num_samples, num_copies, num_decode_tokens, max_seqlen_q,
         max_seqlen_k) as int32 at address `counts`, and the used part of every section into the
-        int32 buffer at address `dst` (this layout), whose block-table rows `mirror` describes:
+        int32 buffer of `dst_size` ints (at least len(buffer)) at address `dst` (this layout), whose
+        block-table rows `mirror` describes:
         only entries new to it are written. Raw addresses: the caller keeps both buffers alive
         and big enough."""
 

@@ -62,7 +62,7 @@ class StepWriter:
     destination does not hold yet (its PlanMirror knows which), so every row reads exactly like
     the plan's and a decode step costs per sequence, not per context block."""
 
-    __slots__ = ("_header", "_counts", "_payload", "_mirror")
+    __slots__ = ("_header", "_counts", "_payload", "_size", "_mirror")
 
     def __init__(self, header: np.ndarray, payload: np.ndarray, layout: PlanLayout) -> None:
         if header.dtype != np.int32 or payload.dtype != np.int32 or not payload.flags.c_contiguous \
@@ -71,11 +71,12 @@ class StepWriter:
         self._header = header  # keeps the memory behind the addresses alive
         self._counts = header[NUM_TOKENS:].ctypes.data
         self._payload = payload.ctypes.data
+        self._size = len(payload)
         self._mirror = PlanMirror(layout.max_seqs)
 
     def write(self, plan: StepPlan) -> None:
         self._header[KIND] = _STEP
-        plan.copy_used(self._counts, self._payload, self._mirror)
+        plan.copy_used(self._counts, self._payload, self._size, self._mirror)
 
 
 class ReceivedPlan:
