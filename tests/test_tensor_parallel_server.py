@@ -120,7 +120,7 @@ def test_a_worker_killed_under_the_server_gives_503_and_a_nonzero_exit(model_dir
 
     def long_request() -> None:
         result["r"] = httpx.post(f"{srv.base_url}/completions", timeout=60,
-                                 json={"prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True})
+                                 json={"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True})
 
     try:
         t = threading.Thread(target=long_request)
