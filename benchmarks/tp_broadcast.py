@@ -5,7 +5,7 @@ parallelism"). Target: at most 20 us.
 Rows:
 - `shm_ring`: ours. rank 0's `ShmRing.publish_step(plan)` (one native call: header, the used part
   of each plan section, the block-table entries new to the slot, the counter) and a worker's
-  `receive()` + `ack()` (one `struct` read of the header; it reads the slot in place). Both ends
+  `receive()` + `ack()` (one native poll returns the header; it reads the slot in place). Both ends
   run in this process, one after the other, so the numbers are the work of each end, without the
   wake-up latency of a waiting worker (that depends on its spin/nap state; see shm_ring's
   docstring). `us_total` is their sum per step. The pickle row's work runs between two steps, so

@@ -351,6 +351,30 @@ void bind_step_ring(py::module_& m) {
           py::arg("rows"))
       .def("try_publish_stop", &W::try_publish_stop)
       .def_property_readonly("next", &W::next, "The next message number.");
+  using R = StepRingReader;
+  py::class_<R>(m, "StepRingReader", "A worker's end of the tensor-parallel step ring.")
+      .def(py::init([](uintptr_t control, int32_t num_workers, int32_t worker_index, uintptr_t slots,
+                       int32_t num_slots, size_t slot_ints, py::object /*owner*/) {
+             if (num_workers < 1 || num_slots < 1 || slot_ints <= static_cast<size_t>(W::kHeaderInts)) {
+               throw py::value_error("bad ring geometry");
+             }
+             return R(reinterpret_cast<const int64_t*>(control), num_workers, worker_index,
+                      reinterpret_cast<const int32_t*>(slots), num_slots, slot_ints);
+           }),
+           py::arg("control"), py::arg("num_workers"), py::arg("worker_index"), py::arg("slots"), py::arg("num_slots"),
+           py::arg("slot_ints"), py::arg("owner"), py::keep_alive<1, 8>())
+      .def("ready", &R::ready)
+      .def(
+          "poll",
+          [](const R& r) -> py::object {
+            if (!r.ready()) return py::none();
+            const int32_t* h = r.header();
+            // The header's first ten fields with the message number replaced by the slot.
+            return py::make_tuple(r.slot(), h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]);
+          },
+          "None until the next message is published; then (slot, kind, the seven counts, rows): the header's "
+          "fields at their indices, the slot in place of the message number.")
+      .def("ack", &R::ack);
 }
 
 void bind_scheduler(py::module_& m) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace nanovllm {
 
@@ -55,6 +56,28 @@ bool StepRingWriter::try_publish_stop() {
   if (claim(kStop) == nullptr) return false;
   commit();
   return true;
+}
+
+StepRingReader::StepRingReader(const int64_t* control, int32_t num_workers, int32_t worker_index,
+                               const int32_t* slots, int32_t num_slots, size_t slot_ints)
+    : control_(control),
+      ack_(const_cast<int64_t*>(control) + StepRingWriter::kLineInt64 * (1 + worker_index)),
+      slots_(slots), num_slots_(num_slots), slot_ints_(slot_ints) {
+  if (worker_index < 0 || worker_index >= num_workers) throw std::out_of_range("worker index outside the ring");
+}
+
+const int32_t* StepRingReader::header() const {
+  const int32_t* h = slots_ + static_cast<size_t>(next_ % num_slots_) * slot_ints_;
+  if (h[StepRingWriter::kSeq] != static_cast<int32_t>(next_ & 0x7FFFFFFF)) {
+    throw std::runtime_error("shared-memory ring out of step: slot " + std::to_string(slot()) + " holds message " +
+                             std::to_string(h[StepRingWriter::kSeq]) + ", expected " + std::to_string(next_));
+  }
+  return h;
+}
+
+void StepRingReader::ack() {
+  __atomic_store_n(ack_, next_, __ATOMIC_RELEASE);
+  ++next_;
 }
 
 }  // namespace nanovllm

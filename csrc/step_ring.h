@@ -47,4 +47,27 @@ class StepRingWriter {
   int64_t next_ = 1;
 };
 
+// A worker's end: waits on the published counter, reads a slot's header, acks.
+class StepRingReader {
+ public:
+  StepRingReader(const int64_t* control, int32_t num_workers, int32_t worker_index, const int32_t* slots,
+                 int32_t num_slots, size_t slot_ints);
+
+  // Whether the next message is published (an acquire load: its slot's bytes are visible then).
+  bool ready() const { return __atomic_load_n(control_, __ATOMIC_ACQUIRE) >= next_; }
+  // The next message's header; throws if its slot holds another message number (out of step).
+  const int32_t* header() const;
+  int32_t slot() const { return static_cast<int32_t>(next_ % num_slots_); }
+  // Done with the next message: release its slot (a release store of its number), move on.
+  void ack();
+
+ private:
+  const int64_t* control_;
+  int64_t* ack_;
+  const int32_t* slots_;
+  int32_t num_slots_;
+  size_t slot_ints_;
+  int64_t next_ = 1;
+};
+
 }  // namespace nanovllm

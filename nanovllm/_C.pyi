@@ -97,6 +97,18 @@ class StepRingWriter:
     def try_publish_stop(self) -> bool: ...
     next: int
 
+class StepRingReader:
+    """A worker's end of the tensor-parallel step ring."""
+
+    def __init__(self, control: int, num_workers: int, worker_index: int, slots: int, num_slots: int,
+                 slot_ints: int, owner: object) -> None: ...
+    def ready(self) -> bool: ...
+    def poll(self) -> tuple[int, ...] | None:
+        """None until the next message is published; then (slot, kind, the seven counts, rows):
+        the header's fields at their indices, the slot in place of the message number. Raises
+        RuntimeError if the slot holds another message number."""
+    def ack(self) -> None: ...
+
 class Scheduler:
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """The native pieces of the tensor-parallel step ring on plain numpy memory (so that
 scripts/sanitize_core.sh runs them under ASan/UBSan): StepPlan.copy_used with a PlanMirror
-writes a copy whose used part reads exactly like the plan as rows change sequences, and
-StepRingWriter's slots, counter, and refusal to reuse a slot a worker has not acked."""
+writes a copy whose used part reads exactly like the plan as rows change sequences;
+StepRingWriter's slots, counter, and refusal to reuse a slot a worker has not acked;
+StepRingReader's poll and ack against it."""
 
 from __future__ import annotations
 
@@ -77,3 +78,35 @@ def test_ring_writer_fills_slots_in_turn_and_waits_for_every_ack() -> None:
     assert ring[1, :2].tolist() == [3, 3]
     with pytest.raises(ValueError, match="too many rows"):
         w.try_publish_rows(np.zeros(slot_ints, dtype=np.int32))
+
+
+def test_ring_reader_polls_the_writer_and_acks() -> None:
+    core = scheduler()
+    core.add(0, [1, 2, 3, 4, 5], max_tokens=4)
+    plan = core.schedule()
+    slot_ints = HEADER + len(plan.buffer)
+    control = np.zeros(LINE * 2, dtype=np.int64)
+    ring = np.full((2, slot_ints), -1, dtype=np.int32)
+    w = _C.StepRingWriter(control.ctypes.data, 1, ring.ctypes.data, 2, slot_ints, 6, ring)
+    r = _C.StepRingReader(control.ctypes.data, 1, 0, ring.ctypes.data, 2, slot_ints, ring)
+    assert r.poll() is None and not r.ready()
+    assert w.try_publish_step(plan)
+    counts = (plan.num_tokens, plan.num_seqs, plan.num_samples, plan.num_copies, plan.num_decode_tokens,
+              plan.max_seqlen_q, plan.max_seqlen_k)
+    h = r.poll()
+    assert r.ready() and h is not None and h[:2] == (1, 1) and h[2:9] == counts
+    r.ack()
+    assert control[LINE] == 1 and r.poll() is None
+    assert w.try_publish_rows(np.array([4], dtype=np.int32))
+    h = r.poll()
+    assert h is not None and h[:2] == (0, 2) and h[9] == 1 and ring[0, HEADER] == 4
+    r.ack()
+    assert w.try_publish_stop() and w.try_publish_stop()  # messages 3 and 4: both slots were acked
+    assert not w.try_publish_stop()  # message 5 needs message 3's slot back
+    h = r.poll()
+    assert h is not None and h[:2] == (1, 3)
+    r.ack()
+    assert w.try_publish_stop()
+    ring[0, 0] = 99  # message 4's slot now claims another number
+    with pytest.raises(RuntimeError, match="out of step"):
+        r.poll()

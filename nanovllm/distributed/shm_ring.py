@@ -11,16 +11,17 @@ Layout: a control area (the published counter and one ack word per worker, each 
 64-byte line, so the writer and the readers never share a cache line), then SLOTS slots of a
 16-int32 header plus a payload in the StepPlan buffer's layout.
 
-Rank 0's side is native (csrc/step_ring.h, StepRingWriter): one call per message writes the
-header, the used part of each plan section (of the block tables only the entries the slot does
-not hold yet, see StepPlan.copy_used / PlanMirror) and the counter. With cold caches between two
-steps (a forward runs in between) each numpy item access in Python cost a microsecond or more.
+Both ends are native (csrc/step_ring.h): rank 0's StepRingWriter writes a message in one call
+(the header, the used part of each plan section, of the block tables only the entries the slot
+does not hold yet, see StepPlan.copy_used / PlanMirror, then the counter); a worker's
+StepRingReader polls the counter and returns the header's fields, and acks. With cold caches
+between two steps (a forward runs in between) each numpy item access, slice or struct call in
+Python cost microseconds.
 
-Ordering: a reader acts on a slot only after it sees the counter reach the message's number, and
-the writer stores the counter (an atomic release store) after the slot's bytes. The reader loads
-the counter through numpy, a plain load, ordered before its later loads of the slot as x86-64
-orders loads; the header repeats the message number, so a stale slot is caught as an error, not
-run.
+Ordering: a reader acts on a slot only after it sees the counter reach the message's number: the
+writer stores the counter with release semantics after the slot's bytes, the reader loads it
+with acquire semantics before reading them, and acks (release) when done with the slot. The
+header repeats the message number, so a stale slot is caught as an error, not run.
 
 Waiting: a reader spins for SPIN_S (a step usually follows the previous one within that time
 while generating), then sleeps with a short back-off (at most MAX_ACTIVE_NAP_S while the engine
@@ -36,19 +37,17 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import struct
 import time
 from collections.abc import Callable
 
 import _posixshmem
 import numpy as np
 
-from nanovllm._C import StepPlan, StepRingWriter
+from nanovllm._C import StepPlan, StepRingReader, StepRingWriter
 from nanovllm.distributed import step_message as sm
-from nanovllm.distributed.step_message import KIND, NUM_ROWS, SEQ, Kind, Message, PlanLayout, ReceivedPlan
+from nanovllm.distributed.step_message import KIND, NUM_ROWS, Kind, Message, PlanLayout, ReceivedPlan
 
 SLOTS = 2
-_HEADER = struct.Struct(f"={sm.HEADER_INTS}i")
 _STEP, _LOGITS, _STOP = int(Kind.STEP), int(Kind.LOGITS), int(Kind.STOP)  # plain ints: cheaper compares
 LINE_INT64 = 8  # one 64-byte cache line of int64 words
 SPIN_S = 50e-6
@@ -92,20 +91,17 @@ class ShmRing:
         slots = np.frombuffer(self._mmap, dtype=np.int32, offset=control_bytes).reshape(SLOTS, self.slot_ints)
         self._payloads = [slots[i, sm.HEADER_INTS:] for i in range(SLOTS)]
         self._plans = [ReceivedPlan(layout, p) for p in self._payloads]
-        # The reader's hot path reads the counter and a header through a memoryview and a Struct
-        # (plain C calls): numpy's item access costs microseconds once caches went cold.
-        self._words = memoryview(self._mmap).cast("q")[:control_bytes // 8]
-        self._header_offsets = [control_bytes + 4 * i * self.slot_ints for i in range(SLOTS)]
         # A STEP's message object per slot, reused: valid, like the slot, until `ack()`.
         self._step_messages = [Message(Kind.STEP, plan=p, slot=i) for i, p in enumerate(self._plans)]
         if create:  # block-table columns past what any step copies read as the plan's padding
             for p in self._payloads:
                 p[layout.offsets["block_tables"]:] = -1
-        # Rank 0 writes through the native writer: one call per message (see csrc/step_ring.h).
+        # Both ends are native (csrc/step_ring.h), one call per message: with caches cold between
+        # two steps each numpy item access, slice or struct call in Python cost microseconds.
+        self._addresses = (ctl.ctypes.data, slots.ctypes.data)
         self._writer = StepRingWriter(ctl.ctypes.data, num_workers, slots.ctypes.data, SLOTS, self.slot_ints,
                                       layout.max_seqs, self._mmap) if create else None
-        self._next = 1  # the next message number to publish (writer) or to read (reader)
-        self._ack_index = 0
+        self._reader: StepRingReader | None = None
 
     @classmethod
     def create(cls, layout: PlanLayout, num_workers: int) -> ShmRing:
@@ -116,7 +112,8 @@ class ShmRing:
         ring = cls(name, layout, num_workers, create=False)
         if not 0 <= worker_index < num_workers:
             raise ValueError(f"worker index {worker_index} outside [0, {num_workers})")
-        ring._ack_index = LINE_INT64 * (1 + worker_index)
+        ctl, slots = ring._addresses
+        ring._reader = StepRingReader(ctl, num_workers, worker_index, slots, SLOTS, ring.slot_ints, ring._mmap)
         return ring
 
     def unlink(self) -> None:
@@ -132,7 +129,6 @@ class ShmRing:
         self.unlink()
         # numpy views of the slots may outlive this object in a caller's hands: the mapping stays
         # until they are gone.
-        self._words.release()
 
     # Writer (rank 0) ---------------------------------------------------------------------
 
@@ -163,28 +159,27 @@ class ShmRing:
     def receive(self, alive: Callable[[], None] = lambda: None, active_since: float | None = None) -> Message:
         """The next message; its slot stays valid until `ack()`. `active_since` (perf_counter) is
         when the caller last had work: it naps shortly until ACTIVE_S after that, then idles."""
-        seq = self._next
-        words = self._words
-        if words[0] < seq:
-            _wait(lambda: words[0] >= seq, alive, active_since=active_since or time.perf_counter())
-        slot = seq % SLOTS
-        h = _HEADER.unpack_from(self._mmap, self._header_offsets[slot])
-        if h[SEQ] == seq & 0x7FFFFFFF:
-            kind = h[KIND]
-            if kind == _STEP:
-                self._plans[slot].load(h)
-                return self._step_messages[slot]
-            if kind == _LOGITS:
-                return Message(Kind.LOGITS, rows=self._payloads[slot][:h[NUM_ROWS]], slot=slot)
-            if kind == _STOP:
-                return Message(Kind.STOP, slot=slot)
-        raise RuntimeError(f"shared-memory ring out of step: slot {slot} holds message {h[SEQ]} of kind {h[KIND]}, "
-                           f"expected message {seq}")
+        r = self._reader
+        assert r is not None, "only an attached worker receives"
+        h = r.poll()
+        if h is None:
+            _wait(r.ready, alive, active_since=active_since or time.perf_counter())
+            h = r.poll()
+        # h: (slot, kind, the seven counts, rows) at the header's indices.
+        slot, kind = h[0], h[KIND]
+        if kind == _STEP:
+            self._plans[slot].load(h)
+            return self._step_messages[slot]
+        if kind == _LOGITS:
+            return Message(Kind.LOGITS, rows=self._payloads[slot][:h[NUM_ROWS]], slot=slot)
+        if kind == _STOP:
+            return Message(Kind.STOP, slot=slot)
+        raise RuntimeError(f"shared-memory ring: slot {slot} holds a message of unknown kind {kind}")
 
     def ack(self) -> None:
         """Done with the last received message's slot."""
-        self._words[self._ack_index] = self._next
-        self._next += 1
+        assert self._reader is not None
+        self._reader.ack()
 
 
 def _wait(ready: Callable[[], bool], alive: Callable[[], None], *, active_since: float) -> None:
