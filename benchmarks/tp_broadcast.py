@@ -3,11 +3,15 @@ receive it, at 256 decoding sequences, block size 16, context 1024 (docs/design.
 parallelism"). Target: at most 20 us.
 
 Rows:
-- `shm_ring`: ours. rank 0's `ShmRing.publish_step(plan)` (header + the used part of each plan
-  section into the next slot) and a worker's `receive()` + `ack()` (it reads the slot in place).
-  Both ends run in this process, one after the other, so the numbers are the work of each end,
-  without the wake-up latency of a waiting worker (that depends on its spin/nap state; see
-  shm_ring's docstring). `us_total` is their sum per step.
+- `shm_ring`: ours. rank 0's `ShmRing.publish_step(plan)` (one native call: header, the used part
+  of each plan section, the block-table entries new to the slot, the counter) and a worker's
+  `receive()` + `ack()` (one native poll returns the header; it reads the slot in place). Both ends
+  run in this process, one after the other, so the numbers are the work of each end, without the
+  wake-up latency of a waiting worker (that depends on its spin/nap state; see shm_ring's
+  docstring). `us_total` is their sum per step. The pickle row's work runs between two steps, so
+  caches are as cold as after a forward; back to back, with warm caches, publish + receive cost
+  about 5 us on the machine of RESULTS.md. On a machine whose other CPUs are busy the numbers
+  swing by 2x between runs: compare rows of one run (the ratio to the pickle row is steadier).
 - `pickle_nanovllm_style`: the same step as nano-vllm sends it: `pickle.dumps(["run", seqs, False])`
   of 256 decoding sequences as its Sequence.__getstate__ makes them (num_tokens,
   num_prompt_tokens, num_cached_tokens, block_table, last_token), written into a shared buffer

@@ -15,6 +15,7 @@
 #include "cpu_fused_ops.h"
 #include "cpu_sampler.h"
 #include "scheduler.h"
+#include "step_ring.h"
 #include "xxhash64.h"
 
 namespace py = pybind11;
@@ -245,6 +246,15 @@ void bind_block_pool(py::module_& m) {
 
 void bind_step_plan(py::module_& m) {
   using S = StepPlan;
+  py::class_<PlanMirror>(m, "PlanMirror",
+                         "What each block-table row of a copy of a StepPlan holds (a tensor-parallel ring "
+                         "slot, all -1 to begin with), so StepPlan.copy_used writes only new entries.")
+      .def(py::init([](int32_t max_seqs) {
+             if (max_seqs < 0) throw py::value_error("max_seqs must be >= 0");
+             return PlanMirror(max_seqs);
+           }),
+           py::arg("max_seqs"))
+      .def_property_readonly("rows", &PlanMirror::rows);
   auto section = [](S::Section sec, auto length) {
     return [sec, length](py::object self) {
       const S& p = self.cast<const S&>();
@@ -295,6 +305,19 @@ void bind_step_plan(py::module_& m) {
                                const S& p = self.cast<const S&>();
                                return view<int32_t>(p.buffer().data(), {static_cast<py::ssize_t>(p.buffer().size())}, self);
                              })
+      .def(
+          "copy_used",
+          [](const S& p, uintptr_t counts, uintptr_t dst, size_t dst_size, PlanMirror& mirror) {
+            if (dst_size < p.buffer().size()) throw py::value_error("the destination is smaller than the plan's buffer");
+            if (mirror.rows() < p.num_seqs()) throw py::value_error("the mirror has fewer rows than the plan");
+            p.copy_used(reinterpret_cast<int32_t*>(counts), reinterpret_cast<int32_t*>(dst), mirror);
+          },
+          py::arg("counts"), py::arg("dst"), py::arg("dst_size"), py::arg("mirror"),
+          "Write the seven counts (num_tokens, num_seqs, num_samples, num_copies, num_decode_tokens, "
+          "max_seqlen_q, max_seqlen_k) as int32 at address `counts`, and the used part of every section "
+          "into the int32 buffer of `dst_size` ints at address `dst` (this plan's layout), whose "
+          "block-table rows `mirror` describes: only the entries new to it are written. Raw addresses: "
+          "the caller keeps both buffers alive and large enough.")
       .def_property_readonly("offsets", [](const S& p) {
         py::dict d;
         for (int s = 0; s < S::kNumSections; ++s) {
@@ -302,6 +325,57 @@ void bind_step_plan(py::module_& m) {
         }
         return d;
       });
+}
+
+void bind_step_ring(py::module_& m) {
+  using W = StepRingWriter;
+  py::class_<W>(m, "StepRingWriter",
+                "Rank 0's end of the tensor-parallel step ring (nanovllm/distributed/shm_ring.py): one call "
+                "per message.")
+      .def(py::init([](uintptr_t control, int32_t num_workers, uintptr_t slots, int32_t num_slots, size_t slot_ints,
+                       int32_t max_seqs, py::object /*owner*/) {
+             if (num_workers < 1 || num_slots < 1 || slot_ints <= static_cast<size_t>(W::kHeaderInts) || max_seqs < 0) {
+               throw py::value_error("bad ring geometry");
+             }
+             return W(reinterpret_cast<int64_t*>(control), num_workers, reinterpret_cast<int32_t*>(slots), num_slots,
+                      slot_ints, max_seqs);
+           }),
+           py::arg("control"), py::arg("num_workers"), py::arg("slots"), py::arg("num_slots"), py::arg("slot_ints"),
+           py::arg("max_seqs"), py::arg("owner"), py::keep_alive<1, 8>(),
+           "Addresses into the mapped segment `owner` (kept alive with this writer).")
+      .def("try_publish_step", &W::try_publish_step, py::arg("plan"))
+      .def(
+          "try_publish_rows",
+          [](W& w, py::array_t<int32_t, py::array::c_style | py::array::forcecast> rows) {
+            return w.try_publish_rows(rows.data(), static_cast<int32_t>(rows.size()));
+          },
+          py::arg("rows"))
+      .def("try_publish_stop", &W::try_publish_stop)
+      .def_property_readonly("next", &W::next, "The next message number.");
+  using R = StepRingReader;
+  py::class_<R>(m, "StepRingReader", "A worker's end of the tensor-parallel step ring.")
+      .def(py::init([](uintptr_t control, int32_t num_workers, int32_t worker_index, uintptr_t slots,
+                       int32_t num_slots, size_t slot_ints, py::object /*owner*/) {
+             if (num_workers < 1 || num_slots < 1 || slot_ints <= static_cast<size_t>(W::kHeaderInts)) {
+               throw py::value_error("bad ring geometry");
+             }
+             return R(reinterpret_cast<const int64_t*>(control), num_workers, worker_index,
+                      reinterpret_cast<const int32_t*>(slots), num_slots, slot_ints);
+           }),
+           py::arg("control"), py::arg("num_workers"), py::arg("worker_index"), py::arg("slots"), py::arg("num_slots"),
+           py::arg("slot_ints"), py::arg("owner"), py::keep_alive<1, 8>())
+      .def("ready", &R::ready)
+      .def(
+          "poll",
+          [](const R& r) -> py::object {
+            if (!r.ready()) return py::none();
+            const int32_t* h = r.header();
+            // The header's first ten fields with the message number replaced by the slot.
+            return py::make_tuple(r.slot(), h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], h[9]);
+          },
+          "None until the next message is published; then (slot, kind, the seven counts, rows): the header's "
+          "fields at their indices, the slot in place of the message number.")
+      .def("ack", &R::ack);
 }
 
 void bind_scheduler(py::module_& m) {
@@ -620,6 +694,7 @@ PYBIND11_MODULE(_C, m) {
   bind_hashing(m);
   bind_block_pool(m);
   bind_step_plan(m);
+  bind_step_ring(m);
   bind_scheduler(m);
   bind_cpu_attention(m);
   bind_cpu_fused_ops(m);

@@ -1,6 +1,7 @@
 #include "step_plan.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace nanovllm {
 
@@ -79,6 +80,36 @@ void StepPlan::add_copy(int32_t src, int32_t dst) {
   int32_t* pair = at(kBlockCopies) + 2 * static_cast<size_t>(num_copies_++);
   pair[0] = src;
   pair[1] = dst;
+}
+
+void StepPlan::copy_used(int32_t* counts, int32_t* dst, PlanMirror& mirror) const {
+  const int32_t c[] = {num_tokens_, num_seqs_, num_samples_, num_copies_, num_decode_tokens_, max_seqlen_q_,
+                       max_seqlen_k_};
+  std::memcpy(counts, c, sizeof(c));
+  const size_t used[kBlockTables] = {
+      static_cast<size_t>(num_tokens_), static_cast<size_t>(num_tokens_), static_cast<size_t>(num_tokens_),
+      static_cast<size_t>(num_seqs_) + 1, static_cast<size_t>(num_seqs_) + 1, static_cast<size_t>(num_seqs_),
+      static_cast<size_t>(num_samples_), 2 * static_cast<size_t>(num_copies_)};
+  for (int s = 0; s < kBlockTables; ++s) {
+    std::memcpy(dst + offset_[s], buffer_.data() + offset_[s], used[s] * sizeof(int32_t));
+  }
+  // As write_block_table_row, with the mirror's rows in place of the sequences' tables.
+  const int32_t* src = section(kBlockTables);
+  int32_t* out = dst + offset_[kBlockTables];
+  for (int32_t r = 0; r < num_seqs_; ++r) {
+    const size_t base = static_cast<size_t>(r) * max_blocks_;
+    const int32_t len = row_len_[r];
+    int32_t& have = mirror.row_len_[r];
+    int32_t from = 0;
+    if (mirror.row_epoch_[r] == row_epoch_[r] && have <= len) {
+      from = have;  // the same table, only appended to since the copy got it
+    } else if (have > len) {
+      std::fill(out + base + len, out + base + have, -1);
+    }
+    std::copy(src + base + from, src + base + len, out + base + from);
+    mirror.row_epoch_[r] = row_epoch_[r];
+    have = len;
+  }
 }
 
 }  // namespace nanovllm

@@ -16,6 +16,8 @@
 
 namespace nanovllm {
 
+class PlanMirror;
+
 class StepPlan {
  public:
   enum Section : int { kInputIds, kPositions, kSlotMapping, kCuSeqlensQ, kCuSeqlensK, kContextLens,
@@ -46,6 +48,12 @@ class StepPlan {
   int32_t max_blocks_per_seq() const { return max_blocks_; }
   size_t used_size() const { return offset_[kBlockTables] + static_cast<size_t>(num_seqs_) * max_blocks_; }
 
+  // What a tensor-parallel worker receives (nanovllm/distributed/step_message.py), in one call: the
+  // seven counts num_tokens, num_seqs, num_samples, num_copies, num_decode_tokens, max_seqlen_q,
+  // max_seqlen_k into `counts`, and the used part of every section into `dst`, a buffer in this
+  // plan's layout whose block-table rows are described by `mirror` (see PlanMirror).
+  void copy_used(int32_t* counts, int32_t* dst, PlanMirror& mirror) const;
+
   const int32_t* section(Section s) const { return buffer_.data() + offset_[s]; }
   size_t offset(Section s) const { return offset_[s]; }
   const std::vector<int32_t>& buffer() const { return buffer_; }
@@ -67,6 +75,21 @@ class StepPlan {
   int32_t num_seqs_ = 0, num_tokens_ = 0, num_samples_ = 0, num_copies_ = 0;
   int32_t num_decode_seqs_ = 0, num_decode_tokens_ = 0;
   int32_t max_seqlen_q_ = 0, max_seqlen_k_ = 0;
+};
+
+// Which table (by epoch) and how many entries each block-table row of a copy of a StepPlan holds
+// (a tensor-parallel ring slot; it starts all -1, as a plan does), so that StepPlan::copy_used
+// writes only the entries new to it: a decode step costs per sequence, not per context block,
+// and every row of the copy reads exactly like the plan's (its table, then -1).
+class PlanMirror {
+ public:
+  explicit PlanMirror(int32_t max_seqs) : row_epoch_(max_seqs, 0), row_len_(max_seqs, 0) {}
+  int32_t rows() const { return static_cast<int32_t>(row_len_.size()); }
+
+ private:
+  friend class StepPlan;
+  std::vector<uint64_t> row_epoch_;
+  std::vector<int32_t> row_len_;
 };
 
 }  // namespace nanovllm

@@ -69,6 +69,45 @@ class StepPlan:
     buffer: npt.NDArray[np.int32]
     used_size: int
     offsets: dict[str, int]
+    def copy_used(self, counts: int, dst: int, dst_size: int, mirror: PlanMirror) -> None:
+        """The tensor-parallel step message in one call (distributed/step_message.py): the seven
+        counts (num_tokens, num_seqs, num_samples, num_copies, num_decode_tokens, max_seqlen_q,
+        max_seqlen_k) as int32 at address `counts`, and the used part of every section into the
+        int32 buffer of `dst_size` ints (at least len(buffer)) at address `dst` (this layout), whose
+        block-table rows `mirror` describes:
+        only entries new to it are written. Raw addresses: the caller keeps both buffers alive
+        and big enough."""
+
+class PlanMirror:
+    """What each block-table row of a copy of a StepPlan holds (a ring slot that starts all -1,
+    as a plan does), so that `StepPlan.copy_used` writes only the entries new to it."""
+
+    def __init__(self, max_seqs: int) -> None: ...
+    rows: int
+
+class StepRingWriter:
+    """Rank 0's end of the tensor-parallel step ring (nanovllm/distributed/shm_ring.py has the
+    layout): one call per message. Each `try_publish_*` returns False, writing nothing, while a
+    worker still holds the slot the message needs."""
+
+    def __init__(self, control: int, num_workers: int, slots: int, num_slots: int, slot_ints: int, max_seqs: int,
+                 owner: object) -> None: ...
+    def try_publish_step(self, plan: StepPlan) -> bool: ...
+    def try_publish_rows(self, rows: npt.NDArray[np.int32]) -> bool: ...
+    def try_publish_stop(self) -> bool: ...
+    next: int
+
+class StepRingReader:
+    """A worker's end of the tensor-parallel step ring."""
+
+    def __init__(self, control: int, num_workers: int, worker_index: int, slots: int, num_slots: int,
+                 slot_ints: int, owner: object) -> None: ...
+    def ready(self) -> bool: ...
+    def poll(self) -> tuple[int, ...] | None:
+        """None until the next message is published; then (slot, kind, the seven counts, rows):
+        the header's fields at their indices, the slot in place of the message number. Raises
+        RuntimeError if the slot holds another message number."""
+    def ack(self) -> None: ...
 
 class Scheduler:
     def __init__(

@@ -101,3 +101,39 @@ def test_attach_checks_the_segment_size() -> None:
             ShmRing.attach(writer.name, layout, num_workers=2, worker_index=1)
     finally:
         writer.close()
+
+
+def test_block_tables_match_the_plan_as_rows_change_sequences() -> None:
+    """Only block-table entries new to a slot are copied (PlanMirror): as sequences finish, get
+    preempted (their tables freed and rebuilt) and rows move to other sequences, every used row of
+    every slot still reads exactly like the plan's, -1 padding included."""
+    core = _C.Scheduler(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, max_model_len=64,
+                        enable_prefix_caching=False, eos_token_ids=[0], vocab_size=100)
+    for sid, (n, out) in enumerate([(5, 12), (9, 3), (3, 20), (7, 8), (11, 15), (2, 6)]):
+        core.add(sid, list(range(1, n + 1)), max_tokens=out, ignore_eos=True)
+    plan = core.schedule()
+    layout = PlanLayout.of(plan, 4)
+    writer = ShmRing.create(layout, num_workers=1)
+    reader = ShmRing.attach(writer.name, layout, num_workers=1, worker_index=0)
+    writer.unlink()
+    try:
+        steps = 0
+        while plan.num_seqs:
+            writer.publish_step(plan)
+            got = reader.receive().plan
+            assert got is not None and got.num_seqs == plan.num_seqs
+            off = layout.offsets
+            for name in ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens",
+                         "sample_indices"):
+                want = getattr(plan, name)
+                np.testing.assert_array_equal(got.buffer[off[name]:off[name] + len(want)], want, err_msg=name)
+            tables = got.buffer[off["block_tables"]:layout.used_size(plan.num_seqs)]
+            np.testing.assert_array_equal(tables.reshape(plan.num_seqs, -1), plan.block_tables)
+            reader.ack()
+            core.postprocess(np.full(plan.num_samples, 7, dtype=np.int32))
+            plan = core.schedule()
+            steps += 1
+        assert core.num_preemptions > 0 and steps > 2 * shm_ring.SLOTS
+    finally:
+        reader.close()
+        writer.close()

@@ -130,3 +130,16 @@ def test_a_killed_worker_fails_the_engine_promptly_and_leaves_nothing(tmp_path: 
         engine.step()
     engine.shutdown()
     assert not alive(pid) and shm_segments() == []
+
+
+def test_a_gloo_transport_error_counts_as_a_lost_peer() -> None:
+    """gloo reports a peer that went away as a plain RuntimeError, not always a DistError; the
+    runner must still fail the engine (WorkerDiedError), not treat it as one failed step (seen
+    as a 500 and a server that kept running when a worker was killed)."""
+    from nanovllm.distributed.driver import _is_collective_failure
+
+    gone = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:36741. This is typically caused by a remote worker crashing.")
+    assert _is_collective_failure(RuntimeError(gone))
+    assert not _is_collective_failure(RuntimeError("the prompt is too long"))
+    assert not _is_collective_failure(ValueError("connection closed by peer"))

@@ -27,8 +27,10 @@ class BroadcastChannel:
         self.group = group
         self.layout = layout
         self._header = torch.zeros(sm.HEADER_INTS, dtype=torch.int32)
-        self._buffer = torch.zeros(layout.size, dtype=torch.int32)  # workers' plan-layout buffer
+        self._buffer = torch.zeros(layout.size, dtype=torch.int32)  # the plan-layout buffer sent / received
+        self._buffer[layout.offsets["block_tables"]:] = -1  # as the plan's padding
         self._plan = ReceivedPlan(layout, self._buffer.numpy())
+        self._writer = sm.StepWriter(self._header.numpy(), self._plan.buffer, layout)
 
     def _send(self, payload: torch.Tensor | None) -> None:
         self.group.broadcast_host(self._header)
@@ -36,9 +38,8 @@ class BroadcastChannel:
             self.group.broadcast_host(payload)
 
     def publish_step(self, plan: StepPlan, alive: Callable[[], None] = lambda: None) -> None:
-        h = self._header.numpy()
-        sm.fill_step_header(h, plan)
-        self._send(torch.from_numpy(plan.buffer[:self.layout.used_size(plan.num_seqs)]))
+        self._writer.write(plan)
+        self._send(self._buffer[:self.layout.used_size(plan.num_seqs)])
 
     def publish_logits(self, rows: np.ndarray, alive: Callable[[], None] = lambda: None) -> None:
         h = self._header.numpy()
@@ -52,13 +53,13 @@ class BroadcastChannel:
 
     def receive(self, alive: Callable[[], None] = lambda: None, active_since: float | None = None) -> Message:
         self.group.broadcast_host(self._header, IDLE_TIMEOUT)
-        h = self._header.numpy()
-        kind = Kind(int(h[sm.KIND]))
+        h = self._header.tolist()
+        kind = sm.KINDS[h[sm.KIND]]
         if kind is Kind.STEP:
-            self.group.broadcast_host(self._buffer[:self.layout.used_size(int(h[sm.NUM_SEQS]))])
+            self.group.broadcast_host(self._buffer[:self.layout.used_size(h[sm.NUM_SEQS])])
             return Message(kind, plan=self._plan.load(h))
         if kind is Kind.LOGITS:
-            rows = self._buffer[:int(h[sm.NUM_ROWS])]
+            rows = self._buffer[:h[sm.NUM_ROWS]]
             if rows.numel():
                 self.group.broadcast_host(rows)
             return Message(kind, rows=rows.numpy())

@@ -53,6 +53,18 @@ def make_model_runner(config: EngineConfig, device: torch.device, *, max_model_l
     return TensorParallelRunner(config, parallel, device, **kwargs)
 
 
+# How gloo and NCCL word a peer that went away when they raise a plain RuntimeError (gloo's
+# transport errors are not always a DistError).
+_PEER_GONE = ("gloo/transport", "connection closed by peer", "connection reset by peer", "broken pipe", "nccl")
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    if isinstance(e, torch.distributed.DistError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(s in text for s in _PEER_GONE)
+
+
 class _Resources:
     """What must be released however the runner ends (a weakref.finalize holds this, not the
     runner): the workers, the channel and the group."""
@@ -70,6 +82,7 @@ class _Resources:
             if self.healthy and workers is not None:
                 try:
                     workers.check()
+                    workers.expect_exit()
                     channel.publish_stop(workers.check)
                 except Exception:  # noqa: BLE001  (a worker died meanwhile: it is killed below)
                     self.healthy = False
@@ -156,18 +169,17 @@ class TensorParallelRunner(ModelRunner):
         """After an exception from a collective: a dead local worker (its exit may lag its closed
         connection by a moment) or a broken connection is fatal, named as such."""
         workers = self._res.workers
+        collective = _is_collective_failure(e)
         deadline = time.monotonic() + 2.0
         while workers is not None and time.monotonic() < deadline:
             try:
                 workers.check()
             except WorkerDiedError as died:
                 self._fail(str(died), e)
-            # gloo reports a peer's closed socket as a plain RuntimeError, often before the peer's
-            # exit is visible: any RuntimeError waits the moment out.
-            if not isinstance(e, RuntimeError):
+            if not collective:
                 return
             time.sleep(0.05)
-        if isinstance(e, torch.distributed.DistError):
+        if collective:
             self._fail(f"a collective failed ({e})", e)
 
     def _channel(self, plan: _C.StepPlan) -> Channel:

@@ -36,6 +36,7 @@ class WorkerProcesses:
                  on_death: Callable[[], None] = lambda: None) -> None:
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._stopping = False
+        self._stop_sent = False  # a clean exit (0) is then expected, not a death
         self._dead: str | None = None
         self._on_death = on_death
         self._lock = threading.Lock()
@@ -59,7 +60,7 @@ class WorkerProcesses:
     def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         with self._lock:
-            if self._stopping or self._dead is not None:
+            if self._stopping or self._dead is not None or (self._stop_sent and code == 0):
                 return
             self._dead = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}"
         logger.error("%s", self._dead)
@@ -82,6 +83,11 @@ class WorkerProcesses:
         """Wait for every worker (a headless node); the first non-zero exit code, else 0."""
         codes = [p.wait() for p in self._procs.values()]
         return next((c for c in codes if c), 0)
+
+    def expect_exit(self) -> None:
+        """The workers were told to stop (or, headless, end when the engine does): an exit with
+        code 0 is no longer a death."""
+        self._stop_sent = True
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Wait up to `timeout` for the workers to leave (after STOP), then kill what is left."""

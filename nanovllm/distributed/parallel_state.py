@@ -162,15 +162,25 @@ class TPGroup:
     def abort(self) -> None:
         """Fail the collectives in flight (a peer died: NCCL would otherwise wait for it forever)."""
         for pg in (self._pg, self._cpu):
+            if pg is None:  # closed meanwhile
+                continue
             try:
                 pg.abort()
             except RuntimeError:
                 pass  # not supported by this backend, or already broken
 
     def close(self) -> None:
-        """Release the group's connections (the peers' next collective fails)."""
-        for pg in {id(self._pg): self._pg, id(self._cpu): self._cpu}.values():
+        """Release the group's connections (the peers' next collective fails), and the backend and
+        store objects with them, now: the model's layers keep this TPGroup alive, and left to
+        interpreter teardown, the C++ objects' destructors ran in no set order and sometimes
+        aborted the process ("terminate called without an active exception"). Idempotent."""
+        pgs = [] if self._store is None else list({id(self._pg): self._pg, id(self._cpu): self._cpu}.values())
+        for pg in pgs:
             try:
                 pg.shutdown()
             except RuntimeError:
                 pass  # already broken: a peer died
+        # Backends before the store they were built on.
+        self._pg = self._cpu = None  # type: ignore[assignment]
+        del pgs
+        self._store = None  # type: ignore[assignment]

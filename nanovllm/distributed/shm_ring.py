@@ -11,9 +11,16 @@ Layout: a control area (the published counter and one ack word per worker, each 
 64-byte line, so the writer and the readers never share a cache line), then SLOTS slots of a
 16-int32 header plus a payload in the StepPlan buffer's layout.
 
-Ordering: a reader acts on a slot only after it sees the counter reach the message's number, and
-the writer stores the counter (one aligned 8-byte store, atomic) after the slot's bytes. That the
-slot's bytes are then visible too relies on the CPU keeping stores in order, as x86-64 does; the
+Both ends are native (csrc/step_ring.h): rank 0's StepRingWriter writes a message in one call
+(the header, the used part of each plan section, of the block tables only the entries the slot
+does not hold yet, see StepPlan.copy_used / PlanMirror, then the counter); a worker's
+StepRingReader polls the counter and returns the header's fields, and acks. With cold caches
+between two steps (a forward runs in between) each numpy item access, slice or struct call in
+Python cost microseconds.
+
+Ordering: a reader acts on a slot only after it sees the counter reach the message's number: the
+writer stores the counter with release semantics after the slot's bytes, the reader loads it
+with acquire semantics before reading them, and acks (release) when done with the slot. The
 header repeats the message number, so a stale slot is caught as an error, not run.
 
 Waiting: a reader spins for SPIN_S (a step usually follows the previous one within that time
@@ -36,11 +43,12 @@ from collections.abc import Callable
 import _posixshmem
 import numpy as np
 
-from nanovllm._C import StepPlan
+from nanovllm._C import StepPlan, StepRingReader, StepRingWriter
 from nanovllm.distributed import step_message as sm
-from nanovllm.distributed.step_message import Kind, Message, PlanLayout, ReceivedPlan, SectionCopier
+from nanovllm.distributed.step_message import KIND, NUM_ROWS, Kind, Message, PlanLayout, ReceivedPlan
 
 SLOTS = 2
+_STEP, _LOGITS, _STOP = int(Kind.STEP), int(Kind.LOGITS), int(Kind.STOP)  # plain ints: cheaper compares
 LINE_INT64 = 8  # one 64-byte cache line of int64 words
 SPIN_S = 50e-6
 FIRST_NAP_S = 20e-6
@@ -79,19 +87,21 @@ class ShmRing:
             os.close(fd)
         self._linked = create
         # Control words: [0] the last published message number; [LINE * (1 + w)] worker w's ack.
-        self._ctl = np.frombuffer(self._mmap, dtype=np.int64, count=control_bytes // 8)
+        ctl = np.frombuffer(self._mmap, dtype=np.int64, count=control_bytes // 8)
         slots = np.frombuffer(self._mmap, dtype=np.int32, offset=control_bytes).reshape(SLOTS, self.slot_ints)
-        self._headers = [slots[i, :sm.HEADER_INTS] for i in range(SLOTS)]
         self._payloads = [slots[i, sm.HEADER_INTS:] for i in range(SLOTS)]
         self._plans = [ReceivedPlan(layout, p) for p in self._payloads]
+        # A STEP's message object per slot, reused: valid, like the slot, until `ack()`.
+        self._step_messages = [Message(Kind.STEP, plan=p, slot=i) for i, p in enumerate(self._plans)]
         if create:  # block-table columns past what any step copies read as the plan's padding
             for p in self._payloads:
                 p[layout.offsets["block_tables"]:] = -1
-        self._copiers: list[SectionCopier] | None = None
-        self._plan: StepPlan | None = None
-        self._plan_address = 0
-        self._next = 1  # the next message number to publish (writer) or to read (reader)
-        self._ack_index = 0
+        # Both ends are native (csrc/step_ring.h), one call per message: with caches cold between
+        # two steps each numpy item access, slice or struct call in Python cost microseconds.
+        self._addresses = (ctl.ctypes.data, slots.ctypes.data)
+        self._writer = StepRingWriter(ctl.ctypes.data, num_workers, slots.ctypes.data, SLOTS, self.slot_ints,
+                                      layout.max_seqs, self._mmap) if create else None
+        self._reader: StepRingReader | None = None
 
     @classmethod
     def create(cls, layout: PlanLayout, num_workers: int) -> ShmRing:
@@ -102,7 +112,8 @@ class ShmRing:
         ring = cls(name, layout, num_workers, create=False)
         if not 0 <= worker_index < num_workers:
             raise ValueError(f"worker index {worker_index} outside [0, {num_workers})")
-        ring._ack_index = LINE_INT64 * (1 + worker_index)
+        ctl, slots = ring._addresses
+        ring._reader = StepRingReader(ctl, num_workers, worker_index, slots, SLOTS, ring.slot_ints, ring._mmap)
         return ring
 
     def unlink(self) -> None:
@@ -116,79 +127,59 @@ class ShmRing:
 
     def close(self) -> None:
         self.unlink()
-        # numpy views may outlive this object in a caller's hands; let the mapping go with them.
-        self._ctl = None  # type: ignore[assignment]
+        # numpy views of the slots may outlive this object in a caller's hands: the mapping stays
+        # until they are gone.
 
     # Writer (rank 0) ---------------------------------------------------------------------
 
-    def _claim(self, alive: Callable[[], None]) -> tuple[int, np.ndarray, int]:
-        seq = self._next
-        oldest = seq - SLOTS  # the message this slot held: every worker must be done with it
-        if oldest > 0:
-            acks = self._ctl[LINE_INT64::LINE_INT64]
-            if int(acks.min()) < oldest:
-                _wait(lambda: int(acks.min()) >= oldest, alive, active_since=time.perf_counter())
-        slot = seq % SLOTS
-        header = self._headers[slot]
-        header[sm.SEQ] = seq & 0x7FFFFFFF
-        return seq, header, slot
-
-    def _commit(self, seq: int) -> None:
-        self._ctl[0] = seq  # after the slot's bytes: readers act on it from here on
-        self._next = seq + 1
+    def _publish(self, try_publish: Callable[[], bool], alive: Callable[[], None]) -> None:
+        """Publish into the next slot, first waiting (and checking `alive`) while a worker still
+        holds it."""
+        if not try_publish():
+            _wait(try_publish, alive, active_since=time.perf_counter())
 
     def publish_step(self, plan: StepPlan, alive: Callable[[], None] = lambda: None) -> None:
-        seq, header, slot = self._claim(alive)
-        # The same wrapper is the same buffer; only a new one needs the (slow, ~4 us) address check.
-        if plan is not self._plan:
-            src = plan.buffer
-            if self._copiers is None or src.ctypes.data != self._plan_address:
-                self._plan_address = src.ctypes.data
-                self._copiers = [SectionCopier(self.layout, src, p) for p in self._payloads]
-            self._plan = plan
-        assert self._copiers is not None
-        sm.fill_step_header(header, plan)
-        self._copiers[slot].copy(plan.num_tokens, plan.num_seqs, plan.num_samples, plan.num_copies,
-                                 int(header[sm.MAX_SEQLEN_K]))
-        self._commit(seq)
+        w = self._writer
+        assert w is not None, "only the ring's creator publishes"
+        if not w.try_publish_step(plan):
+            self._publish(lambda: w.try_publish_step(plan), alive)
 
     def publish_logits(self, rows: np.ndarray, alive: Callable[[], None] = lambda: None) -> None:
-        seq, header, slot = self._claim(alive)
-        header[sm.KIND] = Kind.LOGITS
-        header[sm.NUM_ROWS] = len(rows)
-        self._payloads[slot][:len(rows)] = rows
-        self._commit(seq)
+        w = self._writer
+        assert w is not None, "only the ring's creator publishes"
+        self._publish(lambda: w.try_publish_rows(rows), alive)
 
     def publish_stop(self, alive: Callable[[], None] = lambda: None) -> None:
-        seq, header, _ = self._claim(alive)
-        header[sm.KIND] = Kind.STOP
-        self._commit(seq)
+        w = self._writer
+        assert w is not None, "only the ring's creator publishes"
+        self._publish(w.try_publish_stop, alive)
 
     # Reader (workers) --------------------------------------------------------------------
 
     def receive(self, alive: Callable[[], None] = lambda: None, active_since: float | None = None) -> Message:
         """The next message; its slot stays valid until `ack()`. `active_since` (perf_counter) is
         when the caller last had work: it naps shortly until ACTIVE_S after that, then idles."""
-        seq = self._next
-        ctl = self._ctl
-        if ctl[0] < seq:
-            _wait(lambda: ctl[0] >= seq, alive, active_since=active_since or time.perf_counter())
-        slot = seq % SLOTS
-        header = self._headers[slot]
-        if header[sm.SEQ] != seq & 0x7FFFFFFF:
-            raise RuntimeError(f"shared-memory ring out of step: slot {slot} holds message {header[sm.SEQ]}, "
-                               f"expected {seq}")
-        kind = Kind(int(header[sm.KIND]))
-        if kind is Kind.STEP:
-            return Message(kind, plan=self._plans[slot].load(header), slot=slot)
-        if kind is Kind.LOGITS:
-            return Message(kind, rows=self._payloads[slot][:int(header[sm.NUM_ROWS])], slot=slot)
-        return Message(kind, slot=slot)
+        r = self._reader
+        assert r is not None, "only an attached worker receives"
+        h = r.poll()
+        if h is None:
+            _wait(r.ready, alive, active_since=active_since or time.perf_counter())
+            h = r.poll()
+        # h: (slot, kind, the seven counts, rows) at the header's indices.
+        slot, kind = h[0], h[KIND]
+        if kind == _STEP:
+            self._plans[slot].load(h)
+            return self._step_messages[slot]
+        if kind == _LOGITS:
+            return Message(Kind.LOGITS, rows=self._payloads[slot][:h[NUM_ROWS]], slot=slot)
+        if kind == _STOP:
+            return Message(Kind.STOP, slot=slot)
+        raise RuntimeError(f"shared-memory ring: slot {slot} holds a message of unknown kind {kind}")
 
     def ack(self) -> None:
         """Done with the last received message's slot."""
-        self._ctl[self._ack_index] = self._next
-        self._next += 1
+        assert self._reader is not None
+        self._reader.ack()
 
 
 def _wait(ready: Callable[[], bool], alive: Callable[[], None], *, active_since: float) -> None:

@@ -7,12 +7,13 @@ worker reads a step the same way whichever channel delivered it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 
-from nanovllm._C import StepPlan
+from nanovllm._C import PlanMirror, StepPlan
 
 
 class Kind(IntEnum):
@@ -21,7 +22,11 @@ class Kind(IntEnum):
     STOP = 3  # leave the worker loop
 
 
-# Header fields (int32 indices).
+_STEP = int(Kind.STEP)
+KINDS = {int(k): k for k in Kind}  # a dict lookup: calling the enum costs a microsecond
+
+
+# Header fields (int32 indices). NUM_TOKENS..MAX_SEQLEN_K are in StepPlan.copy_used's order.
 SEQ, KIND, NUM_TOKENS, NUM_SEQS, NUM_SAMPLES, NUM_COPIES, NUM_DECODE_TOKENS, MAX_SEQLEN_Q, MAX_SEQLEN_K, \
     NUM_ROWS = range(10)
 HEADER_INTS = 16
@@ -49,55 +54,37 @@ class PlanLayout:
         return self.offsets["block_tables"] + num_seqs * self.max_blocks_per_seq
 
 
-class SectionCopier:
-    """Copies the used part of each section from one plan-layout buffer to another: six numpy
-    assignments per step (the three token sections, and the two cu_seqlens sections, are adjacent
-    and equally long, so each group is one strided 2-D copy).
+class StepWriter:
+    """Writes STEP messages into one header and one buffer in the plan's layout (a ring slot, or
+    the broadcast channel's buffer), which must start with every block-table entry -1, as a plan
+    does. One native call per step (StepPlan.copy_used, at addresses taken once here) writes the
+    counts and the used part of every section; of the block tables only the entries this
+    destination does not hold yet (its PlanMirror knows which), so every row reads exactly like
+    the plan's and a decode step costs per sequence, not per context block."""
 
-    Block tables: only the columns any step so far has used (the step's longest context decides),
-    not max_model_len's worth. Columns this destination has ever received are rewritten every step,
-    so every row reads exactly like the plan's (-1 past its blocks) wherever a reader looks."""
+    __slots__ = ("_header", "_counts", "_payload", "_size", "_mirror")
 
-    __slots__ = ("_tok", "_cu", "_ctx", "_smp", "_cpy", "_tab", "_bs", "_width")
+    def __init__(self, header: np.ndarray, payload: np.ndarray, layout: PlanLayout) -> None:
+        if header.dtype != np.int32 or payload.dtype != np.int32 or not payload.flags.c_contiguous \
+                or len(header) < HEADER_INTS or len(payload) < layout.size:
+            raise ValueError("a step message needs a contiguous int32 header and plan-layout buffer")
+        self._header = header  # keeps the memory behind the addresses alive
+        self._counts = header[NUM_TOKENS:].ctypes.data
+        self._payload = payload.ctypes.data
+        self._size = len(payload)
+        self._mirror = PlanMirror(layout.max_seqs)
 
-    def __init__(self, layout: PlanLayout, src: np.ndarray, dst: np.ndarray) -> None:
-        o, mt, ms = layout.offsets, layout.max_tokens, layout.max_seqs
-
-        def pair(start: int, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-            return (src[start:start + rows * cols].reshape(rows, cols), dst[start:start + rows * cols].reshape(rows, cols))
-
-        self._tok = pair(o["input_ids"], 3, mt)
-        self._cu = pair(o["cu_seqlens_q"], 2, ms + 1)
-        self._ctx = pair(o["context_lens"], 1, ms)
-        self._smp = pair(o["sample_indices"], 1, ms)
-        self._cpy = pair(o["block_copies"], 1, 2 * ms)
-        self._tab = pair(o["block_tables"], ms, layout.max_blocks_per_seq)
-        self._bs = layout.block_size
-        self._width = 0
-
-    def copy(self, num_tokens: int, num_seqs: int, num_samples: int, num_copies: int, max_seqlen_k: int) -> None:
-        for (s, d), n in ((self._tok, num_tokens), (self._cu, num_seqs + 1), (self._ctx, num_seqs),
-                          (self._smp, num_samples), (self._cpy, 2 * num_copies)):
-            d[:, :n] = s[:, :n]
-        s, d = self._tab
-        self._width = w = min(s.shape[1], max(self._width, -(-max_seqlen_k // self._bs)))
-        d[:num_seqs, :w] = s[:num_seqs, :w]
-
-
-def fill_step_header(header: np.ndarray, plan: StepPlan) -> None:
-    header[KIND] = Kind.STEP
-    header[NUM_TOKENS] = plan.num_tokens
-    header[NUM_SEQS] = plan.num_seqs
-    header[NUM_SAMPLES] = plan.num_samples
-    header[NUM_COPIES] = plan.num_copies
-    header[NUM_DECODE_TOKENS] = plan.num_decode_tokens
-    header[MAX_SEQLEN_Q] = plan.max_seqlen_q
-    header[MAX_SEQLEN_K] = plan.max_seqlen_k
+    def write(self, plan: StepPlan) -> None:
+        self._header[KIND] = _STEP
+        plan.copy_used(self._counts, self._payload, self._size, self._mirror)
 
 
 class ReceivedPlan:
     """A step as a worker received it: duck-types the StepPlan attributes that PlanTensors and the
     runner read, over a plan-layout buffer the channel owns."""
+
+    __slots__ = ("buffer", "offsets", "max_blocks_per_seq", "num_tokens", "num_seqs", "num_samples", "num_copies",
+                 "num_decode_tokens", "max_seqlen_q", "max_seqlen_k")
 
     def __init__(self, layout: PlanLayout, buffer: np.ndarray) -> None:
         self.buffer = buffer
@@ -106,9 +93,10 @@ class ReceivedPlan:
         self.num_tokens = self.num_seqs = self.num_samples = self.num_copies = 0
         self.num_decode_tokens = self.max_seqlen_q = self.max_seqlen_k = 0
 
-    def load(self, header: np.ndarray) -> ReceivedPlan:
+    def load(self, header: Sequence[int]) -> ReceivedPlan:
+        """The counts of the header (a list or tuple: ints, not numpy scalars)."""
         (self.num_tokens, self.num_seqs, self.num_samples, self.num_copies, self.num_decode_tokens,
-         self.max_seqlen_q, self.max_seqlen_k) = header[NUM_TOKENS:MAX_SEQLEN_K + 1].tolist()
+         self.max_seqlen_q, self.max_seqlen_k) = header[NUM_TOKENS:MAX_SEQLEN_K + 1]
         return self
 
     @property

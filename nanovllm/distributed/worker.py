@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -41,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 RING_KEY = "nanovllm/step_ring"
 ATTACHED_KEY = "nanovllm/step_ring_attached"
+KEY_POLL_S = 0.01  # a worker waiting for rank 0's first step polls the store this often
 Channel = ShmRing | BroadcastChannel
 
 
@@ -102,14 +102,12 @@ def open_worker_channel(group: TPGroup, parallel: ParallelConfig, parent_pid: in
 
 
 def _wait_key(group: TPGroup, key: str, parent_pid: int) -> str:
-    while True:
-        try:
-            group.store.wait([key], timedelta(seconds=1))
-            return group.store.get(key).decode()
-        except RuntimeError as e:  # torch raises a store timeout as DistStoreError (a RuntimeError)
-            if "timeout" not in str(e).lower():
-                raise
-            parent_alive(parent_pid)
+    # `check` polls without a timeout of its own (a timed-out `wait` logs a c10d warning each time).
+    store = group.store
+    while not store.check([key]):
+        parent_alive(parent_pid)
+        time.sleep(KEY_POLL_S)
+    return store.get(key).decode()
 
 
 def layout_json(layout: PlanLayout, name: str) -> str:

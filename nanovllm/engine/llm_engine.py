@@ -66,6 +66,17 @@ def valid_text(text: str) -> str:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        try:
+            self._build(config)
+        except BaseException:
+            # A tensor-parallel runner's workers run from its construction on: stop them now (a
+            # failed startup check, say), not whenever the half-built engine is collected.
+            runner = getattr(self, "runner", None)
+            if runner is not None:
+                runner.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.config = config
         model_config = load_model_config(config.model)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)

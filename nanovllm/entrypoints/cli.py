@@ -37,23 +37,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="run only this node's tensor-parallel workers (a node other than 0)")
 
 
-def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM imported lazily
-    from nanovllm.llm import LLM
-
-    return LLM(
-        model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options of the command line: LLM's keyword arguments, EngineConfig's fields."""
+    return dict(
+        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
         enforce_eager=args.enforce_eager, seed=args.seed, device=args.device,
-        **_parallel_kwargs(args),
+        tensor_parallel_size=args.tensor_parallel_size, distributed_backend=args.distributed_backend,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
     )
 
 
-def _parallel_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return dict(tensor_parallel_size=args.tensor_parallel_size, distributed_backend=args.distributed_backend,
-                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                master_port=args.master_port)
+def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM imported lazily
+    from nanovllm.llm import LLM
+
+    return LLM(model, **_engine_kwargs(args))  # type: ignore[arg-type]
 
 
 def _run_headless(args: argparse.Namespace, model: str) -> int:
@@ -62,16 +62,12 @@ def _run_headless(args: argparse.Namespace, model: str) -> int:
     from nanovllm.config import EngineConfig
     from nanovllm.distributed.launcher import WorkerProcesses
 
-    config = EngineConfig(
-        model=model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
-        enforce_eager=args.enforce_eager, seed=args.seed, device=args.device, **_parallel_kwargs(args))
+    config = EngineConfig(model=model, **_engine_kwargs(args))  # type: ignore[arg-type]
     parallel = config.parallel
     if parallel.node_rank == 0:
         raise ValueError("--headless is for nodes other than 0 (--node-rank >= 1): node 0 runs the engine")
     workers = WorkerProcesses(config, parallel, parallel.local_ranks)
+    workers.expect_exit()  # they leave (0) when node 0's engine stops
     try:
         return workers.wait()
     finally:
@@ -95,7 +91,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     workload = make_workload(num_seqs, max_input, max_output, llm.engine.vocab_size, seed=args.seed)
     print(f"model: {model}\ndevice: {llm.engine.device} ({torch.get_num_threads()} threads), "
           f"{num_seqs} sequences, input [100, {max_input}], output [100, {max_output}]")
-    result = run_engine(llm, workload)
+    try:
+        result = run_engine(llm, workload)
+    finally:
+        llm.engine.shutdown()
     print(f"Total: {result.output_tokens} output tokens in {result.seconds:.2f}s, "
           f"Throughput: {result.output_tok_s:.2f} tok/s (prompt+output {result.total_tok_s:.2f} tok/s)")
     return 0
@@ -109,7 +108,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = _make_llm(args, args.model)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sampling_seed)
-    out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    try:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    finally:
+        llm.engine.shutdown()
     print(out.outputs[0].text)
     return 0
 
@@ -139,7 +141,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
                           timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                           shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout)
-    code = run_server(_make_llm(args, model).engine, config)
+    engine = _make_llm(args, model).engine
+    try:
+        code = run_server(engine, config)
+    finally:
+        engine.shutdown()  # tensor-parallel workers: stopped now, not at interpreter exit
     return 0 if code is None else code
 
 
