@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
+
+if TYPE_CHECKING:
+    from nanovllm import LLM
+
+GreedyOracle = Callable[[Path, list[int], int, int | None], list[int]]
 
 
 @lru_cache(maxsize=None)
@@ -38,3 +45,16 @@ def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int, eos: int | Non
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_greedy_matches(llm: LLM, path: Path, prompts: list[list[int]], max_new: int,
+                          oracle: GreedyOracle = hf_greedy) -> None:
+    """Our greedy output equals the oracle's for every prompt, and no KV block is left allocated."""
+    from nanovllm import SamplingParams
+
+    eos = llm.get_tokenizer().eos_token_id
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == oracle(path, prompt, max_new, eos), f"prompt of {len(prompt)} diverged"
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"

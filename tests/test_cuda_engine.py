@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine_helpers import random_prompts
+from engine_helpers import assert_greedy_matches, random_prompts
 from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams
@@ -54,22 +54,13 @@ def make_llm(path: Path, **kwargs: object) -> LLM:
     return LLM(str(path), device="cuda", dtype="float32", **kwargs)
 
 
-def check_greedy(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
-    eos = llm.get_tokenizer().eos_token_id
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy_cuda(path, prompt, MAX_NEW, eos), f"prompt of {len(prompt)}"
-    stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
-
-
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
 def test_greedy_matches_transformers(model_dir: Path, enforce_eager: bool) -> None:
     llm = make_llm(model_dir, enforce_eager=enforce_eager, max_num_seqs=8)
     runner = llm.engine.runner
     assert runner.attn_backend == "cuda"
     assert (runner.graphs is None) == enforce_eager
-    check_greedy(llm, model_dir, random_prompts(LENGTHS, 512, seed=1))
+    assert_greedy_matches(llm, model_dir, random_prompts(LENGTHS, 512, seed=1), MAX_NEW, hf_greedy_cuda)
 
 
 def test_graphs_with_chunked_prefill_mixed_steps_and_prefix_hits(model_dir: Path) -> None:
@@ -79,7 +70,7 @@ def test_graphs_with_chunked_prefill_mixed_steps_and_prefix_hits(model_dir: Path
     assert llm.engine.runner.graphs is not None
     system = random_prompts([40], 512, seed=2)[0]
     prompts = [system + tail for tail in random_prompts([1, 9, 20, 3, 30, 12, 5], 512, seed=3)]
-    check_greedy(llm, model_dir, prompts)
+    assert_greedy_matches(llm, model_dir, prompts, MAX_NEW, hf_greedy_cuda)
     assert llm.stats()["prefix_cache_hits"] > 0
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import hf_greedy, random_prompts
+from engine_helpers import assert_greedy_matches, hf_greedy, random_prompts
 from tp_helpers import alive, make_tp_model, shm_segments
 
 from nanovllm import LLM, SamplingParams
@@ -42,26 +42,17 @@ def tp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     assert shm_segments() == [], "the step ring's segment was left in /dev/shm"
 
 
-def greedy_check(llm: LLM, path: Path, prompts: list[list[int]], max_new: int) -> None:
-    eos = llm.get_tokenizer().eos_token_id
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, prompt, max_new, eos), f"prompt of {len(prompt)} diverged"
-    stats = llm.stats()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
-
-
 def test_greedy_matches_transformers_with_chunking_preemption_and_prefix_cache(tp_case: tuple[Path, LLM]) -> None:
     path, llm = tp_case
     vocab = llm.engine.vocab_size
-    greedy_check(llm, path, random_prompts([60, 70, 80, 50, 65, 75], vocab, seed=9), max_new=40)
+    assert_greedy_matches(llm, path, random_prompts([60, 70, 80, 50, 65, 75], vocab, seed=9), max_new=40)
     assert llm.stats()["num_preemptions"] > 0
     assert shm_segments() == []  # the ring exists now, its name is gone
     system = random_prompts([70], vocab, seed=5)[0]
     tails = random_prompts([3, 9, 20], vocab, seed=6)
-    greedy_check(llm, path, [system + tails[0]], max_new=8)
+    assert_greedy_matches(llm, path, [system + tails[0]], max_new=8)
     hits = llm.stats()["prefix_cache_hits"]
-    greedy_check(llm, path, [system + t for t in tails[1:]], max_new=8)
+    assert_greedy_matches(llm, path, [system + t for t in tails[1:]], max_new=8)
     assert llm.stats()["prefix_cache_hits"] - hits >= 2 * 64  # the system prompt's 4 full blocks each
 
 
