@@ -74,6 +74,21 @@ def test_graphs_with_chunked_prefill_mixed_steps_and_prefix_hits(model_dir: Path
     assert llm.stats()["prefix_cache_hits"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_tensor_parallel_nccl_matches_transformers(model_dir: Path, enforce_eager: bool) -> None:
+    # NCCL between two GPUs; with graphs, the all-reduces are captured inside every rank's graphs.
+    llm = make_llm(model_dir, tensor_parallel_size=2, enforce_eager=enforce_eager, max_num_seqs=8,
+                   max_num_batched_tokens=48)
+    try:
+        runner = llm.engine.runner
+        assert runner.tp is not None and runner.tp.backend == "nccl"
+        assert (runner.graphs is None) == enforce_eager
+        assert_greedy_matches(llm, model_dir, random_prompts(LENGTHS, 512, seed=6), MAX_NEW, hf_greedy_cuda)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_graph_replay_equals_eager_forward_across_buckets(model_dir: Path) -> None:
     """The runner's two decode paths on identical plans: padded graph replays versus eager."""
     llm = make_llm(model_dir, max_num_seqs=20)

@@ -33,6 +33,7 @@ def make_llm(path: Path, tp: int, **kwargs: object) -> LLM:
 def tp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, LLM]]:
     path = make_tp_model(tmp_path_factory.mktemp("tp"), request.param)
     llm = make_llm(path, 2)
+    assert llm.engine.runner.tp is not None and llm.engine.runner.tp.backend == "gloo"  # the CPU default
     pids = llm.engine.runner.worker_pids
     assert len(pids) == 1 and alive(pids[0])
     assert shm_segments() == []  # unlinked once attached (here: not yet created, before the first step)

@@ -85,9 +85,13 @@ def test_serve_tp2_answers_like_one_rank_and_a_signal_leaves_nothing(
         srv.stop()
 
 
-def test_two_nodes_on_loopback_answer_like_one_rank(model_dir: Path, expected: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("node0_end", [signal.SIGTERM, signal.SIGKILL], ids=["node0_stops", "node0_dies"])
+def test_two_nodes_on_loopback_answer_like_one_rank(model_dir: Path, expected: list[str], tmp_path: Path,
+                                                    node0_end: signal.Signals) -> None:
     """Node 1 (`--headless`) runs rank 1; node 0 runs the engine and the server. The step goes
-    through the broadcast channel (gloo), not the shared-memory ring."""
+    through the broadcast channel (gloo), not the shared-memory ring. When node 0 stops, node 1
+    exits 0; when node 0 dies (SIGKILL, no goodbye), node 1 fails within seconds, not at some
+    timeout, and leaves no worker."""
     nodes = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
              "--master-port", str(free_port())]
     log_path = tmp_path / "node1.log"
@@ -101,11 +105,15 @@ def test_two_nodes_on_loopback_answer_like_one_rank(model_dir: Path, expected: l
         assert children(srv.proc.pid) == []  # node 0 runs only rank 0
         [worker] = children(node1.pid)
         assert completions(srv.base_url) == expected
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(timeout=30) == 0, srv.log()[-3000:]
-        assert node1.wait(timeout=30) == 0, log_path.read_text()[-3000:]
+        srv.proc.send_signal(node0_end)
+        if node0_end == signal.SIGTERM:
+            assert srv.proc.wait(timeout=30) == 0, srv.log()[-3000:]
+            assert node1.wait(timeout=30) == 0, log_path.read_text()[-3000:]
+            assert "error" not in log_path.read_text().lower(), log_path.read_text()[-3000:]
+        else:
+            srv.proc.wait(timeout=30)
+            assert node1.wait(timeout=30) != 0, log_path.read_text()[-3000:]
         assert not alive(worker)
-        assert "error" not in log_path.read_text().lower(), log_path.read_text()[-3000:]
     finally:
         if srv is not None:
             srv.stop()

@@ -116,6 +116,11 @@ class TPGroup:
         nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, opts)
         return cls(rank, world_size, nccl, cpu_pg, store)
 
+    @property
+    def backend(self) -> str:
+        """The model collectives' backend: "gloo" or "nccl"."""
+        return "gloo" if self._pg is self._cpu else "nccl"
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns `x`."""
         self._pg.allreduce([x]).wait()
