@@ -27,7 +27,8 @@ from bench_report import machine, write_json
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.builtin_model import ensure_default_model
-from nanovllm.layers import activation, attention, embed_head, layernorm, linear, rotary_embedding, sampler
+from nanovllm.layers import activation, attention, embed_head, layernorm, linear, rotary_embedding
+from nanovllm.sample import sampler
 
 # label -> (class, method) wrapped under it. Attention covers the KV write and the kernel.
 WRAPPED: dict[str, tuple[type, str]] = {

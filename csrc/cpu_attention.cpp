@@ -1,13 +1,13 @@
 #include "cpu_attention.h"
 
 #include "cpu_math.h"
+#include "cpu_parallel.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 namespace nanovllm {
@@ -254,10 +254,7 @@ void paged_attention(const PagedAttentionArgs& a, int num_threads) {
                                               std::max<int64_t>(count, 1));
   const auto run = a.dtype == CpuDtype::kBFloat16 ? run_bf16 : run_f32;
   std::atomic<int64_t> next{0};
-  std::vector<std::jthread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t i = 1; i < threads; ++i) workers.emplace_back([&] { run(a, tasks.data(), count, next); });
-  run(a, tasks.data(), count, next);
+  parallel_team(threads, [&](int64_t, int64_t) { run(a, tasks.data(), count, next); });
 }
 
 void write_kv_cache(const KVWriteArgs& a) {

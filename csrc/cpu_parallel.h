@@ -1,26 +1,42 @@
-// Splitting a CPU kernel's rows over threads, shared by the fused layers and the sampler.
+// Splitting a CPU kernel's work over threads, shared by the attention kernel, the fused layers and
+// the sampler.
+//
+// The threads are the process's OpenMP team: _C links libgomp.so.1 and so does torch, and the
+// loader maps a soname once, so our kernels and torch's GEMMs share one pool of workers. A kernel
+// neither starts a thread per call nor competes for the cores with torch's workers, which spin for
+// a while after each of torch's parallel regions (a thread of our own started then waited up to a
+// millisecond for a core on a 2-CPU machine).
 #pragma once
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <thread>
-#include <vector>
 
 namespace nanovllm {
 
 // Below this many elements per thread a second thread costs more than it saves.
 inline constexpr int64_t kMinElementsPerThread = 1 << 15;
 
-// fn(begin, end) over [0, n) rows split evenly; the calling thread takes the first range.
+// fn(thread_index, team_size) on up to `threads` threads of the OpenMP team (the caller is index 0;
+// the runtime may grant fewer, e.g. inside another parallel region).
+template <typename F>
+void parallel_team(int64_t threads, const F& fn) {
+  if (threads <= 1) {
+    fn(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  fn(omp_get_thread_num(), omp_get_num_threads());
+}
+
+// fn(begin, end) over [0, n) rows split evenly over the team.
 template <typename F>
 void parallel_rows(int64_t n, int64_t row_elements, int num_threads, const F& fn) {
   const int64_t threads =
       std::clamp<int64_t>(std::min<int64_t>(num_threads, n * row_elements / kMinElementsPerThread), 1,
                           std::max<int64_t>(n, 1));
-  std::vector<std::jthread> workers;
-  workers.reserve(threads - 1);
-  for (int64_t i = 1; i < threads; ++i) workers.emplace_back([&fn, n, i, threads] { fn(n * i / threads, n * (i + 1) / threads); });
-  fn(0, n / threads);
+  parallel_team(threads, [n, &fn](int64_t i, int64_t team) { fn(n * i / team, n * (i + 1) / team); });
 }
 
 }  // namespace nanovllm

@@ -25,6 +25,7 @@ from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.executor.plan_tensors import PlanTensors, PlanViews
 from nanovllm.executor.cuda_graph import DecodeGraphs
+from nanovllm.layers import cpu_gemm
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.model_config import ModelConfig, load_model_config
 from nanovllm.models.loader import load_model
@@ -99,6 +100,7 @@ class ModelRunner:
         self.attn_backend = backend
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
+        self.num_prepacked = cpu_gemm.prepack_model(self.model) if device.type == "cpu" else 0
         self.block_size = block_size
         self.sampler = Sampler()
         self.sampling = SamplingState(device, self.config.vocab_size, list(eos_token_ids))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import cpu_gemm
 from nanovllm.layers.linear import Loaded, check_shape, loaded_shape, read_part, set_weight_loader, tp_rank_size
 
 if TYPE_CHECKING:
@@ -60,11 +61,29 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden `[S, H]` -> logits `[S, vocab]` on rank 0 (None on the other ranks). With tied
     embeddings, `tie_to` shares the (identically sharded) weight."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.tied = False
+        self.packed: torch.Tensor | None = None  # oneDNN's copy of the weight (cpu_gemm), once prepacked
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def prepack_for_cpu(self) -> bool:
+        """As LinearBase.prepack_for_cpu; a tied head keeps the embedding's dense weight (the
+        lookup needs it, and a second copy of the vocabulary matrix costs more than it saves)."""
+        if self.tied or self.packed is not None or not cpu_gemm.can_prepack(self.weight):
+            return False
+        self.packed = cpu_gemm.prepack(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)
+        return True
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = cpu_gemm.linear(hidden, self.packed, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp is None:
             return logits
         full = self.tp.gather_last_dim(logits)

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import cpu_gemm
+
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
 
@@ -103,14 +105,29 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
+        self.packed: torch.Tensor | None = None  # oneDNN's copy of the weight (cpu_gemm), once prepacked
 
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None
     ) -> None:
         default_weight_loader(param, loaded, shard_id)
 
+    def prepack_for_cpu(self) -> bool:
+        """After loading: run this layer on oneDNN's reordered weight when that is faster on this
+        CPU (cpu_gemm); the dense weight is released (it becomes an empty tensor)."""
+        if self.packed is not None or not cpu_gemm.can_prepack(self.weight):
+            return False
+        self.packed = cpu_gemm.prepack(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -162,8 +179,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

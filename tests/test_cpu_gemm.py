@@ -1,0 +1,105 @@
+"""CPU GEMMs on oneDNN-prepacked weights (nanovllm/layers/cpu_gemm.py): the same products as
+`F.linear` up to summation order, only where they pay (large fp32 weights; bf16 only on CPUs that
+compute it), the dense weight released, a tied LM head left alone; and an engine whose layers are
+prepacked still matches transformers token for token. Also: the CPU kernels share torch's OpenMP
+runtime (one libgomp in the process), so they never add threads of their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import assert_greedy_matches, random_prompts
+
+from nanovllm import LLM, SamplingParams, cpu_features
+from nanovllm.builtin_model import BUILTIN_SPEC, create_model_dir
+from nanovllm.layers import cpu_gemm
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+
+
+def _filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("make", [
+    lambda: ReplicatedLinear(256, 1024, bias=True),
+    lambda: MergedColumnParallelLinear(256, [768, 768]),
+    lambda: RowParallelLinear(768, 256, bias=True),
+], ids=["replicated_bias", "merged", "row"])
+def test_prepacked_linear_matches_f_linear(make: object, rows: int) -> None:
+    layer = _filled(make(), seed=rows)  # type: ignore[operator]
+    weight, bias = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    x = torch.randn(rows, layer.input_size, generator=torch.Generator().manual_seed(1))
+    expected = F.linear(x, weight, bias)
+    assert layer.prepack_for_cpu()
+    assert layer.packed is not None and layer.weight.numel() == 0  # the dense copy is released
+    assert not layer.prepack_for_cpu()  # once
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    # Views of a wider tensor and more than two dimensions take the same path.
+    wide = torch.randn(rows, 2 * layer.input_size)
+    torch.testing.assert_close(layer(wide[:, ::2]), F.linear(wide[:, ::2], weight, bias), rtol=1e-5, atol=1e-5)
+    x3 = x.reshape(1, rows, -1)
+    torch.testing.assert_close(layer(x3), expected.reshape(1, rows, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_small_weights_and_other_devices_keep_f_linear() -> None:
+    small = ReplicatedLinear(64, 128)
+    assert small.weight.numel() < cpu_gemm.PREPACK_MIN_WEIGHTS
+    assert not small.prepack_for_cpu() and small.packed is None and small.weight.numel() == 64 * 128
+    meta = ReplicatedLinear(1024, 1024).to("meta")
+    assert not cpu_gemm.can_prepack(meta.weight)
+
+
+def test_bf16_is_prepacked_only_where_the_cpu_computes_it() -> None:
+    layer = _filled(ReplicatedLinear(512, 512), seed=3).to(torch.bfloat16)
+    x = torch.randn(16, 512).to(torch.bfloat16)
+    expected = F.linear(x.float(), layer.weight.float())
+    assert layer.prepack_for_cpu() == cpu_features.native_bf16()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_lm_head_prepacked_unless_tied() -> None:
+    head = _filled(ParallelLMHead(4096, 256), seed=4)
+    weight = head.weight.detach().clone()
+    hidden = torch.randn(5, 256)
+    assert head.prepack_for_cpu() and head.weight.numel() == 0
+    torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-5, atol=1e-5)
+
+    embedding = _filled(VocabParallelEmbedding(4096, 256), seed=5)
+    tied = ParallelLMHead(4096, 256)
+    tied.tie_to(embedding)
+    assert not tied.prepack_for_cpu() and tied.weight is embedding.weight and embedding.weight.numel() == 4096 * 256
+
+
+@pytest.fixture(scope="module")
+def builtin_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The built-in model's shapes (most of its layers above the prepack threshold), two layers.
+    spec = dataclasses.replace(BUILTIN_SPEC, num_hidden_layers=2, seed=21)
+    return create_model_dir(tmp_path_factory.mktemp("gemm") / "m", spec=spec)
+
+
+def test_engine_with_prepacked_layers_matches_transformers(builtin_shaped: Path) -> None:
+    llm = LLM(str(builtin_shaped), device="cpu", num_kvcache_blocks=64, block_size=16, max_model_len=512)
+    # qkv, gate_up and down of each layer, and the LM head (o_proj is below the threshold).
+    assert llm.engine.runner.num_prepacked == 2 * 3 + 1
+    assert_greedy_matches(llm, builtin_shaped, random_prompts([1, 30, 100], 4096, seed=22), max_new=24)
+
+
+def test_one_openmp_runtime_shared_with_torch(builtin_shaped: Path) -> None:
+    """_C's kernels (attention, norms, sampler) and torch's GEMMs use the same libgomp, hence the
+    same team of threads."""
+    llm = LLM(str(builtin_shaped), device="cpu", num_kvcache_blocks=64, block_size=16, max_model_len=512)
+    llm.generate([[1, 2, 3] * 40], SamplingParams(temperature=0.8, max_tokens=4), use_tqdm=False)
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
