@@ -17,7 +17,7 @@ vLLM lives in its own virtual environment (its wheels pin their own torch and br
     ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # they break vLLM's import
 
 and point this script at it with `--vllm-python ~/vllm-venv/bin/python` (or NANOVLLM_VLLM_PYTHON).
-The vLLM process runs with VLLM_CPU_KVCACHE_SPACE=4, VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) and
+Both engines get a 4 GiB KV cache. The vLLM process runs with VLLM_CPU_KVCACHE_SPACE=4, VLLM_CPU_OMP_THREADS_BIND=0-(threads-1) and
 LD_PRELOAD=<venv>/lib/libiomp5.so (Intel OpenMP, which vLLM's CPU build expects). Without vLLM
 the script says so and times nanovllm alone.
 
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 VLLM_PYTHON_ENV = "NANOVLLM_VLLM_PYTHON"
+KV_CACHE_GIB = 4  # both engines' KV cache (vLLM: VLLM_CPU_KVCACHE_SPACE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,7 +97,8 @@ def run_nanovllm(spec: dict[str, Any]) -> dict[str, Any]:
     from nanovllm import LLM, SamplingParams
 
     torch.set_num_threads(spec["threads"])
-    llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"], seed=spec["seed"])
+    llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"], seed=spec["seed"],
+              kv_cache_memory_bytes=KV_CACHE_GIB << 30)
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -160,7 +162,7 @@ def vllm_setup_problem(python: str | None) -> str | None:
 
 
 def _vllm_env(python: str, threads: int) -> dict[str, str]:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file():
         env["LD_PRELOAD"] = str(iomp)

@@ -606,6 +606,26 @@ void bind_cpu_fused_ops(py::module_& m) {
       py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("inner"), py::arg("x_stride"), py::arg("dtype"),
       py::arg("num_threads") = 1,
       "silu(gate) * up over [rows, 2 * inner] rows, from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
+  m.def(
+      "rotary_cpu",
+      [](uintptr_t q, uintptr_t k, uintptr_t positions, uintptr_t inv_freq, int64_t tokens, int64_t q_heads,
+         int64_t k_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t dtype, int64_t num_threads) {
+        if (tokens < 0 || q_heads < 0 || k_heads < 0 || head_dim < 2 || head_dim % 2 || head_dim > kMaxRotaryDim ||
+            q_stride < q_heads * head_dim || k_stride < k_heads * head_dim) {
+          value_error("rotary_cpu: bad sizes (head_dim must be even and at most " + std::to_string(kMaxRotaryDim) + ")");
+        }
+        if (tokens > 0 && (!q || !k || !positions || !inv_freq)) value_error("null pointer passed to rotary_cpu");
+        const RotaryArgs a{reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
+                           reinterpret_cast<const int32_t*>(positions), reinterpret_cast<const float*>(inv_freq),
+                           tokens, q_heads, k_heads, head_dim, q_stride, k_stride,
+                           static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+        py::gil_scoped_release release;
+        rotary(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
+      },
+      py::arg("q"), py::arg("k"), py::arg("positions"), py::arg("inv_freq"), py::arg("tokens"), py::arg("q_heads"),
+      py::arg("k_heads"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("dtype"),
+      py::arg("num_threads") = 1,
+      "Rotary embedding in place on q and k rows from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
 }
 
 

@@ -1,5 +1,6 @@
 #include "cpu_attention.h"
 
+#include "cpu_attention_avx2.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
 
@@ -104,6 +105,128 @@ struct Scratch {
   }
 }
 
+// Ask for a whole block of rows ahead of its use: blocks sit anywhere in the cache, and a
+// hardware prefetcher restarts at each one (and at each 4 KB page), so without this a pass over
+// a sequence's blocks runs at memory latency, not bandwidth (measured ~3x below it).
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_block(const PagedAttentionArgs& a, const int32_t* table, int64_t block,
+                                                  const void* cache) {
+  const int64_t bytes = static_cast<int64_t>(a.block_size) * a.num_kv_heads * a.head_dim * sizeof(T);
+  const char* p = static_cast<const char*>(cache) + table[block] * bytes;
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+// acc += p . V for a task's vectors, each with its own visibility, p in rows `stride` apart. The
+// cache is walked row by row, every KV head of the task per row: sequential reads, which the
+// hardware prefetches (walking one head's slice of the rows instead, a 128-byte piece every
+// kv_row, ran latency-bound).
+template <typename T>
+[[gnu::always_inline]] inline void weighted_values(const PagedAttentionArgs& a, const int32_t* table,
+                                                   int64_t head_off, int heads, int per_head, int base, int64_t L,
+                                                   int64_t stride, const float* __restrict sc,
+                                                   float* __restrict acc, float* __restrict row) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int D = a.head_dim;
+  const int bs = a.block_size;
+  const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    if (t0 + bs < L) prefetch_block<T>(a, table, t0 / bs + 1, v_cache);
+    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
+    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+    for (int i = 0; i < n; ++i, x += kv_row) {
+      const int t = static_cast<int>(t0) + i;
+      const int first = std::max(0, t - base) * group;
+      for (int h = 0; h < heads; ++h) {
+        const float* xf = as_f32(x + static_cast<int64_t>(h) * D, row, D);
+        accumulate_value(sc, xf, D, h * per_head + first, (h + 1) * per_head, acc, stride, t);
+      }
+    }
+  }
+}
+
+// Softmax of each score row (`stride` apart) over the keys its vector sees (base + row + 1, row =
+// (v % per_head) / group), the rest of the row up to `width` set to 0.
+[[gnu::always_inline]] inline void softmax_visible(float* __restrict sc, int64_t stride, int V, int per_head,
+                                                   int group, int base, int64_t width) {
+  for (int v = 0; v < V; ++v) {
+    float* p = sc + v * stride;
+    const int n = base + (v % per_head) / group + 1;
+    float m = p[0];
+    for (int t = 1; t < n; ++t) m = std::max(m, p[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < n; ++t) {
+      p[t] = vec_exp(p[t] - m);
+      sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int t = 0; t < n; ++t) p[t] *= inv;
+    std::fill(p + n, p + width, 0.0f);
+  }
+}
+
+#if defined(__x86_64__)
+// Asked at the first call, not in a static initializer: those may run before libgcc has read the
+// CPU's features (then every answer is "no").
+bool has_avx2_fma() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+// Scores, softmax and weighted values of one task with the AVX2 tiles (cpu_attention_avx2.h):
+// the same results as attend_task's portable loops up to fp32 rounding. qf holds the task's V
+// scaled query vectors, sc is [V, stride] with stride >= L rounded up to 8, acc [V, D] zeros.
+template <typename T>
+NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads,
+                               int per_head, int base, int64_t L, int64_t stride, const float* qf, float* sc,
+                               float* acc, float* row) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int D = a.head_dim;
+  const int bs = a.block_size;
+  const int V = heads * per_head;
+  const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
+  const T* k_cache = static_cast<const T*>(a.k_cache) + head_off;
+  // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
+  // its block that this sequence has not written: their scores land past L and are never used.
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    if (t0 % bs == 0 && t0 + bs < L) prefetch_block<T>(a, table, t0 / bs + 1, a.k_cache);
+    const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
+    const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
+    for (int h = 0; h < heads; ++h) {
+      for (int v = h * per_head + first; v < (h + 1) * per_head; ++v)
+        avx2::dot8(qf + static_cast<int64_t>(v) * D, k + static_cast<int64_t>(h) * D, kv_row, D, sc + v * stride + t0);
+    }
+  }
+  softmax_visible(sc, stride, V, per_head, group, base, L);
+  weighted_values<T>(a, table, head_off, heads, per_head, base, L, stride, sc, acc, row);
+}
+#endif
+
+// The task's output rows from acc [heads * rows * group, D] (vector order as attend_task's).
+template <typename T>
+[[gnu::always_inline]] inline void write_task_output(const PagedAttentionArgs& a, const Task& task,
+                                                     const float* __restrict acc) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int D = a.head_dim;
+  const int rows = task.row_end - task.row_begin;
+  const int per_head = rows * group;
+  const int q_start = a.cu_seqlens_q[task.seq];
+  T* out = static_cast<T*>(a.out);
+  for (int h = 0; h < task.head_end - task.head_begin; ++h) {
+    for (int r = 0; r < rows; ++r) {
+      T* dst = out + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
+                      static_cast<int64_t>(task.head_begin + h) * group) * D;
+      const float* src = acc + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+#pragma omp simd
+      for (int d = 0; d < group * D; ++d) narrow(src[d], dst + d);
+    }
+  }
+}
+
 // One task: query rows [row_begin, row_end) of one sequence for the query heads of KV heads
 // [head_begin, head_end). Vector v = h * per_head + r * group + g is row row_begin + r, query head
 // (head_begin + h) * group + g; it sees `base + r + 1` keys, base = the absolute position of row
@@ -127,8 +250,9 @@ template <typename T>
   const int64_t head_off = static_cast<int64_t>(task.head_begin) * D;
   const T* query = static_cast<const T*>(a.query);
 
+  const int64_t stride = (L + 7) / 8 * 8;  // score row stride: room for the AVX2 path's 8-key chunks
   s.q.resize(static_cast<size_t>(V) * D);
-  s.scores.resize(static_cast<size_t>(V) * L);
+  s.scores.resize(static_cast<size_t>(V) * stride);
   s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
   s.row.resize(D);
   float* __restrict qf = s.q.data();
@@ -144,9 +268,17 @@ template <typename T>
     }
   }
 
+#if defined(__x86_64__)
+  if (D % 8 == 0 && bs % 8 == 0 && has_avx2_fma()) {
+    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, sc, acc, s.row.data());
+    write_task_output<T>(a, task, acc);
+    return;
+  }
+#endif
   // Scores. Key t is visible to a head's vectors from (t - base) * group on (all for t < base).
   const T* k_cache = static_cast<const T*>(a.k_cache);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    if (t0 + bs < L) prefetch_block<T>(a, table, t0 / bs + 1, a.k_cache);
     const T* k = k_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int i = 0; i < n; ++i, k += kv_row) {
@@ -159,48 +291,10 @@ template <typename T>
     }
   }
 
-  // Softmax over each vector's own visible keys.
-  for (int v = 0; v < V; ++v) {
-    float* p = sc + v * L;
-    const int n = base + (v % per_head) / group + 1;
-    float m = p[0];
-    for (int t = 1; t < n; ++t) m = std::max(m, p[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < n; ++t) {
-      p[t] = vec_exp(p[t] - m);
-      sum += p[t];
-    }
-    const float inv = 1.0f / sum;
-#pragma omp simd
-    for (int t = 0; t < n; ++t) p[t] *= inv;
-  }
+  softmax_visible(sc, L, V, per_head, group, base, L);
 
-  // Weighted sum of V, with the same visibility.
-  const T* v_cache = static_cast<const T*>(a.v_cache);
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
-    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
-    for (int i = 0; i < n; ++i, x += kv_row) {
-      const int t = static_cast<int>(t0) + i;
-      const int first = std::max(0, t - base) * group;
-      for (int h = 0; h < heads; ++h) {
-        const float* xf = as_f32(x + static_cast<int64_t>(h) * D, s.row.data(), D);
-        accumulate_value(sc, xf, D, h * per_head + first, (h + 1) * per_head, acc, L, t);
-      }
-    }
-  }
-
-  T* out = static_cast<T*>(a.out);
-  for (int h = 0; h < heads; ++h) {
-    for (int r = 0; r < rows; ++r) {
-      T* dst = out + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
-                      static_cast<int64_t>(task.head_begin + h) * group) * D;
-      const float* src = acc + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
-#pragma omp simd
-      for (int d = 0; d < group * D; ++d) narrow(src[d], dst + d);
-    }
-  }
+  weighted_values<T>(a, table, head_off, heads, per_head, base, L, L, sc, acc, s.row.data());
+  write_task_output<T>(a, task, acc);
 }
 
 // One copy per instruction set, picked when the library loads: AVX-512, AVX2 + FMA, baseline.

@@ -53,6 +53,42 @@ template <typename T>
 }
 
 
+template <typename T>
+[[gnu::always_inline]] inline void rotate_rows(T* x, int64_t heads, int64_t half, const float* __restrict cs,
+                                               const float* __restrict sn) {
+  for (int64_t h = 0; h < heads; ++h, x += 2 * half) {
+    T* __restrict x1 = x;
+    T* __restrict x2 = x + half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = widen(x1[j]), b = widen(x2[j]);
+      const float r1 = round_to<T>(round_to<T>(a * cs[j]) - round_to<T>(b * sn[j]));
+      const float r2 = round_to<T>(round_to<T>(b * cs[j]) + round_to<T>(a * sn[j]));
+      narrow(r1, x1 + j);
+      narrow(r2, x2 + j);
+    }
+  }
+}
+
+template <typename T>
+[[gnu::always_inline]] inline void rotary_rows(const RotaryArgs& a, int64_t begin, int64_t end) {
+  const int64_t half = a.head_dim / 2;
+  float cs[kMaxRotaryDim / 2], sn[kMaxRotaryDim / 2];
+  for (int64_t i = begin; i < end; ++i) {
+    const float pos = static_cast<float>(a.positions[i]);
+    for (int64_t j = 0; j < half; ++j) {
+      const float angle = pos * a.inv_freq[j];
+      // cos/sin rounded to the dtype first, as the torch layer casts them to q's dtype.
+      cs[j] = round_to<T>(std::cos(angle));
+      sn[j] = round_to<T>(std::sin(angle));
+    }
+    rotate_rows(static_cast<T*>(a.q) + i * a.q_stride, a.q_heads, half, cs, sn);
+    rotate_rows(static_cast<T*>(a.k) + i * a.k_stride, a.k_heads, half, cs, sn);
+  }
+}
+
+NANOVLLM_CLONES void rotary_f32(const RotaryArgs& a, int64_t b, int64_t e) { rotary_rows<float>(a, b, e); }
+NANOVLLM_CLONES void rotary_bf16(const RotaryArgs& a, int64_t b, int64_t e) { rotary_rows<Bf16>(a, b, e); }
 NANOVLLM_CLONES void rms_norm_f32(const RmsNormArgs& a, int64_t b, int64_t e) { rms_norm_rows<float>(a, b, e); }
 NANOVLLM_CLONES void rms_norm_bf16(const RmsNormArgs& a, int64_t b, int64_t e) { rms_norm_rows<Bf16>(a, b, e); }
 NANOVLLM_CLONES void silu_f32(const SiluAndMulArgs& a, int64_t b, int64_t e) { silu_and_mul_rows<float>(a, b, e); }
@@ -68,6 +104,12 @@ void rms_norm(const RmsNormArgs& a, int num_threads) {
 void silu_and_mul(const SiluAndMulArgs& a, int num_threads) {
   const auto run = a.dtype == CpuDtype::kBFloat16 ? silu_bf16 : silu_f32;
   parallel_rows(a.rows, a.inner, num_threads, [&a, run](int64_t b, int64_t e) { run(a, b, e); });
+}
+
+void rotary(const RotaryArgs& a, int num_threads) {
+  const auto run = a.dtype == CpuDtype::kBFloat16 ? rotary_bf16 : rotary_f32;
+  parallel_rows(a.tokens, (a.q_heads + a.k_heads) * a.head_dim, num_threads,
+                [&a, run](int64_t b, int64_t e) { run(a, b, e); });
 }
 
 }  // namespace nanovllm

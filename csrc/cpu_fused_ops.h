@@ -34,4 +34,20 @@ struct SiluAndMulArgs {
 };
 void silu_and_mul(const SiluAndMulArgs& a, int num_threads);
 
+// Rotary position embedding (neox / rotate-half), in place on q and k rows: each token's rows are
+// heads x head_dim contiguous, tokens q_stride (k_stride) elements apart. Token i's angle for
+// frequency j is positions[i] * inv_freq[j] in fp32, as torch computes it; then
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin per pair (x1, x2) = (x[j], x[j + head_dim / 2]),
+// each product and sum rounded to the dtype as torch's ops round them.
+struct RotaryArgs {
+  void* q;
+  void* k;
+  const int32_t* positions;  // [tokens]
+  const float* inv_freq;     // [head_dim / 2]
+  int64_t tokens, q_heads, k_heads, head_dim, q_stride, k_stride;
+  CpuDtype dtype;
+};
+inline constexpr int64_t kMaxRotaryDim = 1024;
+void rotary(const RotaryArgs& a, int num_threads);
+
 }  // namespace nanovllm

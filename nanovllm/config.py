@@ -10,6 +10,10 @@ from nanovllm.distributed.parallel_state import ParallelConfig
 
 # Without a GPU to measure, the CPU KV cache gets this much unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+# Tokens per step by default. A GPU wants large steps; a CPU's GEMMs run fastest on a few hundred
+# rows (the activations stay in cache): a batch prefill of 64 prompts of the built-in model took
+# 1.07-1.2 s at 512 against 1.2-1.7 s at 2048-8192 (benchmarks/RESULTS.md).
+DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
 @dataclass
@@ -71,5 +75,6 @@ class EngineConfig:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_position_embeddings}"
             )
         # Chunked prefill splits long prompts, so the budget need not cover max_model_len.
-        budget = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        default = DEFAULT_BATCHED_TOKENS.get(self.resolve_device().type, DEFAULT_BATCHED_TOKENS["cuda"])
+        budget = self.max_num_batched_tokens or max(default, self.max_num_seqs)
         return max_model_len, budget

@@ -1,5 +1,6 @@
-"""The fused C++ CPU layers (RMSNorm with residual add, q/k norm over strided heads, SiLU-and-mul)
-against the layers' torch code, in fp32 and bf16, and the layers' fallback for what they do not take."""
+"""The fused C++ CPU layers (RMSNorm with residual add, q/k norm over strided heads, SiLU-and-mul,
+rotary embedding in place) against the layers' torch code, in fp32 and bf16, and the layers'
+fallback for what they do not take."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import RMSNorm, SiluAndMul, cpu_ops
+from nanovllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul, cpu_ops
+from nanovllm.model_config import RopeConfig
 
 # fp32: only the summation order differs. bf16: both round the same ops to bf16, so at most the
 # rare value whose fp32 intermediate lands on the other side of a rounding boundary differs, by one
@@ -64,3 +66,36 @@ def test_layers_fall_back_to_torch_for_what_the_kernels_do_not_take() -> None:
     torch.testing.assert_close(norm(x), norm._norm(x))
     with pytest.raises(ValueError, match="unsupported"):
         cpu_ops.silu_and_mul(x)
+
+
+LLAMA3 = RopeConfig(theta=500000.0, rope_type="llama3", scaling={
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rope", [RopeConfig(), LLAMA3], ids=["default", "llama3"])
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, rope: RopeConfig, tokens: int) -> None:
+    layer = RotaryEmbedding(64, rope)
+    qkv = 3 * torch.randn(tokens, (8 + 2 + 2) * 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    q, k = qkv[:, :512].reshape(tokens, 8, 64), qkv[:, 512:640].reshape(tokens, 2, 64)
+    positions = torch.randint(0, 40000, (tokens,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
+    assert cpu_ops.can_rotary(positions, q, k) and not cpu_ops.can_rotary(positions.long(), q, k)
+    expected = layer(positions.long(), q.clone(), k.clone())  # int64 positions: the torch code
+    v_before = qkv[:, 640:].clone()
+    got = layer(positions, q, k)
+    assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == k.data_ptr()  # rotated in place
+    # fp32: cos/sin from libm against torch's vectorized ones, a last-bit difference at most;
+    # bf16: cos, sin and every product rounded to bf16 as torch rounds them.
+    for ours, ref in zip(got, expected):
+        torch.testing.assert_close(ours, ref, **TOL[dtype])
+    assert torch.equal(qkv[:, 640:], v_before)  # v untouched
+
+
+def test_rotary_rejects_what_it_cannot_take() -> None:
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    positions = torch.arange(3, dtype=torch.int32)
+    assert not cpu_ops.can_rotary(positions, q.double(), k.double())
+    assert not cpu_ops.can_rotary(positions, q.transpose(0, 1).contiguous().transpose(0, 1), k)
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_ops.rotary_(positions, q, k, torch.ones(7))  # inv_freq of the wrong size

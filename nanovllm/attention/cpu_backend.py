@@ -56,6 +56,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     rows past the metadata's tokens (padding) are zero, as in the reference."""
     if query.dtype not in KERNEL_DTYPES:
         return torch_backend.paged_attention(query, k_cache, v_cache, meta, scale)
+    if query.device.type == "cpu" and not query.is_contiguous():
+        query = query.contiguous()  # a view of the qkv output (rotated in place): the kernel reads [T, H, D]
     for t, name in ((query, "query"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         _check(t, name, query.dtype)
     for t, name in ((meta.block_tables, "block_tables"), (meta.context_lens, "context_lens"),

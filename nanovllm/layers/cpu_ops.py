@@ -26,6 +26,19 @@ def can_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor |
     return x.dim() == 2 or (x.dim() == 3 and x.stride(1) == x.shape[2])
 
 
+def can_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q `[T, Hq, D]`, k `[T, Hk, D]` of one kernel dtype with contiguous heads (views of the qkv
+    output qualify), int32 positions `[T]`."""
+    if not (_kernel_layout(q) and k.dtype == q.dtype and _kernel_layout(k)):
+        return False
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return False
+    if q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:
+        return False
+    return positions.dtype == torch.int32 and positions.device.type == "cpu" and positions.is_contiguous() \
+        and positions.shape == q.shape[:1]
+
+
 def can_silu_and_mul(x: torch.Tensor) -> bool:
     return _kernel_layout(x) and x.dim() == 2 and x.shape[1] % 2 == 0
 
@@ -57,3 +70,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _C.silu_and_mul_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], inner, x.stride(0), KERNEL_DTYPES[x.dtype],
                             torch.get_num_threads())
     return out
+
+
+def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Rotate q and k in place (as RotaryEmbedding.forward computes them); inv_freq fp32 `[D / 2]`."""
+    if not can_rotary(positions, q, k) or inv_freq.dtype != torch.float32 or not inv_freq.is_contiguous() \
+            or inv_freq.shape != (q.shape[2] // 2,):
+        raise ValueError(f"rotary_: unsupported input q {tuple(q.shape)} {q.dtype} strides {q.stride()}, "
+                         f"k {tuple(k.shape)}, positions {positions.dtype}")
+    if q.shape[0]:
+        _C.rotary_cpu(q.data_ptr(), k.data_ptr(), positions.data_ptr(), inv_freq.data_ptr(), q.shape[0], q.shape[1],
+                      k.shape[1], q.shape[2], q.stride(0), k.stride(0), KERNEL_DTYPES[q.dtype],
+                      torch.get_num_threads())
