@@ -1,7 +1,7 @@
 """CPU GEMMs on oneDNN-prepacked weights (nanovllm/layers/cpu_gemm.py): the same products as
 `F.linear` up to summation order, only where they pay (large fp32 weights; bf16 only on CPUs that
-compute it), the dense weight released, a tied LM head left alone; and an engine whose layers are
-prepacked still matches transformers token for token. Also: the CPU kernels share torch's OpenMP
+compute it), the dense weight released (a tied LM head packs a copy, the embedding keeps its
+own); and an engine whose layers are prepacked still matches transformers token for token. Also: the CPU kernels share torch's OpenMP
 runtime (one libgomp in the process), so they never add threads of their own."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_bf16_is_prepacked_only_where_the_cpu_computes_it() -> None:
     torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_lm_head_prepacked_unless_tied() -> None:
+def test_lm_head_prepacked_and_a_tied_one_keeps_the_embedding() -> None:
     head = _filled(ParallelLMHead(4096, 256), seed=4)
     weight = head.weight.detach().clone()
     hidden = torch.randn(5, 256)
@@ -76,9 +76,13 @@ def test_lm_head_prepacked_unless_tied() -> None:
     torch.testing.assert_close(head(hidden), F.linear(hidden, weight), rtol=1e-5, atol=1e-5)
 
     embedding = _filled(VocabParallelEmbedding(4096, 256), seed=5)
+    dense = embedding.weight.detach().clone()
     tied = ParallelLMHead(4096, 256)
     tied.tie_to(embedding)
-    assert not tied.prepack_for_cpu() and tied.weight is embedding.weight and embedding.weight.numel() == 4096 * 256
+    assert tied.prepack_for_cpu() and tied.weight is embedding.weight and torch.equal(embedding.weight, dense)
+    torch.testing.assert_close(tied(hidden), F.linear(hidden, dense), rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 17, 4095])
+    assert torch.equal(embedding(ids), dense[ids])  # the lookup still reads the dense rows
 
 
 @pytest.fixture(scope="module")
