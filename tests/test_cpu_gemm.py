@@ -60,12 +60,21 @@ def test_small_weights_and_other_devices_keep_f_linear() -> None:
     assert not cpu_gemm.can_prepack(meta.weight)
 
 
-def test_bf16_is_prepacked_only_where_the_cpu_computes_it() -> None:
-    layer = _filled(ReplicatedLinear(512, 512), seed=3).to(torch.bfloat16)
-    x = torch.randn(16, 512).to(torch.bfloat16)
-    expected = F.linear(x.float(), layer.weight.float())
-    assert layer.prepack_for_cpu() == cpu_features.native_bf16()
-    torch.testing.assert_close(layer(x).float(), expected, rtol=2e-2, atol=2e-2)
+@pytest.mark.parametrize("size", [64, 512])  # below and above the fp32 threshold
+def test_bf16_layers_prepacked_natively_or_as_fp32_copies(size: int) -> None:
+    """Where the CPU computes bf16, large bf16 weights are packed as bf16; where it does not, every
+    bf16 layer keeps an fp32 packed copy (emulated bf16 GEMMs are 5-10x slower) and the output is
+    the bf16 rounding of the fp32 product, as a bf16 GEMM with fp32 accumulation gives."""
+    layer = _filled(ReplicatedLinear(size, size, bias=True), seed=3).to(torch.bfloat16)
+    x = torch.randn(16, size).to(torch.bfloat16)
+    expected = F.linear(x, layer.weight, layer.bias)
+    native = cpu_features.native_bf16()
+    assert layer.prepack_for_cpu() == (not native or size * size >= cpu_gemm.PREPACK_MIN_WEIGHTS)
+    if layer.packed is not None:
+        assert layer.packed.dtype == (torch.bfloat16 if native else torch.float32)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected, rtol=2 ** -7, atol=2e-2)
 
 
 def test_lm_head_prepacked_and_a_tied_one_keeps_the_embedding() -> None:
