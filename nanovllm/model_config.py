@@ -164,7 +164,8 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
     On CPU: float16 has no kernels (a clear error when asked for; an fp16 checkpoint under "auto"
     runs in float32, which holds every fp16 value exactly). A bf16 checkpoint under "auto" stays
     bf16 where the CPU computes bf16 natively and runs in float32 elsewhere; an explicit
-    "bfloat16" runs anyway, correct but slow without those instructions, with a warning.
+    "bfloat16" runs anyway, with a warning: without those instructions its linear layers multiply
+    in float32 on float32 copies of the weights (layers/cpu_gemm.py).
     """
     if isinstance(dtype, torch.dtype):
         resolved = dtype
@@ -187,6 +188,7 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
         if auto:
             logger.info("bfloat16 checkpoint on a CPU without AVX512-BF16/AMX: running in float32 (faster there)")
             return torch.float32
-        logger.warning("bfloat16 on a CPU without AVX512-BF16/AMX: torch emulates it through float32 "
-                       "conversions, slower than dtype='float32' on this CPU")
+        logger.warning("bfloat16 on a CPU without AVX512-BF16/AMX: the linear layers multiply in float32 on "
+                       "float32 copies of their weights (emulated bf16 GEMMs are 5-10x slower), so the "
+                       "weights take as much memory as in float32; the KV cache and activations stay bfloat16")
     return resolved
