@@ -98,8 +98,12 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
     seen: dict[str, Any] = {}
 
+    class FakeEngine:
+        def shutdown(self) -> None:  # the CLI stops the engine (its TP workers) when the server returns
+            seen["shutdowns"] = seen.get("shutdowns", 0) + 1
+
     class FakeLLM:
-        engine = object()
+        engine = FakeEngine()
 
     def fake_make_llm(args: argparse.Namespace, model: str) -> FakeLLM:
         seen["model"] = model
@@ -112,6 +116,7 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     config = seen["config"]
     assert (config.api_key, config.host, config.port) == ("from-env", "127.0.0.1", 1234)
     assert config.served_model_names == [str(tmp_path)]
+    assert seen["shutdowns"] == 1
     assert cli.main(["serve", str(tmp_path), "--api-key", "flag", "--served-model-name", "a", "b"]) == 0
     assert seen["config"].api_key == "flag" and seen["config"].served_model_names == ["a", "b"]
     monkeypatch.delenv("NANOVLLM_API_KEY")
