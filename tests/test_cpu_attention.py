@@ -55,14 +55,17 @@ def test_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_siz
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_mixed_decode_and_prefill_chunks_match_reference(block_size: int, dtype: torch.dtype) -> None:
+# head_dim and block_size multiples of 8 take the AVX2 score tiles (on a CPU with AVX2), the others
+# the portable loops.
+@pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 256), (20, 16), (64, 12)],
+                         ids=["tiles_bs16", "tiles_bs256", "portable_dim20", "portable_bs12"])
+def test_mixed_decode_and_prefill_chunks_match_reference(dim: int, block_size: int, dtype: torch.dtype) -> None:
     # Decodes first, as the core lays out a batch; then a fresh prompt, chunks after a cached prefix
     # (a prefix hit or an earlier chunk: the kernel cannot tell them apart), one longer than a
     # task's tile of query rows and crossing blocks, and a one-token chunk after a long prefix.
     q_lens = [1, 1, 1, 5, 9, 70, 300, 2]
     ctx = [17, 3, 290, 5, 30, 100, 333, 260]
-    query, k, v, meta = random_case(2, q_lens, ctx, 8, 2, 64, block_size, dtype)
+    query, k, v, meta = random_case(2, q_lens, ctx, 8, 2, dim, block_size, dtype)
     assert_matches_reference(query, k, v, meta, 0.125)
 
 
