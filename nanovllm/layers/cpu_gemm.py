@@ -17,6 +17,8 @@ the same up to summation order. The results differ from `F.linear`'s only in sum
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from nanovllm.cpu_features import native_bf16
 
@@ -54,6 +56,24 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     else:
         y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def prepack_layer(layer: nn.Module, keep_dense: bool = False) -> bool:
+    """Give a layer with `weight` and `packed` attributes (a linear layer, the LM head) oneDNN's
+    reordered weight when it gains from it; its dense weight is released (an empty tensor) unless
+    `keep_dense` (a tied LM head: the embedding still looks rows up in it)."""
+    if layer.packed is not None or not can_prepack(layer.weight):
+        return False
+    layer.packed = prepack(layer.weight)
+    if not keep_dense:
+        layer.weight.data = layer.weight.data.new_empty(0)
+    return True
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, on `packed` when the layer has it."""
+    return F.linear(x, weight, bias) if packed is None else linear(x, packed, bias)
 
 
 def prepack_model(model: torch.nn.Module) -> int:

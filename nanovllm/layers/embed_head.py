@@ -74,18 +74,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """As LinearBase.prepack_for_cpu. A tied head packs a copy and leaves the embedding its dense
         weight (the lookup needs it): one more vocabulary matrix in memory, for an LM head 2.7x
         faster (32 x 1024 x 32000: 25 ms against 67 ms with F.linear)."""
-        if self.packed is not None or not cpu_gemm.can_prepack(self.weight):
-            return False
-        self.packed = cpu_gemm.prepack(self.weight)
-        if not self.tied:
-            self.weight.data = self.weight.data.new_empty(0)
-        return True
+        return cpu_gemm.prepack_layer(self, keep_dense=self.tied)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
-        if self.packed is not None:
-            logits = cpu_gemm.linear(hidden, self.packed, None)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = cpu_gemm.matmul(hidden, self.weight, self.packed, None)
         if self.tp is None:
             return logits
         full = self.tp.gather_last_dim(logits)

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers import cpu_gemm
@@ -115,16 +114,10 @@ class LinearBase(nn.Module):
     def prepack_for_cpu(self) -> bool:
         """After loading: run this layer on oneDNN's reordered weight when that is faster on this
         CPU (cpu_gemm); the dense weight is released (it becomes an empty tensor)."""
-        if self.packed is not None or not cpu_gemm.can_prepack(self.weight):
-            return False
-        self.packed = cpu_gemm.prepack(self.weight)
-        self.weight.data = self.weight.data.new_empty(0)
-        return True
+        return cpu_gemm.prepack_layer(self)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_gemm.linear(x, self.packed, bias)
-        return F.linear(x, self.weight, bias)
+        return cpu_gemm.matmul(x, self.weight, self.packed, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
