@@ -1,9 +1,10 @@
 """CPU GEMMs of the bench models' shapes: plain `F.linear` against weights prepacked once (oneDNN's
-`mkldnn_linear` on a reordered weight, MKL's packed sgemm), in fp32 and bf16. A prepacked variant
-the CPU cannot run (oneDNN bf16 needs AVX512-BW or AVX-NE-CONVERT) is reported as such.
+matmul on a reordered weight as the engine calls it, MKL's packed sgemm, and nanovllm's own AVX2
+`gemm_cpu`), in fp32 and bf16. A variant the CPU cannot run (oneDNN bf16 needs AVX512-BW or
+AVX-NE-CONVERT; ours needs AVX2 + FMA) is reported as such.
 
-Median microseconds of `--repeats` calls per shape; the engine keeps `F.linear` unless a prepacked
-variant wins on the decode shapes (see benchmarks/RESULTS.md).
+Median microseconds of `--repeats` calls per shape; nanovllm/layers/cpu_gemm.py says which variant
+the engine takes on which CPU (see benchmarks/RESULTS.md).
 
 Usage: python benchmarks/cpu_linear.py [--repeats 30] [--json out.json]
 """
@@ -22,10 +23,14 @@ import torch.nn.functional as F
 
 from bench_report import machine, markdown_table, write_json
 
+from nanovllm import _C, cpu_features
+from nanovllm.layers import cpu_gemm
+
 # (batch rows, in, out): decode at batch 64 of the Qwen3-shaped bench model (qkv, o, gate_up,
 # down, LM head) and of the built-in model (qkv, gate_up), and one prefill chunk.
 SHAPES = [(64, 1024, 2048), (64, 1024, 1024), (64, 1024, 6144), (64, 3072, 1024), (64, 1024, 32000),
-          (64, 256, 512), (64, 256, 1536), (512, 1024, 6144)]
+          (64, 256, 512), (64, 256, 256), (64, 256, 1536), (64, 768, 256), (64, 256, 4096),
+          (1, 1024, 6144), (256, 1024, 2048), (256, 1024, 6144), (256, 3072, 1024), (512, 1024, 6144)]
 
 
 def median_us(fn: Callable[[], object], repeats: int) -> float:
@@ -41,12 +46,22 @@ def median_us(fn: Callable[[], object], repeats: int) -> float:
 
 def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
     out: dict[str, Callable[[], object]] = {"F.linear": lambda: F.linear(x, w)}
-    packed = w.to_mkldnn()
-    out["oneDNN prepacked"] = lambda: torch._C._nn.mkldnn_linear(x.to_mkldnn(), packed, None).to_dense()
+    onednn = cpu_gemm.prepack(w, "onednn") if x.dtype == torch.float32 or cpu_features.native_bf16() else None
+    out["oneDNN prepacked"] = ((lambda: cpu_gemm.linear(x, onednn, None)) if onednn is not None else
+                               _unsupported("oneDNN bf16 needs AVX512-BF16 or AMX"))
     if x.dtype == torch.float32:
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, x.shape[0])
         out["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, x.shape[0])
+    ours = cpu_gemm.prepack(w, "avx2") if _C.has_avx2_fma() else None
+    out["nanovllm gemm_cpu"] = ((lambda: cpu_gemm.linear(x, ours, None)) if ours is not None else
+                                _unsupported("needs AVX2 + FMA"))
     return out
+
+
+def _unsupported(why: str) -> Callable[[], object]:
+    def run() -> object:
+        raise RuntimeError(why)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,10 +79,10 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     row[name] = round(median_us(fn, args.repeats))
                 except RuntimeError as e:  # the CPU lacks what the variant needs
-                    row[name] = f"unsupported ({str(e).split(':')[0]})"
+                    row[name] = f"unsupported ({str(e).splitlines()[0].split(':')[0]})"
             rows.append(row)
     print(f"{machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; median us per call")
-    columns = ["dtype", "shape", "F.linear", "oneDNN prepacked", "MKL packed"]
+    columns = ["dtype", "shape", "F.linear", "oneDNN prepacked", "MKL packed", "nanovllm gemm_cpu"]
     print(markdown_table(({c: r.get(c) for c in columns} for r in rows), columns))
     if args.json is not None:
         write_json(args.json, {"machine": machine(), "rows": rows})

@@ -32,7 +32,7 @@ from nanovllm.sample import sampler
 
 # label -> (class, method) wrapped under it. Attention covers the KV write and the kernel.
 WRAPPED: dict[str, tuple[type, str]] = {
-    "gemm": (linear.LinearBase, "forward"),
+    "gemm": (linear.LinearBase, "matmul"),  # not forward: RowParallelLinear overrides it
     "attention": (attention.Attention, "forward"),
     "norm": (layernorm.RMSNorm, "forward"),
     "rotary": (rotary_embedding.RotaryEmbedding, "forward"),
@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="caps the checkpoint's (a Qwen3 config's 40,960 would not fit the default KV cache)")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (cls, method) in WRAPPED.items():
         setattr(cls, method, _label(name, getattr(cls, method)))
     model = args.model or str(ensure_default_model())
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.num_seqs)
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.num_seqs, max_model_len=args.max_model_len)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 8)
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         prompt = [rng.randrange(min(engine.vocab_size, 10_000)) for _ in range(args.prompt_len)]
         engine.add_request(engine.next_request_id(), prompt, params)
     # Prefill everything (and a couple of decodes, so the profiled steps are all decode).
-    for _ in range(1 + -(-args.num_seqs * args.prompt_len // 8192) + 2):
+    budget = engine.config.resolve_lengths(args.max_model_len)[1]
+    for _ in range(1 + -(-args.num_seqs * args.prompt_len // budget) + 2):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()

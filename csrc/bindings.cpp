@@ -13,6 +13,8 @@
 #include "kv_cache_manager.h"
 #include "cpu_attention.h"
 #include "cpu_fused_ops.h"
+#include "cpu_gemm.h"
+#include "cpu_isa.h"
 #include "cpu_sampler.h"
 #include "scheduler.h"
 #include "step_ring.h"
@@ -707,6 +709,46 @@ void bind_cpu_sampler(py::module_& m) {
       py::arg("slots"), py::arg("repetition"), py::arg("frequency"), py::arg("presence"), py::arg("num_threads") = 1,
       "Repetition, frequency and presence penalties in place, from raw pointers (cpu_kernels checks them).");
 }
+
+void bind_cpu_gemm(py::module_& m) {
+  m.def("has_avx2_fma", &has_avx2_fma, "Whether this CPU runs the AVX2 + FMA kernels (gemm_cpu, attention tiles).");
+  m.def("gemm_packed_elements", [](int64_t n, int64_t k) {
+        if (n < 1 || k < 1) value_error("gemm_packed_elements: n and k must be >= 1");
+        return gemm_packed_elements(n, k);
+      }, py::arg("n"), py::arg("k"), "Elements of gemm_pack_cpu's copy of an [n, k] weight.");
+  m.def(
+      "gemm_pack_cpu",
+      [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed, int64_t packed_dtype) {
+        if (n < 1 || k < 1 || w_stride < k) value_error("gemm_pack_cpu: bad sizes");
+        if (!w || !packed) value_error("null pointer passed to gemm_pack_cpu");
+        const auto from = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
+        const auto to = static_cast<CpuDtype>(checked_int32(packed_dtype, "packed_dtype", 0, 1));
+        if (from == CpuDtype::kFloat32 && to == CpuDtype::kBFloat16) value_error("gemm_pack_cpu: fp32 -> bf16 would round");
+        py::gil_scoped_release release;
+        gemm_pack(reinterpret_cast<const void*>(w), from, n, k, w_stride, reinterpret_cast<void*>(packed), to);
+      },
+      py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
+      py::arg("packed_dtype"),
+      "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu, as fp32 or (from bf16) bf16, into "
+      "gemm_packed_elements(n, k) elements (nanovllm.layers.cpu_gemm allocates them).");
+  m.def(
+      "gemm_cpu",
+      [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
+         int64_t y_stride, int64_t packed_dtype, int64_t num_threads) {
+        if (!has_avx2_fma()) value_error("gemm_cpu needs a CPU with AVX2 and FMA");
+        if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_cpu: bad sizes");
+        if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
+        const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
+                         reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
+                         y_stride, static_cast<CpuDtype>(checked_int32(packed_dtype, "packed_dtype", 0, 1))};
+        py::gil_scoped_release release;
+        gemm(a, clamp_threads(num_threads));
+      },
+      py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("x_stride"), py::arg("y_stride"), py::arg("packed_dtype"), py::arg("num_threads") = 1,
+      "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W, from raw pointers "
+      "(nanovllm.layers.cpu_gemm checks the tensors).");
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -718,5 +760,6 @@ PYBIND11_MODULE(_C, m) {
   bind_scheduler(m);
   bind_cpu_attention(m);
   bind_cpu_fused_ops(m);
+  bind_cpu_gemm(m);
   bind_cpu_sampler(m);
 }

@@ -1,6 +1,7 @@
 #include "cpu_attention.h"
 
 #include "cpu_attention_avx2.h"
+#include "cpu_isa.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
 
@@ -183,15 +184,6 @@ template <typename T>
 }
 
 #if defined(__x86_64__)
-// Asked at the first call, not in a static initializer: those may run before libgcc has read the
-// CPU's features (then every answer is "no").
-bool has_avx2_fma() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-}
 // Scores, softmax and weighted values of one task with the AVX2 tiles (cpu_attention_avx2.h):
 // the same results as attend_task's portable loops up to fp32 rounding. qf holds the task's V
 // scaled query vectors, sc is [V, stride] with stride >= L rounded up to 8, acc [V, D] zeros.

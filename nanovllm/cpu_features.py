@@ -1,4 +1,4 @@
-"""What the host CPU can compute natively, for choosing a dtype on CPU.
+"""What the host CPU can compute natively, for choosing a dtype and the GEMM kernel on CPU.
 
 torch runs bfloat16 on any x86 CPU, but without AVX512-BF16 or AMX it converts every operand to
 fp32 and back: on such a CPU (AVX2 only) a bf16 GEMM measured 2x slower than fp32
@@ -8,8 +8,11 @@ fp32 and back: on such a CPU (AVX2 only) a bf16 GEMM measured 2x slower than fp3
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
+
+from nanovllm import _C
 
 
 def _probe(name: str) -> bool:
@@ -22,3 +25,13 @@ def _probe(name: str) -> bool:
 def native_bf16() -> bool:
     """AVX512-BF16 or AMX tiles (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later)."""
     return _probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported")
+
+
+GemmKernel = Literal["avx2", "onednn"]
+
+
+@functools.cache
+def gemm_kernel() -> GemmKernel:
+    """The CPU linear layers' kernel (layers/cpu_gemm.py): ours where AVX2 + FMA are the CPU's widest
+    vectors (torch's CPU capability "AVX2"), oneDNN elsewhere (AVX-512: its kernels use the full width)."""
+    return "avx2" if _C.has_avx2_fma() and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"

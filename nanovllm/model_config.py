@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.cpu_features import native_bf16
+from nanovllm.cpu_features import gemm_kernel, native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +164,9 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
     On CPU: float16 has no kernels (a clear error when asked for; an fp16 checkpoint under "auto"
     runs in float32, which holds every fp16 value exactly). A bf16 checkpoint under "auto" stays
     bf16 where the CPU computes bf16 natively and runs in float32 elsewhere; an explicit
-    "bfloat16" runs anyway, with a warning: without those instructions its linear layers multiply
-    in float32 on float32 copies of the weights (layers/cpu_gemm.py).
+    "bfloat16" runs anyway: without those instructions its linear layers multiply in float32
+    arithmetic (layers/cpu_gemm.py), on the bf16 weights with our AVX2 GEMM, on float32 copies of
+    them (with a warning: twice the weight memory) with oneDNN.
     """
     if isinstance(dtype, torch.dtype):
         resolved = dtype
@@ -188,7 +189,11 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
         if auto:
             logger.info("bfloat16 checkpoint on a CPU without AVX512-BF16/AMX: running in float32 (faster there)")
             return torch.float32
-        logger.warning("bfloat16 on a CPU without AVX512-BF16/AMX: the linear layers multiply in float32 on "
-                       "float32 copies of their weights (emulated bf16 GEMMs are 5-10x slower), so the "
-                       "weights take as much memory as in float32; the KV cache and activations stay bfloat16")
+        if gemm_kernel() == "avx2":
+            logger.info("bfloat16 on a CPU without AVX512-BF16/AMX: the linear layers widen their bf16 weights "
+                        "to float32 in registers (csrc/cpu_gemm.cpp)")
+        else:
+            logger.warning("bfloat16 on a CPU without AVX512-BF16/AMX: the linear layers multiply in float32 on "
+                           "float32 copies of their weights (emulated bf16 GEMMs are 5-10x slower), so the "
+                           "weights take as much memory as in float32; the KV cache and activations stay bfloat16")
     return resolved

@@ -1,8 +1,9 @@
-"""CPU GEMMs on oneDNN-prepacked weights (nanovllm/layers/cpu_gemm.py): the same products as
-`F.linear` up to summation order, only where they pay (large fp32 weights; bf16 only on CPUs that
-compute it), the dense weight released (a tied LM head packs a copy, the embedding keeps its
-own); and an engine whose layers are prepacked still matches transformers token for token. Also: the CPU kernels share torch's OpenMP
-runtime (one libgomp in the process), so they never add threads of their own."""
+"""CPU GEMMs on prepacked weights (nanovllm/layers/cpu_gemm.py), both kernels: our AVX2 `gemm_cpu`
+and oneDNN's. The same products as `F.linear` up to summation order (register tiles, cache blocks
+and panels cut anywhere: ragged rows, columns and depths), the dense weight released (a tied LM
+head packs a copy, the embedding keeps its own); bad sizes are errors; and an engine whose layers
+are prepacked still matches transformers token for token. Also: the CPU kernels share torch's
+OpenMP runtime (one libgomp in the process), so they never add threads of their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import assert_greedy_matches, random_prompts
 
-from nanovllm import LLM, SamplingParams, cpu_features
+from nanovllm import _C, LLM, SamplingParams, cpu_features
 from nanovllm.builtin_model import BUILTIN_SPEC, create_model_dir
 from nanovllm.layers import cpu_gemm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -28,6 +29,64 @@ def _filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     return layer
+
+
+KERNELS = [
+    pytest.param("avx2", marks=pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")),
+]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows,k,n", [
+    (1, 64, 16), (5, 600, 40), (7, 256, 1000), (13, 1000, 48), (150, 300, 33), (0, 64, 16),
+])  # rows: 6-row tiles and 144-row blocks, k: 256-deep slices, n: 16-column panels, each cut ragged
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gemm_matches_f_linear(kernel: cpu_features.GemmKernel, rows: int, k: int, n: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_gemm.prepack(w, kernel)
+    assert isinstance(packed, cpu_gemm.PackedWeight) == (kernel == "avx2")
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    # Rows of a wider tensor, and a row broadcast over the batch (stride 0), read in place.
+    wide = torch.randn(rows, k + 5, generator=g)[:, 3:3 + k]
+    torch.testing.assert_close(cpu_gemm.linear(wide, packed, b), F.linear(wide, w, b), rtol=1e-4, atol=1e-4)
+    same = x[:1].expand(rows, k)
+    torch.testing.assert_close(cpu_gemm.linear(same, packed, b), F.linear(same, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+def test_avx2_gemm_keeps_bf16_weights_bf16() -> None:
+    """A bf16 weight is packed as bf16 (half an fp32 copy) and widened exactly: the product equals
+    the fp32 product with the widened weight, rounded to the activations' dtype."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(70, 520, generator=g).to(torch.bfloat16)
+    x = torch.randn(9, 520, generator=g)
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight) and packed.data.dtype == torch.bfloat16
+    assert packed.data.numel() == _C.gemm_packed_elements(70, 520) == 5 * 16 * 520
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, None), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+    y = cpu_gemm.linear(x.to(torch.bfloat16), packed, None)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, F.linear(x.to(torch.bfloat16).float(), w.float()).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+def test_avx2_gemm_rejects_bad_sizes() -> None:
+    w, x = torch.randn(32, 64), torch.randn(4, 64)
+    packed = cpu_gemm.prepack(w, "avx2")
+    with pytest.raises(ValueError, match="65 features, the weight 64"):
+        cpu_gemm.linear(torch.randn(4, 65), packed, None)
+    y = torch.empty(4, 32)
+    with pytest.raises(ValueError, match="bad sizes"):  # rows closer than k apart
+        _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 63, 32, 0)
+    with pytest.raises(ValueError, match="null pointer"):
+        _C.gemm_cpu(0, packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 64, 32, 0)
+    with pytest.raises(ValueError, match="would round"):
+        _C.gemm_pack_cpu(w.data_ptr(), 0, 32, 64, 64, packed.data.data_ptr(), 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        _C.gemm_packed_elements(0, 64)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -52,25 +111,35 @@ def test_prepacked_linear_matches_f_linear(make: object, rows: int) -> None:
     torch.testing.assert_close(layer(x3), expected.reshape(1, rows, -1), rtol=1e-5, atol=1e-5)
 
 
-def test_small_weights_and_other_devices_keep_f_linear() -> None:
+def test_which_layers_are_prepacked() -> None:
+    """Ours packs every fp32 / bf16 weight (small ones gain too: 64 x 256 x 256 took 56 us against
+    83 with F.linear); oneDNN only those of PREPACK_MIN_WEIGHTS and more; other devices none."""
     small = ReplicatedLinear(64, 128)
     assert small.weight.numel() < cpu_gemm.PREPACK_MIN_WEIGHTS
-    assert not small.prepack_for_cpu() and small.packed is None and small.weight.numel() == 64 * 128
+    assert cpu_gemm.can_prepack(small.weight, "avx2") and not cpu_gemm.can_prepack(small.weight, "onednn")
+    packs = cpu_features.gemm_kernel() == "avx2"
+    assert small.prepack_for_cpu() == packs and (small.packed is not None) == packs
+    assert small.weight.numel() == (0 if packs else 64 * 128)
     meta = ReplicatedLinear(1024, 1024).to("meta")
-    assert not cpu_gemm.can_prepack(meta.weight)
+    assert not cpu_gemm.can_prepack(meta.weight, "avx2") and not cpu_gemm.can_prepack(meta.weight, "onednn")
+    assert not cpu_gemm.can_prepack(torch.zeros(64, 64, dtype=torch.float16), "avx2")
 
 
 @pytest.mark.parametrize("size", [64, 512])  # below and above the fp32 threshold
 def test_bf16_layers_prepacked_natively_or_as_fp32_copies(size: int) -> None:
-    """Where the CPU computes bf16, large bf16 weights are packed as bf16; where it does not, every
-    bf16 layer keeps an fp32 packed copy (emulated bf16 GEMMs are 5-10x slower) and the output is
-    the bf16 rounding of the fp32 product, as a bf16 GEMM with fp32 accumulation gives."""
+    """Ours packs bf16 weights as bf16. With oneDNN: where the CPU computes bf16, large bf16 weights
+    are packed as bf16; where it does not, every bf16 layer keeps an fp32 packed copy (emulated
+    bf16 GEMMs are 5-10x slower). The output is the bf16 rounding of the fp32 product, as a bf16
+    GEMM with fp32 accumulation gives."""
     layer = _filled(ReplicatedLinear(size, size, bias=True), seed=3).to(torch.bfloat16)
     x = torch.randn(16, size).to(torch.bfloat16)
     expected = F.linear(x, layer.weight, layer.bias)
     native = cpu_features.native_bf16()
-    assert layer.prepack_for_cpu() == (not native or size * size >= cpu_gemm.PREPACK_MIN_WEIGHTS)
-    if layer.packed is not None:
+    ours = cpu_features.gemm_kernel() == "avx2"
+    assert layer.prepack_for_cpu() == (ours or not native or size * size >= cpu_gemm.PREPACK_MIN_WEIGHTS)
+    if isinstance(layer.packed, cpu_gemm.PackedWeight):
+        assert layer.packed.data.dtype == torch.bfloat16  # ours widens bf16 in registers
+    elif layer.packed is not None:
         assert layer.packed.dtype == (torch.bfloat16 if native else torch.float32)
     y = layer(x)
     assert y.dtype == torch.bfloat16
@@ -103,8 +172,9 @@ def builtin_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_engine_with_prepacked_layers_matches_transformers(builtin_shaped: Path) -> None:
     llm = LLM(str(builtin_shaped), device="cpu", num_kvcache_blocks=64, block_size=16, max_model_len=512)
-    # qkv, gate_up and down of each layer, and the LM head (o_proj is below the threshold).
-    assert llm.engine.runner.num_prepacked == 2 * 3 + 1
+    # ours: every projection and the LM head; oneDNN: all but o_proj (below its threshold).
+    per_layer = 4 if cpu_features.gemm_kernel() == "avx2" else 3
+    assert llm.engine.runner.num_prepacked == 2 * per_layer + 1
     assert_greedy_matches(llm, builtin_shaped, random_prompts([1, 30, 100], 4096, seed=22), max_new=24)
 
 

@@ -102,12 +102,19 @@ def test_auto_follows_a_bf16_checkpoint_where_the_cpu_computes_bf16(
     assert resolve_dtype(bf16_ckpt, "auto", "cuda") == torch.bfloat16
 
 
-def test_explicit_bf16_without_native_support_runs_with_a_warning(
-        config: model_config.ModelConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("kernel,level", [("onednn", logging.WARNING), ("avx2", logging.INFO)])
+def test_explicit_bf16_without_native_support_runs_and_says_how(
+        config: model_config.ModelConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        kernel: str, level: int) -> None:
+    """oneDNN then multiplies on fp32 copies of the weights (twice the memory: a warning); our AVX2
+    GEMM widens the bf16 weights in registers (a note)."""
     monkeypatch.setattr(model_config, "native_bf16", lambda: False)
-    with caplog.at_level(logging.WARNING, logger="nanovllm.model_config"):
+    monkeypatch.setattr(model_config, "gemm_kernel", lambda: kernel)
+    with caplog.at_level(logging.INFO, logger="nanovllm.model_config"):
         assert resolve_dtype(config, "bfloat16", "cpu") == torch.bfloat16
-    assert "AVX512-BF16/AMX" in caplog.text
+    [record] = [r for r in caplog.records if "AVX512-BF16/AMX" in r.getMessage()]
+    assert record.levelno == level
+    assert ("float32 copies" in record.getMessage()) == (kernel == "onednn")
 
 
 def test_float16_on_cpu_is_an_error_or_exact_fp32(config: model_config.ModelConfig) -> None:

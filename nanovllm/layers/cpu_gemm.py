@@ -1,55 +1,107 @@
-"""CPU GEMMs on weights reordered once for oneDNN, instead of `F.linear` (MKL) on the dense weight.
+"""CPU GEMMs on weights packed once after loading, instead of `F.linear` (MKL) on the dense weight.
 
-At the decode and prefill shapes of the bench models, oneDNN's matmul on a weight reordered at load
-time (`mkldnn._reorder_linear_weight`, for a batch of ~64 rows) ran 1.1-2.7x faster than
-`F.linear` in fp32 on this machine's AVX2 CPU, from 64 x 768 x 256 up to the LM heads; below
-~128K weights, and for single rows, `F.linear` is as fast or faster (benchmarks/RESULTS.md). So an
-fp32 layer is prepacked when its weight has at least PREPACK_MIN_WEIGHTS elements.
+Two packed forms; `prepack` picks one per CPU:
 
-bf16 layers: where the CPU computes bf16 (AVX512-BF16 or AMX) the bf16 weight is prepacked (same
-threshold). Where it does not, torch emulates bf16 GEMMs 5-10x slower than fp32 ones (64 x 256 x
-1536: 4.5 ms against 0.6 ms), and oneDNN refuses bf16 there: every bf16 layer then keeps its
-weight as a prepacked fp32 copy (twice the weight memory) and multiplies the activations widened
-to fp32, rounding the result to bf16. A bf16 GEMM accumulates in fp32 anyway, so the results are
-the same up to summation order. The results differ from `F.linear`'s only in summation order.
+- `gemm_cpu` (csrc/cpu_gemm.cpp), where the CPU's widest vectors are AVX2 + FMA (no AVX-512): a
+  6 x 16 register-tiled fp32 GEMM on a weight packed in 16-column panels. On this project's AVX2
+  machine it ran the bench models' shapes at 130-175 GF/s of the two cores' ~185 (oneDNN's
+  prepacked matmul: 85-140, MKL's `F.linear`: 45-130; benchmarks/cpu_linear.py,
+  benchmarks/RESULTS.md), so every fp32 and bf16 linear layer takes it there. A bf16 weight stays
+  bf16 in the panels (half the memory and bandwidth of an fp32 copy), widened in registers; the
+  activations are widened to fp32 and the product rounded to bf16, as a bf16 GEMM with fp32
+  accumulation gives.
+- oneDNN (`mkldnn._reorder_linear_weight` for a batch of ~64 rows, then `_linear_pointwise`) on
+  other CPUs: on AVX-512 its kernels use the full vector width, which ours do not. fp32 layers are
+  prepacked there when the weight has at least PREPACK_MIN_WEIGHTS elements (below that `F.linear`
+  was as fast); bf16 layers are prepacked as bf16 where the CPU computes bf16 (AVX512-BF16, AMX),
+  and as fp32 copies where it does not (torch's emulated bf16 GEMMs ran 5-10x slower than fp32).
+
+Either way the results differ from `F.linear`'s only in summation order.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.cpu_features import native_bf16
+from nanovllm import _C
+from nanovllm.attention.cpu_backend import KERNEL_DTYPES
+from nanovllm.cpu_features import GemmKernel, gemm_kernel, native_bf16
 
 PREPACK_MIN_WEIGHTS = 1 << 17
 BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """`gemm_cpu`'s copy of an `[out_features, in_features]` weight: fp32, or bf16 from a bf16 one."""
+    data: torch.Tensor  # flat, _C.gemm_packed_elements(out_features, in_features) elements
+    out_features: int
+    in_features: int
+
+
+Packed = torch.Tensor | PackedWeight  # a layer's `packed`: oneDNN's opaque tensor or ours
+
+
 def emulated_bf16(weight: torch.Tensor) -> bool:
-    """A bf16 weight on a CPU that does not compute bf16: packed as fp32 (see above)."""
+    """A bf16 weight on a CPU that does not compute bf16: oneDNN gets an fp32 copy (see above)."""
     return weight.dtype == torch.bfloat16 and not native_bf16()
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dim() != 2 or not torch.backends.mkldnn.is_available():
+def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in KERNEL_DTYPES:
         return False
-    if emulated_bf16(weight):
+    if (kernel or gemm_kernel()) == "avx2":
         return True
-    return weight.dtype in (torch.float32, torch.bfloat16) and weight.numel() >= PREPACK_MIN_WEIGHTS
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return emulated_bf16(weight) or weight.numel() >= PREPACK_MIN_WEIGHTS
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's reordered copy of a `[out, in]` weight (an opaque mkldnn tensor), fp32 for a bf16
-    weight the CPU cannot multiply natively."""
-    w = weight.detach().float() if emulated_bf16(weight) else weight.detach()
+def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
+    """The packed copy of an `[out, in]` weight for `kernel` (default: this CPU's, cpu_features.gemm_kernel)."""
+    w = weight.detach()
+    if (kernel or gemm_kernel()) == "avx2":
+        if not _C.has_avx2_fma():
+            raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
+        n, k = w.shape
+        data = torch.empty(_C.gemm_packed_elements(n, k), dtype=w.dtype)
+        if w.stride(1) != 1:
+            w = w.contiguous()
+        _C.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, w.stride(0), data.data_ptr(),
+                         KERNEL_DTYPES[data.dtype])
+        return PackedWeight(data, n, k)
+    if emulated_bf16(weight):
+        w = w.float()
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """gemm_cpu on 2-D rows; the product is fp32, returned in the rows' dtype."""
+    if rows.shape[1] != packed.in_features:
+        raise ValueError(f"input has {rows.shape[1]} features, the weight {packed.in_features}")
+    m, k = rows.shape
+    # Rows of a wider tensor are read in place; a single row's stride is arbitrary (expand gives 0).
+    in_place = rows.dtype == torch.float32 and rows.stride(1) == 1 and (m <= 1 or rows.stride(0) >= k)
+    x = rows if in_place else rows.float().contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    y = torch.empty((m, packed.out_features), dtype=torch.float32)
+    if m:
+        _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
+                    packed.out_features, k, x.stride(0) if m > 1 else k, packed.out_features,
+                    KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads())
+    return y if rows.dtype == torch.float32 else y.to(rows.dtype)
+
+
+def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed` was made from; x `[..., in]`."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if packed.dtype != x.dtype:  # an fp32 copy of a bf16 weight
+    if isinstance(packed, PackedWeight):
+        y = _gemm(rows, packed, bias)
+    elif packed.dtype != x.dtype:  # oneDNN on an fp32 copy of a bf16 weight
         y = torch.ops.mkldnn._linear_pointwise(rows.to(packed.dtype).contiguous(), packed,
                                                None if bias is None else bias.to(packed.dtype), "none", [], "")
         y = y.to(x.dtype)
@@ -59,8 +111,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def prepack_layer(layer: nn.Module, keep_dense: bool = False) -> bool:
-    """Give a layer with `weight` and `packed` attributes (a linear layer, the LM head) oneDNN's
-    reordered weight when it gains from it; its dense weight is released (an empty tensor) unless
+    """Give a layer with `weight` and `packed` attributes (a linear layer, the LM head) a packed
+    copy of its weight when it gains from it; its dense weight is released (an empty tensor) unless
     `keep_dense` (a tied LM head: the embedding still looks rows up in it)."""
     if layer.packed is not None or not can_prepack(layer.weight):
         return False
@@ -70,7 +122,7 @@ def prepack_layer(layer: nn.Module, keep_dense: bool = False) -> bool:
     return True
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def matmul(x: torch.Tensor, weight: torch.Tensor, packed: Packed | None,
            bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on `packed` when the layer has it."""
     return F.linear(x, weight, bias) if packed is None else linear(x, packed, bias)

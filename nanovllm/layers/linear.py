@@ -104,7 +104,7 @@ class LinearBase(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
-        self.packed: torch.Tensor | None = None  # oneDNN's copy of the weight (cpu_gemm), once prepacked
+        self.packed: cpu_gemm.Packed | None = None  # the packed copy of the weight (cpu_gemm), once prepacked
 
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None
@@ -112,7 +112,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded, shard_id)
 
     def prepack_for_cpu(self) -> bool:
-        """After loading: run this layer on oneDNN's reordered weight when that is faster on this
+        """After loading: run this layer on a packed copy of its weight when that is faster on this
         CPU (cpu_gemm); the dense weight is released (it becomes an empty tensor)."""
         return cpu_gemm.prepack_layer(self)
 

@@ -1,0 +1,152 @@
+#include "cpu_gemm.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu_attention_avx2.h"
+#include "cpu_parallel.h"
+
+namespace nanovllm {
+namespace {
+
+// Cache blocking (BLIS's kc and mc): a tile's slice of one weight panel, kKc x 16 weights (16 KB
+// in fp32), stays in L1 while the tile walks the kMc rows of x below it; those rows' kKc columns
+// (kMc x kKc floats, 144 KB) stay in L2 for every panel of the thread.
+constexpr int64_t kKc = 256;
+constexpr int64_t kMc = 144;
+constexpr int kRows = 6;  // rows of one register tile: 6 x 16 outputs = 12 of the 16 ymm registers
+
+// Where the kc slice starting at input column k0 of panel p begins in the packed weight.
+int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
+  return (k0 * panels + p * std::min(kKc, k - k0)) * kGemmPanel;
+}
+
+template <typename TW, typename TP>
+void pack_typed(const TW* w, int64_t n, int64_t k, int64_t w_stride, TP* packed) {
+  const int64_t panels = gemm_panels(n);
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t c = 0; c < kGemmPanel; ++c) {
+      const int64_t row = p * kGemmPanel + c;
+      const TW* src = w + row * w_stride;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t k0 = i - i % kKc;
+        TP& dst = packed[slice_offset(panels, k, p, k0) + (i - k0) * kGemmPanel + c];
+        if constexpr (std::is_same_v<TP, float>) {
+          dst = row < n ? widen(src[i]) : 0.0f;
+        } else {
+          dst = row < n ? src[i] : TP{0};
+        }
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+// One register tile: c[R x cols] (+)= a[R x kc] * b[kc x 16], a's rows lda apart, b a panel's slice.
+// The first pass over k (accumulate = false) starts from the bias (or zero) instead of c.
+template <int R, typename TW>
+NANOVLLM_AVX2 void tile(const float* a, int64_t lda, const TW* b, int64_t kc, float* c, int64_t ldc, int cols,
+                        bool accumulate, const float* bias) {
+  __m256 lo[R], hi[R];
+  // Every loop over r unrolled, or the accumulators live on the stack instead of in registers.
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < kc; ++i) {
+    const __m256 b0 = avx2::load8(b + i * kGemmPanel);
+    const __m256 b1 = avx2::load8(b + i * kGemmPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
+      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    }
+  }
+  alignas(32) float bias16[kGemmPanel] = {};
+  if (!accumulate && bias != nullptr) std::copy_n(bias, cols, bias16);
+  const __m256 bias_lo = _mm256_load_ps(bias16), bias_hi = _mm256_load_ps(bias16 + 8);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float* out = c + r * ldc;
+    if (cols == kGemmPanel) {
+      const __m256 base_lo = accumulate ? _mm256_loadu_ps(out) : bias_lo;
+      const __m256 base_hi = accumulate ? _mm256_loadu_ps(out + 8) : bias_hi;
+      _mm256_storeu_ps(out, _mm256_add_ps(lo[r], base_lo));
+      _mm256_storeu_ps(out + 8, _mm256_add_ps(hi[r], base_hi));
+    } else {  // the last panel of an n that 16 does not divide
+      alignas(32) float row[kGemmPanel];
+      _mm256_store_ps(row, _mm256_add_ps(lo[r], bias_lo));
+      _mm256_store_ps(row + 8, _mm256_add_ps(hi[r], bias_hi));
+      for (int j = 0; j < cols; ++j) out[j] = accumulate ? out[j] + row[j] : row[j];
+    }
+  }
+}
+
+// Rows [0, rows) of x against one panel slice, kRows at a time and the rest in one smaller tile.
+template <typename TW>
+NANOVLLM_AVX2 void panel_rows(const float* x, int64_t lda, int64_t rows, const TW* b, int64_t kc, float* c,
+                              int64_t ldc, int cols, bool accumulate, const float* bias) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) tile<kRows>(x + r * lda, lda, b, kc, c + r * ldc, ldc, cols, accumulate, bias);
+  x += r * lda;
+  c += r * ldc;
+  switch (rows - r) {
+    case 5: tile<5>(x, lda, b, kc, c, ldc, cols, accumulate, bias); break;
+    case 4: tile<4>(x, lda, b, kc, c, ldc, cols, accumulate, bias); break;
+    case 3: tile<3>(x, lda, b, kc, c, ldc, cols, accumulate, bias); break;
+    case 2: tile<2>(x, lda, b, kc, c, ldc, cols, accumulate, bias); break;
+    case 1: tile<1>(x, lda, b, kc, c, ldc, cols, accumulate, bias); break;
+    default: break;
+  }
+}
+
+// The thread's panels [p0, p1): each kc slice of a panel is loaded once per kMc rows of x.
+template <typename TW>
+void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
+  const TW* packed = static_cast<const TW*>(a.packed);
+  const int64_t panels = gemm_panels(a.n);
+  for (int64_t k0 = 0; k0 < a.k; k0 += kKc) {
+    const int64_t kc = std::min(kKc, a.k - k0);
+    for (int64_t m0 = 0; m0 < a.m; m0 += kMc) {
+      const int64_t mc = std::min(kMc, a.m - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col0 = p * kGemmPanel;
+        const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+        panel_rows(a.x + m0 * a.x_stride + k0, a.x_stride, mc, packed + slice_offset(panels, a.k, p, k0), kc,
+                   a.y + m0 * a.y_stride + col0, a.y_stride, cols, k0 > 0, a.bias == nullptr ? nullptr : a.bias + col0);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed,
+               CpuDtype packed_dtype) {
+  if (dtype == CpuDtype::kFloat32) {
+    pack_typed(static_cast<const float*>(w), n, k, w_stride, static_cast<float*>(packed));
+  } else if (packed_dtype == CpuDtype::kFloat32) {
+    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<float*>(packed));
+  } else {
+    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<Bf16*>(packed));
+  }
+}
+
+void gemm(const GemmArgs& a, int num_threads) {
+#if defined(__x86_64__)
+  const int64_t panels = gemm_panels(a.n);
+  parallel_rows(panels, a.m * a.k * kGemmPanel, num_threads, [&a](int64_t p0, int64_t p1) {
+    if (a.packed_dtype == CpuDtype::kFloat32) {
+      gemm_panels_range<float>(a, p0, p1);
+    } else {
+      gemm_panels_range<Bf16>(a, p0, p1);
+    }
+  });
+#else
+  (void)a;
+  (void)num_threads;
+#endif
+}
+
+}  // namespace nanovllm
