@@ -714,23 +714,23 @@ void bind_cpu_gemm(py::module_& m) {
   m.def("has_avx2_fma", &has_avx2_fma, "Whether this CPU runs the AVX2 + FMA kernels (gemm_cpu, attention tiles).");
   m.def("gemm_packed_elements", [](int64_t n, int64_t k) {
         if (n < 1 || k < 1) value_error("gemm_packed_elements: n and k must be >= 1");
+        if (gemm_panels(n) > std::numeric_limits<int64_t>::max() / kGemmPanel / k) {
+          value_error("gemm_packed_elements: the packed weight would not fit int64");
+        }
         return gemm_packed_elements(n, k);
       }, py::arg("n"), py::arg("k"), "Elements of gemm_pack_cpu's copy of an [n, k] weight.");
   m.def(
       "gemm_pack_cpu",
-      [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed, int64_t packed_dtype) {
+      [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
         if (n < 1 || k < 1 || w_stride < k) value_error("gemm_pack_cpu: bad sizes");
         if (!w || !packed) value_error("null pointer passed to gemm_pack_cpu");
-        const auto from = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
-        const auto to = static_cast<CpuDtype>(checked_int32(packed_dtype, "packed_dtype", 0, 1));
-        if (from == CpuDtype::kFloat32 && to == CpuDtype::kBFloat16) value_error("gemm_pack_cpu: fp32 -> bf16 would round");
+        const auto type = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
         py::gil_scoped_release release;
-        gemm_pack(reinterpret_cast<const void*>(w), from, n, k, w_stride, reinterpret_cast<void*>(packed), to);
+        gemm_pack(reinterpret_cast<const void*>(w), type, n, k, w_stride, reinterpret_cast<void*>(packed));
       },
       py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
-      py::arg("packed_dtype"),
-      "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu, as fp32 or (from bf16) bf16, into "
-      "gemm_packed_elements(n, k) elements (nanovllm.layers.cpu_gemm allocates them).");
+      "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu into gemm_packed_elements(n, k) elements of "
+      "the same dtype (nanovllm.layers.cpu_gemm allocates them).");
   m.def(
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,

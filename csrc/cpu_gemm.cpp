@@ -1,8 +1,7 @@
 #include "cpu_gemm.h"
 
 #include <algorithm>
-#include <cstring>
-#include <type_traits>
+#include <utility>
 
 #include "cpu_attention_avx2.h"
 #include "cpu_parallel.h"
@@ -15,33 +14,28 @@ namespace {
 // (kMc x kKc floats, 144 KB) stay in L2 for every panel of the thread.
 constexpr int64_t kKc = 256;
 constexpr int64_t kMc = 144;
-constexpr int kRows = 6;
-// A slice is prefetched this many slices ahead of its use, i.e. ahead of the memory stream (the
-// next panel's slice follows this one): at decode batches the weights stream from DRAM, and one
+constexpr int kRows = 6;  // rows of one register tile: 6 x 16 outputs = 12 of the 16 ymm registers
+// A slice is prefetched this many slices ahead of its use in the thread's walk (within a pass the
+// next panel's slice follows this one in memory): at decode batches the weights stream from DRAM, and one
 // slice ahead arrived too late (8 layers + LM head of the Qwen3-shaped model at 32 rows: 79 ms
 // with none, 66 one ahead, 56 two ahead; 16 rows: 40 -> 32 ms, ~16 GB/s, the machine's peak).
-constexpr int64_t kPrefetchSlices = 2;  // rows of one register tile: 6 x 16 outputs = 12 of the 16 ymm registers
+constexpr int64_t kPrefetchSlices = 2;
 
 // Where the kc slice starting at input column k0 of panel p begins in the packed weight.
 int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
   return (k0 * panels + p * std::min(kKc, k - k0)) * kGemmPanel;
 }
 
-template <typename TW, typename TP>
-void pack_typed(const TW* w, int64_t n, int64_t k, int64_t w_stride, TP* packed) {
+template <typename T>
+void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed) {
   const int64_t panels = gemm_panels(n);
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t c = 0; c < kGemmPanel; ++c) {
       const int64_t row = p * kGemmPanel + c;
-      const TW* src = w + row * w_stride;
       for (int64_t i = 0; i < k; ++i) {
         const int64_t k0 = i - i % kKc;
-        TP& dst = packed[slice_offset(panels, k, p, k0) + (i - k0) * kGemmPanel + c];
-        if constexpr (std::is_same_v<TP, float>) {
-          dst = row < n ? widen(src[i]) : 0.0f;
-        } else {
-          dst = row < n ? src[i] : TP{0};
-        }
+        // Rows past n pad the last panel with zeros.
+        packed[slice_offset(panels, k, p, k0) + (i - k0) * kGemmPanel + c] = row < n ? w[row * w_stride + i] : T{0};
       }
     }
   }
@@ -123,7 +117,16 @@ template <typename TW>
 void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
   const TW* packed = static_cast<const TW*>(a.packed);
   const int64_t panels = gemm_panels(a.n);
-  const int64_t total = gemm_packed_elements(a.n, a.k);
+  // The slice kPrefetchSlices after (k0, m0, p) in this walk, and its rows; none past the end.
+  const auto ahead = [&](int64_t k0, int64_t m0, int64_t p) -> std::pair<const TW*, int64_t> {
+    int64_t q = p + kPrefetchSlices;
+    if (q >= p1) {  // into the next pass over the panels: the next rows, else the next slice depth
+      q = p0 + (q - p1) % (p1 - p0);
+      if (m0 + kMc >= a.m) k0 += kKc;
+      if (k0 >= a.k) return {packed, 0};
+    }
+    return {packed + slice_offset(panels, a.k, q, k0), std::min(kKc, a.k - k0)};
+  };
   for (int64_t k0 = 0; k0 < a.k; k0 += kKc) {
     const int64_t kc = std::min(kKc, a.k - k0);
     for (int64_t m0 = 0; m0 < a.m; m0 += kMc) {
@@ -131,11 +134,10 @@ void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t col0 = p * kGemmPanel;
         const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
-        const int64_t at = slice_offset(panels, a.k, p, k0);
-        const int64_t ahead = std::min(at + kPrefetchSlices * kc * kGemmPanel, total);
-        panel_rows(a.x + m0 * a.x_stride + k0, a.x_stride, mc, packed + at, kc, a.y + m0 * a.y_stride + col0,
-                   a.y_stride, cols, k0 > 0, a.bias == nullptr ? nullptr : a.bias + col0, packed + ahead,
-                   std::min(kc, (total - ahead) / kGemmPanel));
+        const auto [next, next_rows] = ahead(k0, m0, p);
+        panel_rows(a.x + m0 * a.x_stride + k0, a.x_stride, mc, packed + slice_offset(panels, a.k, p, k0), kc,
+                   a.y + m0 * a.y_stride + col0, a.y_stride, cols, k0 > 0, a.bias == nullptr ? nullptr : a.bias + col0,
+                   next, next_rows);
       }
     }
   }
@@ -144,12 +146,9 @@ void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 
 }  // namespace
 
-void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed,
-               CpuDtype packed_dtype) {
+void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed) {
   if (dtype == CpuDtype::kFloat32) {
     pack_typed(static_cast<const float*>(w), n, k, w_stride, static_cast<float*>(packed));
-  } else if (packed_dtype == CpuDtype::kFloat32) {
-    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<float*>(packed));
   } else {
     pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<Bf16*>(packed));
   }

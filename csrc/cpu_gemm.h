@@ -5,10 +5,11 @@
 // peak, and 45-60% at decode batches (32 x 1024 x 6144: 87 GF/s of ~185); a BLIS-style 6 x 16
 // register tile with the weight streamed once per call keeps the FMA units busy instead.
 //
-// Packed layout: the weight's N rows in panels of kPanel output columns, each panel [K][kPanel]
-// (the kPanel weights of one input column contiguous), the last panel zero-padded. A weight in
-// bf16 may be packed as fp32 (then the product is fp32 throughout) or kept bf16 (half the
-// memory and bandwidth; widened in registers).
+// Packed layout: the weight's N rows in panels of kGemmPanel output columns (the last panel
+// zero-padded), K cut into slices 256 deep; a panel's slice is [depth][kGemmPanel] (the weights of
+// one input column contiguous), laid out [slice depth][panel]: a pass over the panels at one
+// depth reads one sequential stream. The packed copy keeps the weight's dtype: bf16 stays bf16
+// (half the memory and bandwidth of fp32) and is widened in registers; the arithmetic is fp32.
 #pragma once
 
 #include <cstdint>
@@ -21,17 +22,16 @@ inline constexpr int64_t kGemmPanel = 16;
 
 inline int64_t gemm_panels(int64_t n) { return (n + kGemmPanel - 1) / kGemmPanel; }
 
-// Elements of the packed copy of an [n, k] weight.
+// Elements of the packed copy of an [n, k] weight (the binding checks that it fits int64).
 inline int64_t gemm_packed_elements(int64_t n, int64_t k) { return gemm_panels(n) * k * kGemmPanel; }
 
-// w [n, k] with rows w_stride elements apart, of `dtype` -> packed (gemm_packed_elements(n, k)
-// elements of `packed_dtype`: the same dtype, or fp32 from bf16).
-void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed,
-               CpuDtype packed_dtype);
+// w [n, k] of `dtype`, rows w_stride elements apart -> packed, gemm_packed_elements(n, k) elements
+// of the same dtype.
+void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed);
 
 struct GemmArgs {
   const float* x;      // [m, k], rows x_stride apart
-  const void* packed;  // gemm_pack's output for an [n, k] weight
+  const void* packed;  // gemm_pack's output for an [n, k] weight, of packed_dtype
   const float* bias;   // nullable, [n]
   float* y;            // [m, n], rows y_stride apart
   int64_t m, n, k, x_stride, y_stride;

@@ -49,7 +49,7 @@ def test_packed_gemm_matches_f_linear(kernel: cpu_features.GemmKernel, rows: int
     packed = cpu_gemm.prepack(w, kernel)
     assert isinstance(packed, cpu_gemm.PackedWeight) == (kernel == "avx2")
     torch.testing.assert_close(cpu_gemm.linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-    # Rows of a wider tensor, and a row broadcast over the batch (stride 0), read in place.
+    # Rows of a wider tensor (read in place), and a row broadcast over the batch (stride 0: copied).
     wide = torch.randn(rows, k + 5, generator=g)[:, 3:3 + k]
     torch.testing.assert_close(cpu_gemm.linear(wide, packed, b), F.linear(wide, w, b), rtol=1e-4, atol=1e-4)
     same = x[:1].expand(rows, k)
@@ -83,10 +83,18 @@ def test_avx2_gemm_rejects_bad_sizes() -> None:
         _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 63, 32, 0)
     with pytest.raises(ValueError, match="null pointer"):
         _C.gemm_cpu(0, packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 64, 32, 0)
-    with pytest.raises(ValueError, match="would round"):
-        _C.gemm_pack_cpu(w.data_ptr(), 0, 32, 64, 64, packed.data.data_ptr(), 1)
+    with pytest.raises(ValueError, match="bias of shape"):
+        cpu_gemm.linear(x, packed, torch.randn(3))
+    with pytest.raises(ValueError, match="bad sizes"):  # weight rows closer than k apart
+        _C.gemm_pack_cpu(w.data_ptr(), 0, 32, 64, 63, packed.data.data_ptr())
     with pytest.raises(ValueError, match=">= 1"):
         _C.gemm_packed_elements(0, 64)
+    with pytest.raises(ValueError, match="fit int64"):
+        _C.gemm_packed_elements(1 << 40, 1 << 40)
+    # A weight whose rows overlap (expand) is packed from a contiguous copy.
+    row = torch.randn(1, 64)
+    torch.testing.assert_close(cpu_gemm.linear(x, cpu_gemm.prepack(row.expand(32, 64), "avx2"), None),
+                               F.linear(x, row.expand(32, 64)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])

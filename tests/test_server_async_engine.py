@@ -171,9 +171,18 @@ def test_failing_step_fails_requests_in_flight_and_engine_goes_on(engine: LLMEng
 @pytest.mark.parametrize("limits,reason", [({"buffer_entries_per_request": 60}, "unread tokens and logprobs"),
                                           ({"stall_timeout": 0.3}, "no output taken for")],
                          ids=["buffer-bound", "stall-timeout"])
-def test_a_consumer_that_stops_reading_is_aborted(engine: LLMEngine, limits: dict, reason: str) -> None:
+def test_a_consumer_that_stops_reading_is_aborted(engine: LLMEngine, limits: dict, reason: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine does not wait for consumers: one that stops taking outputs is aborted (its
     blocks freed) once more than the bound waits unread, or the oldest has waited too long."""
+    step = engine.step
+
+    def slow_step() -> list:
+        time.sleep(0.005)  # 200 tokens take >= 1 s, past the stall timeout, however fast the engine
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
     async def body(ae: AsyncLLMEngine) -> None:
         group = await ae.add_requests([("stalls", "hi", greedy(200, ignore_eos=True, logprobs=5))])
         first = await group.__anext__()

@@ -41,8 +41,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("hostile"), "--num-kvcache-blocks", "512",
-                        "--max-model-len", "512", "--header-timeout", str(HEADER_TIMEOUT_S),
+    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("hostile"), "--num-kvcache-blocks", "2048",
+                        "--max-model-len", "4096", "--header-timeout", str(HEADER_TIMEOUT_S),
                         "--timeout-keep-alive", "1", "--stream-stall-timeout", str(STALL_TIMEOUT_S),
                         "--max-queued-requests", str(MAX_QUEUED), "--limit-concurrency", str(LIMIT_CONCURRENCY))
     try:
@@ -243,7 +243,9 @@ def test_a_stream_whose_client_stops_reading_is_aborted(server: ServerProcess) -
     freed while the connection is still open. A client that then reads gets an error event and
     [DONE] after what was already sent."""
     before = server.metrics()["nanovllm:stream_stall_aborts_total"]
-    body = json.dumps({"messages": HI, "max_tokens": 480, "ignore_eos": True, "n": 8, "logprobs": True,
+    # 8 x 3,900 tokens: seconds of decode steps on any machine, so the request is still running
+    # when the stall timeout fires (a finished request is never aborted).
+    body = json.dumps({"messages": HI, "max_tokens": 3900, "ignore_eos": True, "n": 8, "logprobs": True,
                        "top_logprobs": 20, "stream": True}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

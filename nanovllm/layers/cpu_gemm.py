@@ -69,10 +69,9 @@ def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
             raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
         n, k = w.shape
         data = torch.empty(_C.gemm_packed_elements(n, k), dtype=w.dtype)
-        if w.stride(1) != 1:
+        if w.stride(1) != 1 or (n > 1 and w.stride(0) < k):
             w = w.contiguous()
-        _C.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, w.stride(0), data.data_ptr(),
-                         KERNEL_DTYPES[data.dtype])
+        _C.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, w.stride(0) if n > 1 else k, data.data_ptr())
         return PackedWeight(data, n, k)
     if emulated_bf16(weight):
         w = w.float()
@@ -83,6 +82,8 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     """gemm_cpu on 2-D rows; the product is fp32, returned in the rows' dtype."""
     if rows.shape[1] != packed.in_features:
         raise ValueError(f"input has {rows.shape[1]} features, the weight {packed.in_features}")
+    if bias is not None and bias.shape != (packed.out_features,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for {packed.out_features} outputs")
     m, k = rows.shape
     # Rows of a wider tensor are read in place; a single row's stride is arbitrary (expand gives 0).
     in_place = rows.dtype == torch.float32 and rows.stride(1) == 1 and (m <= 1 or rows.stride(0) >= k)
