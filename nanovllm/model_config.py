@@ -187,7 +187,8 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
         return torch.float32
     if resolved == torch.bfloat16 and not native_bf16():
         if auto:
-            logger.info("bfloat16 checkpoint on a CPU without AVX512-BF16/AMX: running in float32 (faster there)")
+            logger.info("bfloat16 checkpoint on a CPU without AVX512-BF16/AMX: running in float32 (its GEMMs compute "
+                        "in float32 either way, so bfloat16 would only round more)")
             return torch.float32
         if gemm_kernel() == "avx2":
             logger.info("bfloat16 on a CPU without AVX512-BF16/AMX: the linear layers widen their bf16 weights "
