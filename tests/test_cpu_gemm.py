@@ -73,6 +73,22 @@ def test_avx2_gemm_keeps_bf16_weights_bf16() -> None:
 
 
 @pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+def test_avx2_gemm_is_the_same_on_any_number_of_threads() -> None:
+    """Threads split the output panels, never a sum: every thread count gives the same bits."""
+    g = torch.Generator().manual_seed(11)
+    w, x = torch.randn(200, 300, generator=g), torch.randn(150, 300, generator=g)
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        y = torch.empty(150, 200)
+        _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 150, 200, 300, 300, 200, 0, threads)
+        outs.append(y)
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+    torch.testing.assert_close(outs[0], F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 def test_avx2_gemm_rejects_bad_sizes() -> None:
     w, x = torch.randn(32, 64), torch.randn(4, 64)
     packed = cpu_gemm.prepack(w, "avx2")
