@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = [rng.randrange(min(engine.vocab_size, 10_000)) for _ in range(args.prompt_len)]
         engine.add_request(engine.next_request_id(), prompt, params)
     # Prefill everything (and a couple of decodes, so the profiled steps are all decode).
-    budget = engine.config.resolve_lengths(args.max_model_len)[1]
+    budget = engine.config.resolve_lengths(engine.max_model_len)[1]  # the step's token budget
     for _ in range(1 + -(-args.num_seqs * args.prompt_len // budget) + 2):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -69,13 +69,25 @@ def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
             raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
         n, k = w.shape
         data = torch.empty(_C.gemm_packed_elements(n, k), dtype=w.dtype)
-        if w.stride(1) != 1 or (n > 1 and w.stride(0) < k):
+        stride = _row_stride(w)
+        if stride is None:
             w = w.contiguous()
-        _C.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, w.stride(0) if n > 1 else k, data.data_ptr())
+            stride = k
+        _C.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, stride, data.data_ptr())
         return PackedWeight(data, n, k)
     if emulated_bf16(weight):
         w = w.float()
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), BATCH_HINT)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The row stride gemm_cpu / gemm_pack_cpu read a 2-D tensor with in place, or None when its
+    rows are not contiguous or overlap (then a contiguous copy is needed). A single row's stride is
+    arbitrary (expand gives 0): the row length stands in for it."""
+    rows, k = t.shape
+    if t.stride(1) != 1 or (rows > 1 and t.stride(0) < k):
+        return None
+    return t.stride(0) if rows > 1 else k
 
 
 def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -85,14 +97,15 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     if bias is not None and bias.shape != (packed.out_features,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} for {packed.out_features} outputs")
     m, k = rows.shape
-    # Rows of a wider tensor are read in place; a single row's stride is arbitrary (expand gives 0).
-    in_place = rows.dtype == torch.float32 and rows.stride(1) == 1 and (m <= 1 or rows.stride(0) >= k)
-    x = rows if in_place else rows.float().contiguous()
+    stride = _row_stride(rows) if rows.dtype == torch.float32 else None
+    x = rows
+    if stride is None:
+        x, stride = rows.float().contiguous(), k
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, packed.out_features), dtype=torch.float32)
     if m:
         _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
-                    packed.out_features, k, x.stride(0) if m > 1 else k, packed.out_features,
+                    packed.out_features, k, stride, packed.out_features,
                     KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads())
     return y if rows.dtype == torch.float32 else y.to(rows.dtype)
 
