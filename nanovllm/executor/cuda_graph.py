@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -35,6 +36,34 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.executor.plan_tensors import PlanViews
 
 logger = logging.getLogger(__name__)
+
+
+class CaptureAbandoned(RuntimeError):
+    """Another tensor-parallel rank failed to capture a graph: every rank decodes eagerly."""
+
+
+def capture_buckets(buckets: Iterable[int], capture_one: Callable[[int], torch.cuda.CUDAGraph],
+                    agree: Callable[[bool], bool] | None = None) -> dict[int, torch.cuda.CUDAGraph]:
+    """`capture_one(bs)` for each bucket in turn. Under tensor parallelism every rank captures
+    the same buckets, and a captured forward holds the ranks' all-reduces: a rank that replays
+    graphs while another decodes eagerly would wait in a collective the other never starts. So
+    after each bucket `agree(captured)` (a MIN over the ranks) tells every rank whether all of
+    them captured it, and all stop at the same bucket: the failing rank with its own error,
+    the others with CaptureAbandoned. The agreement runs outside any capture, and a failed
+    capture runs none of the model's collectives (a captured collective is only recorded)."""
+    graphs = {}
+    for bs in buckets:
+        error: Exception | None = None
+        try:
+            graphs[bs] = capture_one(bs)
+        except Exception as e:  # noqa: BLE001  (re-raised below, after the ranks agreed)
+            error = e
+        everyone = agree(error is None) if agree is not None else error is None
+        if error is not None:
+            raise error
+        if not everyone:
+            raise CaptureAbandoned(f"another tensor-parallel rank failed to capture the batch-{bs} decode graph")
+    return graphs
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -91,11 +120,13 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, all sharing one memory pool (they never run at once)."""
+    def capture(self, agree: Callable[[bool], bool] | None = None) -> None:
+        """Capture every bucket, largest first, all sharing one memory pool (they never run at
+        once). `agree`: see capture_buckets (tensor parallelism)."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.buckets):
+
+        def capture_one(bs: int) -> torch.cuda.CUDAGraph:
             meta = self._meta(bs)
             ids, pos = self.input_ids[:bs], self.positions[:bs]
             # Warm-up outside the graph: allocator blocks, cuBLAS handles, kernel attributes.
@@ -103,7 +134,9 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.hidden[:bs] = self.model(ids, pos, meta)
-            self.graphs[bs] = graph
+            return graph
+
+        self.graphs = capture_buckets(reversed(self.buckets), capture_one, agree)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.buckets[0],
                     self.max_batch, time.perf_counter() - start)
