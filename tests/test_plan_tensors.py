@@ -22,9 +22,14 @@ def make_scheduler() -> _C.Scheduler:
 
 
 def assert_matches(views: PlanViews, plan: _C.StepPlan) -> None:
+    """The views hold the plan's arrays; block tables may be cut to the columns the step uses
+    (what a device copy takes), and then every column cut off is padding (-1)."""
     for name in ARRAYS:
         t = getattr(views, name)
         a = getattr(plan, name)
+        if name == "block_tables" and t.shape[1] < a.shape[1]:
+            assert (a[:, t.shape[1]:] == -1).all()
+            a = a[:, :t.shape[1]]
         assert t.dtype == torch.int32, name
         assert tuple(t.shape) == a.shape, name
         np.testing.assert_array_equal(t.cpu().numpy(), a, err_msg=name)
@@ -136,32 +141,40 @@ def test_used_size_matches_plan() -> None:
     sched.postprocess([1])
 
 
-def test_copy_path_takes_the_same_views_of_a_second_buffer() -> None:
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_copy_path_takes_the_same_views_of_a_second_buffer(block_size: int | None) -> None:
     """The one-copy path of to(), run into a second CPU buffer (no accelerator needed).
 
     Registers a device entry by hand (private API): everything but the CUDA staging is shared
-    with a real device."""
+    with a real device. With the cache's block size, only the block-table columns of the step's
+    longest context go over."""
     from nanovllm.executor.plan_tensors import _DeviceCopy
 
     sched = make_scheduler()
     for i, n in enumerate((3, 9, 17)):
         sched.add(i, list(range(1, n + 1)), max_tokens=4, ignore_eos=True)
     plan = sched.schedule()
-    pt = PlanTensors(plan)
+    pt = PlanTensors(plan, block_size=block_size)
     copy = torch.full_like(pt.host_buffer, -7)
     pt._devices["second"] = _DeviceCopy(copy, pt._maker(copy))
     views = pt.to("second", plan)
     # Only the used prefix is copied (later steps may leave stale rows past their own prefix).
     assert (copy[pt.used_size(plan):] == -7).all()
     rng = np.random.default_rng(0)
+    widths = set()
     while True:
         views = pt.to("second", plan)
         assert_matches(views, plan)
         assert views.input_ids.untyped_storage().data_ptr() == copy.data_ptr()
+        assert views.block_tables.is_contiguous()
+        widths.add(views.block_tables.shape[1])
+        expect = plan.max_blocks_per_seq if block_size is None else -(-plan.max_seqlen_k // block_size)
+        assert views.block_tables.shape[1] == expect
         sched.postprocess(rng.integers(1, 1000, plan.num_samples).astype(np.int32))
         if not sched.has_unfinished():
             break
         plan = sched.schedule()
+    assert len(widths) > 1 or block_size is None  # contexts grew: the width followed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -170,7 +183,7 @@ def test_to_cuda_copies_once_and_takes_the_same_views() -> None:
     for i, n in enumerate((3, 9, 17)):
         sched.add(i, list(range(1, n + 1)), max_tokens=4, ignore_eos=True)
     plan = sched.schedule()
-    pt = PlanTensors(plan)
+    pt = PlanTensors(plan, block_size=4)
     rng = np.random.default_rng(0)
     while True:
         views = pt.to("cuda", plan)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanovllm.staging import to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -90,7 +92,7 @@ def make_attention_metadata(
     num_tokens = int(cu_q[-1])
 
     def t(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
+        return to_device(np.ascontiguousarray(a, dtype=np.int32), torch.device(device))
 
     return AttentionMetadata(
         slot_mapping=t(np.asarray(slot_mapping, dtype=np.int32)),

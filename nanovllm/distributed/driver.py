@@ -35,6 +35,7 @@ from nanovllm.distributed.worker import ATTACHED_KEY, RING_KEY, Channel, layout_
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.executor.plan_tensors import PlanViews
 from nanovllm.model_config import load_model_config
+from nanovllm.staging import to_host
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,7 @@ class TensorParallelRunner(ModelRunner):
         assert self._plan is not None and self._res.channel is not None
         # The step's sample indices are on the host already (no device sync); other rows (prompt
         # logprobs) come from wherever the caller made them.
-        host = self._plan.sample_indices if rows is self._step_samples else rows.cpu().numpy()
+        host = self._plan.sample_indices if rows is self._step_samples else to_host(rows)[0]
         try:
             self._res.channel.publish_logits(host.astype(np.int32, copy=False), self._check)
             return super().logits(hidden, rows)

@@ -35,6 +35,7 @@ from nanovllm.distributed.step_message import Kind, PlanLayout
 from nanovllm.executor.model_runner import ModelRunner
 from nanovllm.executor.plan_tensors import PlanTensors
 from nanovllm.model_config import load_model_config
+from nanovllm.staging import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +132,12 @@ def serve(runner: ModelRunner, channel: Channel, alive: Callable[[], None]) -> N
                 assert plan is not None
                 pt = tensors.get(msg.slot)
                 if pt is None:
-                    pt = tensors[msg.slot] = PlanTensors(plan)  # type: ignore[arg-type]
+                    pt = tensors[msg.slot] = PlanTensors(plan, block_size=runner.block_size)  # type: ignore[arg-type]
                 v = pt.to(device, plan)  # type: ignore[arg-type]
                 hidden = runner.execute(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
             else:
                 assert hidden is not None and msg.rows is not None
-                rows = torch.from_numpy(msg.rows.astype(np.int64)).to(device)
-                runner.model.compute_logits(hidden[rows])
+                runner.model.compute_logits(hidden[to_device(msg.rows, device, np.int64)])
             channel.ack()
             active = time.perf_counter()
 

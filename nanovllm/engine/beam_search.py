@@ -17,6 +17,7 @@ import torch
 
 from nanovllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from nanovllm.sampling_params import BeamSearchParams
+from nanovllm.staging import to_host
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # no
         logits = logits / params.temperature
     logprobs = torch.log_softmax(logits, dim=-1)
     k = min(2 * params.beam_width, logprobs.shape[1])
-    top_lp, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    top_lp, top_ids = (a.tolist() for a in to_host(*logprobs.topk(k, dim=-1)))
 
     for row, sid in enumerate(sids):
         owner[sid].live[sid].cands = list(zip(top_ids[row], top_lp[row]))

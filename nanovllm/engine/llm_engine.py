@@ -17,14 +17,14 @@ See docs/design.md, "The step".
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from nanovllm import _C
@@ -37,10 +37,15 @@ from nanovllm.executor.model_runner import SampleOutput
 from nanovllm.model_config import load_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.sample import SequenceIds, build_entries, gather_logprobs
-from nanovllm.sample.grammar import GrammarCompiler
 from nanovllm.sample.rows import RowColumns
 from nanovllm.sample.state import GrammarEnds
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.staging import to_device
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from nanovllm.sample.grammar import GrammarCompiler
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -107,7 +112,8 @@ class LLMEngine:
         self.token_table = build_token_table(self.tokenizer, vocab_size=self.vocab_size)
         self.detokenizer = Detokenizer(self.token_table)
         self.sampling = self.runner.sampling
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # the server's text workers compile concurrently
         self._seq_ids = SequenceIds()
         self._seqs = RowColumns(SEQUENCE_COLUMNS)
         self._requests: dict[str, Request] = {}
@@ -115,6 +121,19 @@ class LLMEngine:
         self._prompt_logprobs_pending: dict[str, Request] = {}
         self._request_counter = 0
         self._num_fanning = 0  # queued prompts whose first sample fans out into n > 1
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, built at first use: xgrammar is imported only when a
+        request asks for structured output (an engine without it runs everything else)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    from nanovllm.sample.grammar import GrammarCompiler
+                except ImportError as e:
+                    raise ValueError(f"structured output needs the xgrammar package ({e})") from None
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def _check_pool_holds_one_sequence(self, num_blocks: int) -> None:
         """A pool smaller than max_model_len would cut every long enough request at the pool's size
@@ -407,8 +426,8 @@ class LLMEngine:
         chunk = self.config.max_num_seqs
         for lo in range(0, len(flat), chunk):
             part = owners[lo:lo + chunk]
-            idx = torch.as_tensor(flat[lo:lo + chunk], device=hidden.device)
-            targets = torch.as_tensor([req.prompt_token_ids[t] for req, t in part], device=hidden.device)
+            idx = to_device(flat[lo:lo + chunk], hidden.device, np.int64)
+            targets = to_device([req.prompt_token_ids[t] for req, t in part], hidden.device, np.int64)
             wanted = np.array([req.params.prompt_logprobs for req, _ in part], dtype=np.int64)
             block = gather_logprobs(self.runner.logits(hidden, idx), targets, wanted)
             entries = build_entries([(block, i) for i in range(len(part))], self.token_table)

@@ -30,6 +30,8 @@ from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.model_config import ModelConfig, load_model_config
 from nanovllm.models.loader import load_model
 from nanovllm.sample import LogprobBlock, Sampler, SamplingState, gather_logprobs, make_sampling_batch
+from nanovllm.sample.logprobs import logprob_columns, unpack_logprobs
+from nanovllm.staging import to_device, to_host
 
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
@@ -184,9 +186,9 @@ class ModelRunner:
         scratch = self.kv_cache.numel() * self.kv_cache.element_size()
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            cu_seqlens_k=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            cu_seqlens_q=to_device([0, num_tokens], dev, np.int32),
+            cu_seqlens_k=to_device([0, num_tokens], dev, np.int32),
+            context_lens=to_device([num_tokens], dev, np.int32),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
             max_seqlen_q=num_tokens, max_seqlen_k=num_tokens,
             num_prefill_tokens=num_tokens, num_decode_tokens=0, block_size=self.block_size,
@@ -235,15 +237,18 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """(Re)capture the decode graphs for the current KV cache. A capture that fails (an op that
-        cannot be captured) leaves the runner decoding eagerly, with a warning."""
+        cannot be captured) leaves the runner decoding eagerly, with a warning; under tensor
+        parallelism every rank then does (the ranks agree after each graph: capture_buckets)."""
         if self.kv_cache is None:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         self.graphs = None
         graphs = DecodeGraphs(self.model, device=self.device, dtype=self.dtype, hidden_size=self.config.hidden_size,
                               max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                               block_size=self.block_size)
+        tp = self.tp
+        agree = None if tp is None else (lambda captured: tp.all_reduce_min(int(captured)) == 1)
         try:
-            graphs.capture()
+            graphs.capture(agree)
         except Exception as e:  # noqa: BLE001  (any capture failure: fall back, never crash the engine)
             logger.warning("CUDA graph capture failed (%s: %s): decoding eagerly", type(e).__name__, e)
             torch.cuda.synchronize(self.device)
@@ -252,7 +257,7 @@ class ModelRunner:
 
     def _views(self, plan: _C.StepPlan) -> PlanViews:
         if self._plan_tensors is None:
-            self._plan_tensors = PlanTensors(plan)
+            self._plan_tensors = PlanTensors(plan, block_size=self.block_size)
         if self.device.type == "cpu":
             return self._plan_tensors.views(plan)
         return self._plan_tensors.to(self.device, plan)
@@ -303,22 +308,31 @@ class ModelRunner:
         rows' sequences ask; logprobs are computed from the raw logits of the rows that ask."""
         raw = self.logits(hidden, sample_indices)
         if repeats is not None:
-            raw = raw.repeat_interleave(torch.from_numpy(repeats).to(raw.device), dim=0)
+            # Row i of the fan-out is sample position fan_rows[i]; an index gather with a host-built
+            # index (repeat_interleave would read the repeats' sum back from the device).
+            fan_rows = np.repeat(np.arange(len(repeats)), repeats)
+            raw = raw.index_select(0, to_device(fan_rows, raw.device))
         lp_rows = _NO_ROWS
         if self.sampling.users.logprobs:
             wanted = self.sampling.rows.logprobs[row_sids]
             lp_rows = np.flatnonzero(wanted >= 0)
         processed = self.sampling.process(raw, row_sids, keep_input=len(lp_rows) > 0)
         tokens = self.sampler(processed, self.sampling.batch(row_sids))
-        logprobs = None
-        if len(lp_rows):
-            lp_raw, lp_tokens = raw, tokens
-            if len(lp_rows) < len(row_sids):  # gather only when some rows did not ask
-                idx = torch.from_numpy(lp_rows).to(raw.device)
-                lp_raw, lp_tokens, wanted = raw[idx], tokens[idx], wanted[lp_rows]
+        if not len(lp_rows):
+            host, = to_host(tokens)
+            return SampleOutput(host.astype(np.int32), tokens, None, lp_rows)
+        lp_raw, lp_tokens = raw, tokens
+        if len(lp_rows) < len(row_sids):  # gather only when some rows did not ask
+            idx = to_device(lp_rows, raw.device)
+            lp_raw, lp_tokens, wanted = raw[idx], tokens[idx], wanted[lp_rows]
+        if lp_raw.device.type == "cpu":
             logprobs = gather_logprobs(lp_raw, lp_tokens, wanted)
-        host = tokens.numpy().astype(np.int32) if tokens.device.type == "cpu" else tokens.to(torch.int32).cpu().numpy()
-        return SampleOutput(host, tokens, logprobs, lp_rows)
+            host, = to_host(tokens)
+        else:  # the step's one wait, for the tokens and their logprobs together
+            k = int(wanted.max())
+            host, columns = to_host(tokens, logprob_columns(lp_raw, lp_tokens, k))
+            logprobs = unpack_logprobs(columns, wanted)
+        return SampleOutput(host.astype(np.int32), tokens, logprobs, lp_rows)
 
 
 @dataclass

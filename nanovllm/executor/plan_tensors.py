@@ -4,9 +4,9 @@ The C++ core writes each step's flat arrays (docs/design.md, "The step") into on
 buffer, every array at a fixed offset sized for the maximum batch and the block tables last. This
 module wraps that buffer once with `torch.from_numpy` and, per step, hands out views of it sized
 by the step's counts. On CPU those views are the result (no copy at all); for an accelerator the
-used prefix `buffer[:used_size]` goes over in one copy into a persistent device buffer and the
-same views are taken there, so the device arrays also sit at fixed addresses (what CUDA graphs
-need).
+used part goes over in one copy into a persistent device buffer (everything before the block
+tables, then the step's block-table rows cut to the columns its longest context uses) and the same
+views are taken there, so the device arrays also sit at fixed addresses (what CUDA graphs need).
 
 Why it is built this way (measured on the 2-core dev machine, torch 2.13 CPU):
 - Creating a tensor view from Python costs about 1.2 us (`t[a:b]`; `narrow` is ~1.8 us), reading
@@ -87,7 +87,8 @@ class PlanViews:
 class _ViewMaker:
     """Cached views of one buffer (the host wrap of the plan buffer, or a device copy of it)."""
 
-    __slots__ = ("_base", "_cache", "_copies2d", "_cpy", "_off", "_seq", "_smp", "_tables2d", "_tok")
+    __slots__ = ("_base", "_cache", "_copies2d", "_cpy", "_max_blocks", "_off", "_seq", "_smp", "_tab", "_tables2d",
+                 "_tok")
 
     def __init__(self, base: torch.Tensor, off: dict[str, int], max_seqs: int, max_blocks: int,
                  cache: bool) -> None:
@@ -97,10 +98,12 @@ class _ViewMaker:
         # Reshaped once so that a step's view is a single row slice.
         self._copies2d = base[bc:bt].view(-1, 2)
         self._tables2d = base[bt:bt + max_seqs * max_blocks].view(max_seqs, max_blocks)
+        self._max_blocks = max_blocks
         self._cache = cache
         # length -> views, one cache per group of sections that share a length.
         self._tok: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._seq: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._seq: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._tab: dict[tuple[int, int], torch.Tensor] = {}
         self._smp: dict[int, torch.Tensor] = {}
         self._cpy: dict[int, torch.Tensor] = {}
 
@@ -113,13 +116,26 @@ class _ViewMaker:
             self._remember(self._tok, n, v)
         return v
 
-    def seqs(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def seqs(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         v = self._seq.get(n)
         if v is None:
             b, o = self._base, self._off
             cq, ck, cl = o["cu_seqlens_q"], o["cu_seqlens_k"], o["context_lens"]
-            v = (b[cq:cq + n + 1], b[ck:ck + n + 1], b[cl:cl + n], self._tables2d[:n])
+            v = (b[cq:cq + n + 1], b[ck:ck + n + 1], b[cl:cl + n])
             self._remember(self._seq, n, v)
+        return v
+
+    def tables(self, n: int, width: int) -> torch.Tensor:
+        """Block tables of `n` sequences, `width` columns each: rows of the full width in the host
+        buffer; in a device buffer (which receives only the used columns) `n` packed rows."""
+        v = self._tab.get((n, width))
+        if v is None:
+            if width == self._max_blocks:
+                v = self._tables2d[:n]
+            else:
+                bt = self._off["block_tables"]
+                v = self._base[bt:bt + n * width].view(n, width)
+            self._remember(self._tab, (n, width), v)
         return v
 
     def samples(self, n: int) -> torch.Tensor:
@@ -137,7 +153,7 @@ class _ViewMaker:
             self._remember(self._cpy, n, v)
         return v
 
-    def _remember(self, cache: dict[int, Any], n: int, v: Any) -> None:
+    def _remember(self, cache: dict[Any, Any], n: Any, v: Any) -> None:
         if not self._cache:
             return
         if len(cache) >= _CACHE_LIMIT:
@@ -169,8 +185,11 @@ class PlanTensors:
     views there.
     """
 
-    def __init__(self, plan: StepPlan, *, cache_views: bool = True) -> None:
+    def __init__(self, plan: StepPlan, *, block_size: int | None = None, cache_views: bool = True) -> None:
+        """`block_size` (the cache's) lets `to()` copy only the block-table columns a step uses
+        (the widest context's blocks); without it every column goes over."""
         self._cache_views = cache_views
+        self._block_size = block_size
         # Keyed by the caller's device argument as given, so a step does not build a
         # torch.device; None marks a CPU target (the host views are the result).
         self._devices: dict[torch.device | str, _DeviceCopy | None] = {}
@@ -193,6 +212,7 @@ class PlanTensors:
         if self._bt + self._max_seqs * self._max_blocks != buf.shape[0]:
             raise ValueError("StepPlan buffer size does not match its block-table section")
         self._host_views = self._maker(self._host)
+        self._host_tables = self._host[self._bt:].view(self._max_seqs, self._max_blocks)
         self._devices.clear()  # device buffers were sized and sliced for the old layout
 
     def _maker(self, base: torch.Tensor) -> _ViewMaker:
@@ -229,7 +249,7 @@ class PlanTensors:
         self._check_plan(plan)
         return self._views(self._host_views)
 
-    def _views(self, maker: _ViewMaker) -> PlanViews:
+    def _views(self, maker: _ViewMaker, width: int | None = None) -> PlanViews:
         p = self._plan
         # The only crossings into the core per step: 7 int reads, ~0.1 us each.
         nt = p.num_tokens
@@ -237,12 +257,22 @@ class PlanTensors:
         nsmp = p.num_samples
         ncp = p.num_copies
         ndec = p.num_decode_tokens
+        max_k = p.max_seqlen_k
         ids, pos, slots = maker.tokens(nt)
-        cu_q, cu_k, ctx, tables = maker.seqs(ns)
+        cu_q, cu_k, ctx = maker.seqs(ns)
+        tables = maker.tables(ns, self._max_blocks if width is None else width)
         return PlanViews(
             ids, pos, slots, cu_q, cu_k, ctx, maker.samples(nsmp), maker.copies(ncp), tables,
-            nt, ns, nsmp, ncp, nt - ndec, ndec, p.max_seqlen_q, p.max_seqlen_k,
+            nt, ns, nsmp, ncp, nt - ndec, ndec, p.max_seqlen_q, max_k,
         )
+
+    def table_width(self, plan: StepPlan | None = None) -> int:
+        """Block-table columns this step uses: the blocks of its longest context (all columns
+        without a block size)."""
+        self._check_plan(plan)
+        if self._block_size is None:
+            return self._max_blocks
+        return min(self._max_blocks, -(-self._plan.max_seqlen_k // self._block_size))
 
     def used_size(self, plan: StepPlan | None = None) -> int:
         """Elements of the buffer this step uses (block tables last, one row per sequence)."""
@@ -250,7 +280,10 @@ class PlanTensors:
         return self._bt + self._plan.num_seqs * self._max_blocks
 
     def to(self, device: torch.device | str, plan: StepPlan | None = None) -> PlanViews:
-        """The current step on `device`: one copy of buffer[:used_size], then the same views.
+        """The current step on `device`: one copy of the used part of the buffer, then the same
+        views. The used part is everything before the block tables plus the step's rows of them,
+        each cut to `table_width()` columns (with Qwen3's max_model_len of 40,960 a full row is 2,560
+        columns, 2.6 MB per step at batch 256, where a 1,024-token context needs 64).
 
         On CPU this is `views()` (the host views are the result). On CUDA the copy is staged
         through pinned memory and issued non_blocking on the current stream, so kernels queued
@@ -263,18 +296,24 @@ class PlanTensors:
             dev = self._devices[device] = self._new_device(torch.device(device))
         if dev is None:
             return self._views(self._host_views)
-        used = self._bt + self._plan.num_seqs * self._max_blocks
-        src = self._host[:used]
+        ns, bt = self._plan.num_seqs, self._bt
+        width = self.table_width()
+        used = bt + ns * width
         if dev.pinned is not None:
             assert dev.event is not None
             # The previous step's copy has normally finished long ago (reading its sampled
             # tokens synchronized); this only guards the staging buffer against reuse.
             dev.event.synchronize()
-            staged = dev.pinned[:used]
-            staged.copy_(src)
-            dev.buffer[:used].copy_(staged, non_blocking=True)
+            staged = dev.pinned
+        else:
+            # Other devices: assembled here, then a blocking copy (the core rewrites the source
+            # next step).
+            staged = torch.empty(used, dtype=torch.int32)
+        staged[:bt].copy_(self._host[:bt])
+        staged[bt:used].view(ns, width).copy_(self._host_tables[:ns, :width])
+        if dev.pinned is not None:
+            dev.buffer[:used].copy_(staged[:used], non_blocking=True)
             dev.event.record()
         else:
-            # Other devices: a blocking copy, since the core rewrites the source next step.
-            dev.buffer[:used].copy_(src)
-        return self._views(dev.views)
+            dev.buffer[:used].copy_(staged[:used])
+        return self._views(dev.views, width)

@@ -19,6 +19,7 @@ import torch
 from nanovllm._core import TokenTable
 from nanovllm.outputs import Logprob
 from nanovllm.sample import cpu_kernels
+from nanovllm.staging import to_host
 
 
 @dataclass
@@ -36,24 +37,33 @@ class LogprobBlock:
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
     """logits [R, V] (raw), chosen [R] token ids, wanted [R] top-k sizes; one device->host transfer."""
-    k = int(wanted.max()) if len(wanted) else 0
     wanted = np.asarray(wanted, dtype=np.int64)
+    k = int(wanted.max()) if len(wanted) else 0
     logits = logits.float()
     if cpu_kernels.runs_on(logits):
-        ids = chosen.cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+        ids = to_host(chosen)[0].astype(np.int64, copy=False).reshape(-1)
         return LogprobBlock(*cpu_kernels.logprobs(logits, ids, k), ids, wanted)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    return unpack_logprobs(to_host(logprob_columns(logits, chosen, k))[0], wanted)
+
+
+def logprob_columns(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """The torch path's logprobs where the logits are (nothing comes back yet): float64
+    [R, 3 + 2k] columns chosen logprob, rank, chosen id, top-k logprobs, top-k ids (exact for fp32
+    logprobs and for any token id or rank below 2^53), so that one transfer brings them back, with
+    the step's tokens (`to_host`); `unpack_logprobs` splits them on the host."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = chosen.view(-1, 1).long()
     chosen_lp = logprobs.gather(1, chosen)
     # Rank 1 is the most likely token; ties count in the chosen token's favour.
     rank = (logprobs > chosen_lp).sum(dim=1, keepdim=True) + 1
     top_lp, top_ids = logprobs.topk(k, dim=1) if k > 0 else (logprobs[:, :0], chosen[:, :0])
-    # One transfer: everything as float64 columns (exact for fp32 logprobs and for any token id or
-    # rank below 2^53), split back apart on the host.
-    a = torch.cat([chosen_lp.double(), rank.double(), chosen.double(), top_lp.double(), top_ids.double()],
-                  dim=1).cpu().numpy()
+    return torch.cat([chosen_lp.double(), rank.double(), chosen.double(), top_lp.double(), top_ids.double()], dim=1)
+
+
+def unpack_logprobs(a: np.ndarray, wanted: np.ndarray) -> LogprobBlock:
+    k = (a.shape[1] - 3) // 2
     return LogprobBlock(a[:, 0], a[:, 1].astype(np.int64), a[:, 3 + k:].astype(np.int64), a[:, 3:3 + k],
-                        a[:, 2].astype(np.int64), wanted)
+                        a[:, 2].astype(np.int64), np.asarray(wanted, dtype=np.int64))
 
 
 def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from nanovllm.sample import cpu_kernels
+from nanovllm.staging import to_device
 
 # Temperatures at or below this are treated as greedy (dividing by ~0 would overflow).
 GREEDY_EPS = 1e-5
@@ -109,7 +110,7 @@ class Sampler(nn.Module):
             rows = np.flatnonzero(group)
             if len(rows):
                 tokens = _sample_rows(logits, rows, kind, batch, top_k)
-                out = out.index_copy(0, torch.from_numpy(rows).to(logits.device), tokens)
+                out = out.index_copy(0, to_device(rows, logits.device), tokens)
         return out
 
 
@@ -125,23 +126,22 @@ def _sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
 def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: SamplingBatch,
                  top_k: np.ndarray) -> torch.Tensor:
     dev = logits.device
-    x = logits if len(rows) == logits.shape[0] else logits[torch.from_numpy(rows).to(dev)]
-    x = x / torch.from_numpy(batch.temperatures[rows]).to(dev)[:, None]
+    x = logits if len(rows) == logits.shape[0] else logits[to_device(rows, dev)]
+    x = x / to_device(batch.temperatures[rows], dev)[:, None]
     top_p = batch.top_p[rows]
     ids = None
     if kind == "top_k":
         k = top_k[rows]
         x, ids = x.topk(int(k.max()), dim=-1)
-        x = x.masked_fill(torch.arange(x.shape[1], device=dev)[None, :] >= torch.from_numpy(k).to(dev)[:, None],
-                          float("-inf"))
+        x = x.masked_fill(torch.arange(x.shape[1], device=dev)[None, :] >= to_device(k, dev)[:, None], float("-inf"))
     elif kind == "sort":
         x, ids = x.sort(dim=-1, descending=True)
     if ids is not None and (top_p < 1.0).any():
-        x = apply_top_p_sorted(x, torch.from_numpy(top_p).to(dev))
+        x = apply_top_p_sorted(x, to_device(top_p, dev))
     probs = torch.softmax(x, dim=-1)
     min_p = batch.min_p[rows]
     if (min_p > 0.0).any():
-        probs = apply_min_p(probs, torch.from_numpy(min_p).to(dev))
+        probs = apply_min_p(probs, to_device(min_p, dev))
     generators = {}
     if batch.generators:
         seeded = np.flatnonzero(np.isin(rows, np.fromiter(batch.generators, dtype=np.int64)))

@@ -27,16 +27,21 @@ so a greedy step that skips them is measurably faster (benchmarks/step_overhead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from nanovllm.sample import cpu_kernels
 from nanovllm.sample.rows import DenseRows, RowColumns
 from nanovllm.sample.sampler import GREEDY_EPS, SamplingBatch
-from nanovllm.sample.structured import GrammarRows
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.staging import to_device
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from nanovllm.sample.structured import GrammarRows
 
 COLUMNS = {
     "temperature": (np.float32, 1.0),
@@ -67,7 +72,9 @@ class SamplingState:
         self.generators: dict[int, torch.Generator] = {}
         self._penalties = DenseRows((2, vocab_size), device)
         self._bias = DenseRows((vocab_size,), device)
-        self.grammars = GrammarRows(vocab_size, device)
+        # Built with the first constrained sequence: xgrammar is imported only when structured
+        # output is used (it is an optional dependency where the engine runs without it).
+        self.grammars: GrammarRows | None = None
         # Stop ids masked while min_tokens is not reached, -1 padded; rows recycled through a free list.
         self._stop_ids = np.full((0, 1), -1, dtype=np.int64)
         self._free_stop_rows: list[int] = []
@@ -97,18 +104,22 @@ class SamplingState:
             r.frequency[sid] = params.frequency_penalty
             r.repetition[sid] = params.repetition_penalty
             slot = r.penalty_slot[sid] = self._penalties.acquire()
-            ids = torch.as_tensor(prompt_token_ids, dtype=torch.int64, device=self.device)
+            ids = to_device(prompt_token_ids, self.device, np.int64)
             self._penalties.data[slot, 0, ids] = 1.0
         if params.logit_bias:
             slot = r.bias_slot[sid] = self._bias.acquire()
-            tokens = torch.as_tensor(list(params.logit_bias), dtype=torch.int64, device=self.device)
-            values = torch.as_tensor(list(params.logit_bias.values()), dtype=torch.float32, device=self.device)
+            tokens = to_device(list(params.logit_bias), self.device, np.int64)
+            values = to_device(list(params.logit_bias.values()), self.device, np.float32)
             self._bias.data[slot].index_put_((tokens,), values)
         if params.min_tokens > 0:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if stops:
                 r.stop_row[sid] = self._take_stop_row(sorted(stops))
         if grammar is not None:
+            if self.grammars is None:
+                from nanovllm.sample.structured import GrammarRows
+
+                self.grammars = GrammarRows(self.vocab_size, self.device)
             self.grammars.add(sid, grammar)
             r.constrained[sid] = True
         self._count(sid, 1)
@@ -134,6 +145,7 @@ class SamplingState:
             ids = self._stop_ids[r.stop_row[parent]]
             r.stop_row[child] = self._take_stop_row(ids[ids >= 0].tolist())
         if r.constrained[parent]:
+            assert self.grammars is not None
             self.grammars.fork(parent, child)
         self._count(child, 1)
 
@@ -143,6 +155,7 @@ class SamplingState:
             self._count(sid, -1)
         self.generators.pop(sid, None)
         if r.constrained[sid]:
+            assert self.grammars is not None
             self.grammars.remove(sid)
         if r.penalty_slot[sid] >= 0:
             self._penalties.release(int(r.penalty_slot[sid]))
@@ -204,7 +217,9 @@ class SamplingState:
         pen_rows = np.flatnonzero(pen_slots >= 0)
         bias_rows = np.flatnonzero(bias_slots >= 0)
         mask_rows = np.flatnonzero(masked)
-        grammar_rows = np.flatnonzero(r.constrained[sids]) if self.grammars.matchers else mask_rows[:0]
+        grammars = self.grammars
+        grammar_rows = np.flatnonzero(r.constrained[sids]) if grammars is not None and grammars.matchers \
+            else mask_rows[:0]
         if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or len(grammar_rows)):
             return logits
         if keep_input:
@@ -216,20 +231,21 @@ class SamplingState:
                 cpu_kernels.apply_penalties(logits, pen_rows, self._penalties.data, pen_slots[pen_rows],
                                             r.repetition[s], r.frequency[s], r.presence[s])
             else:
-                rows = torch.from_numpy(pen_rows).to(dev)
-                slots = torch.from_numpy(pen_slots[pen_rows]).to(dev)
+                rows = to_device(pen_rows, dev)
+                slots = to_device(pen_slots[pen_rows], dev)
                 apply_penalties(logits, rows, self._penalties.data[slots], r.repetition[s], r.frequency[s],
                                 r.presence[s])
         if len(bias_rows):
-            rows = torch.from_numpy(bias_rows).to(dev)
-            logits[rows] += self._bias.data[torch.from_numpy(bias_slots[bias_rows]).to(dev)]
+            rows = to_device(bias_rows, dev)
+            logits[rows] += self._bias.data[to_device(bias_slots[bias_rows], dev)]
         if len(mask_rows):
             ids = self._stop_ids[stop_rows[mask_rows]]
             valid = ids >= 0
             rows = np.broadcast_to(mask_rows[:, None], ids.shape)[valid]
-            logits[torch.from_numpy(rows).to(dev), torch.from_numpy(ids[valid]).to(dev)] = float("-inf")
+            logits[to_device(rows, dev), to_device(ids[valid], dev)] = float("-inf")
         if len(grammar_rows):
-            self.grammars.mask(logits, grammar_rows, sids[grammar_rows])
+            assert grammars is not None
+            grammars.mask(logits, grammar_rows, sids[grammar_rows])
         return logits
 
     def record(self, sids: np.ndarray, tokens: torch.Tensor, host_tokens: np.ndarray) -> GrammarEnds:
@@ -239,18 +255,19 @@ class SamplingState:
         if not self.users.processed:  # nothing reads the counts below
             return ends
         r = self.rows
-        if self.grammars.matchers:
+        grammars = self.grammars
+        if grammars is not None and grammars.matchers:
             rows = np.flatnonzero(r.constrained[sids])
             if len(rows):
-                ends = GrammarEnds(*self.grammars.accept(sids[rows], host_tokens[rows]))
+                ends = GrammarEnds(*grammars.accept(sids[rows], host_tokens[rows]))
         r.num_output[sids] += 1
         slots = r.penalty_slot[sids]
         rows = np.flatnonzero(slots >= 0)
         if len(rows):
             dev = self._penalties.data.device
-            idx = torch.from_numpy(rows).to(dev)
+            idx = to_device(rows, dev)
             self._penalties.data.index_put_(
-                (torch.from_numpy(slots[rows]).to(dev), torch.ones_like(idx), tokens[idx].to(dev)),
+                (to_device(slots[rows], dev), torch.ones_like(idx), tokens[idx].to(dev)),
                 torch.ones(len(rows), device=dev), accumulate=True)
         return ends
 
@@ -286,10 +303,10 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor
     counts = seen[:, 1]
     in_output = counts > 0
     if (repetition != 1.0).any():
-        rep = torch.from_numpy(repetition).to(dev)[:, None]
+        rep = to_device(repetition, dev)[:, None]
         sub = torch.where(in_output | (seen[:, 0] > 0), torch.where(sub > 0, sub / rep, sub * rep), sub)
     if (frequency != 0.0).any():
-        sub -= torch.from_numpy(frequency).to(dev)[:, None] * counts
+        sub -= to_device(frequency, dev)[:, None] * counts
     if (presence != 0.0).any():
-        sub -= torch.from_numpy(presence).to(dev)[:, None] * in_output
+        sub -= to_device(presence, dev)[:, None] * in_output
     logits[rows] = sub

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from nanovllm.staging import to_device
+
 
 class GrammarRows:
     def __init__(self, vocab_size: int, device: torch.device, max_threads: int = 1) -> None:
@@ -50,8 +52,13 @@ class GrammarRows:
         if len(unique) < len(sids):
             src = fill_rows[np.searchsorted(unique, sids)]
             self._bitmask[torch.from_numpy(rows)] = self._bitmask[torch.from_numpy(src)]
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, self._bitmask[:num_rows], indices=rows.tolist())
+            return
+        # From page-locked memory, queued behind the forward (no wait); the rows go the same way
+        # (as a list, xgrammar would copy them from pageable memory).
         bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows.tolist())
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=to_device(rows, logits.device, np.int32))
 
     def accept(self, sids: np.ndarray, tokens: np.ndarray) -> tuple[list[int], list[int]]:
         """Advance each sequence's matcher by its sampled token. Returns (sequences whose grammar
