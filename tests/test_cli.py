@@ -27,7 +27,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_generate_prints_the_greedy_completion(model_dir: Path) -> None:
     prompt = "Hello there"
     res = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-tokens", "12",
-                  "--num-kvcache-blocks", "64", "--max-model-len", "256")
+                  "--num-kvcache-blocks", "64", "--max-model-len", "256", "--device", "cpu")
     assert res.returncode == 0, res.stderr
     llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256)
     expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
@@ -36,7 +36,7 @@ def test_generate_prints_the_greedy_completion(model_dir: Path) -> None:
 
 def test_bench_reports_throughput(model_dir: Path) -> None:
     res = run_cli("bench", "--model", str(model_dir), "--num-seqs", "6", "--max-input-len", "40",
-                  "--max-output-len", "20", "--num-kvcache-blocks", "128", "--max-model-len", "256")
+                  "--max-output-len", "20", "--num-kvcache-blocks", "128", "--max-model-len", "256", "--device", "cpu")
     assert res.returncode == 0, res.stderr
     m = re.search(r"Total: (\d+) output tokens in [\d.]+s, Throughput: ([\d.]+) tok/s", res.stdout)
     assert m is not None, res.stdout
