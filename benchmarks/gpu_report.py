@@ -1,6 +1,6 @@
 """One table from a scripts/gpu_check.sh results directory, ready for benchmarks/RESULTS.md.
 
-Reads what the check wrote (env.json, status.tsv, pytest.txt, decode_kernel.json,
+Reads what the check wrote (env.json, status.tsv, preflight.json, pytest*.txt, decode_kernel.json,
 throughput_eager.json, throughput_graphs.json, decode_step.json, sched_overhead.json), prints a
 markdown summary with the targets, and writes it to summary.md in the same directory. Missing
 pieces show as "-" (a step that failed or was skipped), never as an error.
@@ -45,7 +45,14 @@ def report(d: Path) -> str:
     lines.append(f"- Device: {env.get('gpu', '-')}, driver {env.get('driver', '-')}; "
                  f"torch {env.get('torch', '-')} (CUDA {env.get('torch_cuda', '-')}), triton {env.get('triton', '-')}, "
                  f"flash-attn {env.get('flash_attn', '-')}, nvcc {env.get('nvcc', '-')}, Python {env.get('python', '-')}")
+    lines.append(f"- nvidia-smi: {env.get('nvidia_smi') or '-'}")
     lines.append(f"- Tree: {env.get('git', '-')}; date {env.get('date', '-')}")
+    preflight = load(d / "preflight.json")
+    if preflight is not None:
+        missing = preflight.get("missing") or {}
+        lines.append(f"- Preflight: {len(preflight.get('required', []))} modules required, "
+                     + (f"MISSING {', '.join(missing)}" if missing else "all import")
+                     + f"; optional and absent: {', '.join(preflight.get('optional_absent') or []) or 'none'}")
     if env.get("dry_run"):
         lines.append("- DRY RUN: no GPU work was done; the numbers below come from CPU stand-ins or are empty")
     status = (d / "status.tsv").read_text().splitlines() if (d / "status.tsv").is_file() else []
@@ -56,9 +63,9 @@ def report(d: Path) -> str:
     logs = sorted(d.glob("pytest*.txt"))
     for log in logs:
         last = log.read_text(errors="replace").strip().splitlines()[-1:]
-        lines.append(f"- GPU tests ({log.stem}): {last[0] if last else '-'}")
+        lines.append(f"- Tests ({log.stem}): {last[0] if last else '-'}")
     if not logs:
-        lines.append("- GPU tests: -")
+        lines.append("- Tests: -")
     lines += ["", "| measure | value | target | verdict |", "|---|---:|---|---|"]
 
     copy = kernel.get("copy_gb_s") if kernel else None

@@ -1,32 +1,54 @@
 #!/usr/bin/env bash
-# The GPU check, in one command, for a GPU machine without a package index (< 8 min on an H200):
-#   1. build:  NANOVLLM_CUDA=ON pip install --no-build-isolation --no-deps --no-index .
-#              (the kernels must build: configuring fails without nvcc)
-#   2. tests:  the GPU tests (kernels vs the torch reference, engine vs transformers, graphs)
-#   3. bench:  decode kernel bandwidth vs the device's copy bandwidth; throughput (nano-vllm's
-#              workload, Qwen3-0.6B-shaped random bf16 model) eager and with CUDA graphs; the GPU
-#              decode step at batch 256 beside the scheduler's CPU time per step
-#   4. report: one markdown table (benchmarks/gpu_report.py), for benchmarks/RESULTS.md
+# The GPU check, in one command, for a GPU machine without a package index (one H200, 15 minutes of
+# device time per session, machine start included). On the workplace's device tool, the call is:
+#
+#   run(command='scripts/gpu_check.sh --results /tmp/gpu --deadline 450 --archive "$OUT/gpu.tgz"',
+#       carry=[".whl"], timeout_s=510)
+#
+# (.whl comes from scripts/gpu_wheels.sh, run here beforehand: the Python packages the image
+# lacks.) With the machine's start (1-2 min) that leaves ~4 minutes for one rerun after a fix,
+# e.g. --quick --skip-bench --deadline 180 (a fresh machine builds again). Step costs, dry run and
+# estimates on the H200: benchmarks/RESULTS.md, "GPU".
+# Steps, the most informative first; each is timed, a failure is recorded and the next step runs:
+#   0. wheels:    pip install --no-index --no-deps --target SITE .whl/*.whl; SITE goes first on
+#                 PYTHONPATH for every later step
+#   1. preflight: imports every module the package, the server, the tests and the benchmarks need
+#                 (scripts/gpu_preflight.py); anything missing stops the check at once, listed
+#   2. build:     NANOVLLM_CUDA=ON pip install --no-build-isolation --no-deps --no-index . (all
+#                 cores; the kernels must build: configuring fails without nvcc)
+#   3. tests:     kernels vs the torch reference; engine parity with transformers (eager, graphs,
+#                 a one-rank NCCL group); every sampling path on CUDA with the sync audit
+#   4. bench:     decode kernel bandwidth vs the device's copy bandwidth; throughput (nano-vllm's
+#                 workload, Qwen3-0.6B-shaped random bf16 model) eager and with CUDA graphs; the GPU
+#                 decode step at batch 256 beside the scheduler's CPU time per step
+#   5. suite:     the rest of the test suite, GPU visible, on all cores (pytest -n), as time allows
+#   6. report:    one markdown table (benchmarks/gpu_report.py), for benchmarks/RESULTS.md
 # Everything printed is also kept under the results directory (default
 # benchmarks/results/gpu-<UTC time>/): gpu_check.log, the JSON of each benchmark, summary.md.
 #
 # Usage: scripts/gpu_check.sh [--dry-run] [--quick] [--skip-build] [--skip-tests] [--skip-bench]
+#                             [--skip-suite] [--wheels DIR] [--site DIR] [--require MOD]...
 #                             [--deadline SECONDS] [--results DIR] [--archive FILE.tgz]
-#   --dry-run     no GPU needed: builds nothing, runs the same test command (GPU tests skip), the
-#                 benchmarks' CPU stand-ins (tiny model, --dry-run), and the report
-#   --quick       target rows only, fewer sequences: a fast sanity pass
-#   --deadline S  finish within S seconds of starting (default 540): every step's timeout is cut to
+#   --dry-run     no GPU needed: builds nothing; installs the wheels and runs the preflight as on
+#                 the GPU machine, runs the same tests (GPU tests skip), the benchmarks' CPU
+#                 stand-ins (tiny model, --dry-run), and the report (tests/test_gpu_check.py runs
+#                 this with everything else skipped)
+#   --quick       target rows only, fewer sequences, no suite: a fast sanity pass
+#   --wheels DIR  wheels to install first (default .whl, when it exists); --site DIR: where
+#                 (default /tmp/nanovllm-site)
+#   --require MOD one more module the preflight must import (repeatable)
+#   --deadline S  finish within S seconds of starting (default 450): every step's timeout is cut to
 #                 what is left, steps that no longer fit are skipped, the report is always written
 #   --archive F   also pack the results directory into F (.tgz) at the end, for a machine that
-#                 hands back only a few files. On the workplace's device machine:
-#                   scripts/gpu_check.sh --results /tmp/gpu --deadline 540 --archive "$OUT/gpu.tgz"
+#                 hands back only a few files
 # Environment: PYTHON (default python3, else python), BENCH_MODEL_DIR (where the 0.6B-shaped model is kept and
 # reused; default ~/.cache/nanovllm/bench-qwen3-0.6b-shape).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-$(command -v python3 || command -v python || echo python)}
-DRY=0 QUICK=0 BUILD=1 TESTS=1 BENCH=1 DEADLINE=540 ARCHIVE=""
+DRY=0 QUICK=0 BUILD=1 TESTS=1 BENCH=1 SUITE=1 DEADLINE=450 ARCHIVE="" WHEELS="" SITE=/tmp/nanovllm-site
+REQUIRE=()
 # No network there: transformers / huggingface_hub must never try. The fp32 engine tests compare
 # greedy tokens with transformers (top-2 logit margins down to ~5e-5): keep fp32 matmuls IEEE even
 # where the image turns TF32 on through the environment.
@@ -40,10 +62,14 @@ while [ $# -gt 0 ]; do
     --skip-build) BUILD=0 ;;
     --skip-tests) TESTS=0 ;;
     --skip-bench) BENCH=0 ;;
+    --skip-suite) SUITE=0 ;;
+    --wheels) WHEELS="$2"; shift ;;
+    --site) SITE="$2"; shift ;;
+    --require) REQUIRE+=(--also "$2"); shift ;;
     --deadline) DEADLINE="$2"; shift ;;
     --results) RESULTS="$2"; shift ;;
     --archive) ARCHIVE="$2"; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
   shift
@@ -138,8 +164,9 @@ for name in ("triton", "flash_attn"):
         env[name] = __import__(name).__version__
     except Exception:
         env[name] = "absent"
-smi = out(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-env["driver"] = smi.splitlines()[0] if smi else None
+smi = out(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
+env["nvidia_smi"] = smi.splitlines()[0] if smi else None
+env["driver"] = smi.splitlines()[0].rsplit(",", 1)[-1].strip() if smi else None
 nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if shutil.os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 env["nvcc"] = (out([nvcc, "--version"]) or "").splitlines()[-1] if nvcc else "absent"
 open(sys.argv[1], "w").write(json.dumps(env, indent=2) + "\n")
@@ -150,28 +177,70 @@ if [ "$DRY" -eq 0 ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.i
   exit 2
 fi
 
+# --- wheels and preflight -------------------------------------------------------------------
+if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS=.whl; fi
+if [ -n "$WHEELS" ]; then
+  # The wheels are for the GPU machine's Python (3.12). Run by another Python (a dry run here),
+  # they are installed for 3.12 all the same, which checks that the set installs as a whole, but
+  # stay off PYTHONPATH: their compiled modules could not load here.
+  FOR_PY=$("$PY" - "$WHEELS" <<'EOF2'
+import pathlib, sys
+here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+tags = {w.name.split("-")[-3] for w in pathlib.Path(sys.argv[1]).glob("*.whl")}
+print(next((t for t in sorted(tags) if t.startswith("cp3") and t != here), ""))
+EOF2
+)
+  CROSS=()
+  if [ -n "$FOR_PY" ]; then
+    CROSS=(--python-version "3.${FOR_PY#cp3}" --implementation cp --abi "$FOR_PY" --abi abi3 --abi none
+           --only-binary=:all:)
+  fi
+  # --target: the image's own site-packages stay untouched; SITE goes first on PYTHONPATH, so a
+  # carried wheel wins over an older copy in the image.
+  run wheels 120 bash -c 'site=$1 py=$2 dir=$3; shift 3; rm -rf "$site" &&
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$@" \
+      "$dir"/*.whl' wheels "$SITE" "$PY" "$WHEELS" "${CROSS[@]}"
+  if [ -z "$FOR_PY" ]; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE (first on PYTHONPATH)"
+  else
+    echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE for Python ${CROSS[1]} ($FOR_PY): not this Python's, so not on PYTHONPATH"
+  fi
+fi
+if ! run preflight 120 "$PY" scripts/gpu_preflight.py --also xdist "${REQUIRE[@]}" --json "$RESULTS/preflight.json"; then
+  echo "!!! preflight failed: nothing else can run; carry the missing wheels (scripts/gpu_wheels.sh) and rerun"
+  finish
+  exit 3
+fi
+
 # --- build --------------------------------------------------------------------------------------
 if [ "$BUILD" -eq 1 ] && [ "$DRY" -eq 0 ]; then
-  run build 600 --log "$RESULTS/build.log" \
-    env NANOVLLM_CUDA=ON PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --no-build-isolation --no-deps --no-index -v .
+  run build 300 --log "$RESULTS/build.log" \
+    env NANOVLLM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" PIP_BREAK_SYSTEM_PACKAGES=1 \
+    "$PY" -m pip install --no-build-isolation --no-deps --no-index -v .
   tail -3 "$RESULTS/build.log"
   grep -E "CUDA kernels:|nvcc|error" "$RESULTS/build.log" | head -20
 elif [ "$DRY" -eq 1 ]; then
   echo "dry run: would run NANOVLLM_CUDA=ON $PY -m pip install --no-build-isolation --no-deps --no-index ."
 fi
-(cd /tmp && "$PY" -c "import nanovllm._kernels as k; print('nanovllm._kernels:', k.build_targets(), 'CUDA runtime', k.cuda_runtime_version())") \
-  || echo "nanovllm._kernels is not importable"
+if [ "$TESTS" -eq 1 ] || [ "$BENCH" -eq 1 ]; then
+  (cd /tmp && "$PY" -c "import nanovllm._kernels as k; print('nanovllm._kernels:', k.build_targets(), 'CUDA runtime', k.cuda_runtime_version())") \
+    || echo "nanovllm._kernels is not importable"
+fi
 
 # --- tests --------------------------------------------------------------------------------------
+# Each group in its own process: a sticky CUDA error (an illegal address) in one cannot fail the
+# next. faulthandler dumps the stacks of a test that hangs.
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 -o faulthandler_timeout=100)
+GPU_TESTS=(tests/test_kernels_cuda.py tests/test_kernels_build.py tests/test_plan_tensors.py tests/test_staging.py
+           tests/test_cuda_engine.py tests/test_tensor_parallel_one_rank.py tests/test_sampling_cuda.py)
 if [ "$TESTS" -eq 1 ]; then
-  # Two processes: a sticky CUDA error (an illegal address) in the kernel tests cannot fail the
-  # engine tests too. faulthandler dumps the stacks of a test that hangs.
-  PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 -o faulthandler_timeout=100)
-  run tests_kernels 200 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" \
-    tests/test_kernels_cuda.py tests/test_kernels_build.py tests/test_plan_tensors.py
+  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:4}"
   tail -15 "$RESULTS/pytest_kernels.txt"
-  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" tests/test_cuda_engine.py
+  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:4:2}"
   tail -15 "$RESULTS/pytest_engine.txt"
+  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:6:1}"
+  tail -15 "$RESULTS/pytest_sampling.txt"
 fi
 
 # --- benchmarks ---------------------------------------------------------------------------------
@@ -205,6 +274,16 @@ run sched_overhead 120 --log "$RESULTS/sched_overhead.txt" \
 grep -E "^\| decode \| 256 " "$RESULTS/sched_overhead.txt"
 run decode_step 150 "$PY" benchmarks/decode_step.py "${STEP_ARGS[@]}" --sched-json "$RESULTS/sched_overhead.json" \
   --json "$RESULTS/decode_step.json"
+fi
+
+# --- the rest of the suite --------------------------------------------------------------------
+# With the GPU visible (a test that picks the device itself must pass there too), on every core
+# (two OpenMP threads per worker: torch's default of one per core, per worker, would thrash).
+if [ "$SUITE" -eq 1 ] && [ "$QUICK" -eq 0 ] && [ "$TESTS" -eq 1 ]; then
+  IGNORE=()
+  for t in "${GPU_TESTS[@]}"; do IGNORE+=(--ignore "$t"); done
+  run suite 600 --log "$RESULTS/pytest_suite.txt" env OMP_NUM_THREADS=2 "${PYTEST[@]}" -n "$(nproc)" "${IGNORE[@]}" tests
+  tail -25 "$RESULTS/pytest_suite.txt"
 fi
 
 # --- report -------------------------------------------------------------------------------------
