@@ -170,6 +170,7 @@ cdef class TokenTable:
     cdef readonly str strip_char
     cdef readonly tuple cleanup
     cdef readonly frozenset special_ids
+    cdef list _token_strings          # decode_tokens' strings by id, made at first use
 
     def __init__(
         self,
@@ -296,18 +297,27 @@ cdef class TokenTable:
         return _utf8(s.text, 0, s.text.size())
 
     def decode_tokens(self, ids) -> list[str]:
-        """`[tokenizer.decode([i]) for i in ids]` in one call (logprobs of a whole step)."""
+        """`[tokenizer.decode([i]) for i in ids]` in one call (logprobs of a whole step). A token's
+        string does not depend on its neighbours here, so each id is decoded once per table and
+        remembered: the logprobs of a step ask for ~6 per sequence, mostly the same few."""
         cdef const int32_t[::1] toks = _as_int32(ids, "ids")
         cdef Py_ssize_t i
         for i in range(toks.shape[0]):
             self._check_id(toks[i])
+        if self._token_strings is None:
+            self._token_strings = [None] * <Py_ssize_t>self.flags.size()
+        cdef list cache = self._token_strings
         cdef list out = []
         cdef Seq s
+        cdef object text
         for i in range(toks.shape[0]):
-            _init_seq(self, &s, 0, False, False)
-            _feed(self, &s, toks[i])
-            _finish(self, &s)
-            out.append(_utf8(s.text, 0, s.text.size()))
+            text = cache[toks[i]]
+            if text is None:
+                _init_seq(self, &s, 0, False, False)
+                _feed(self, &s, toks[i])
+                _finish(self, &s)
+                text = cache[toks[i]] = _utf8(s.text, 0, s.text.size())
+            out.append(text)
         return out
 
 

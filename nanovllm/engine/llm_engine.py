@@ -16,6 +16,8 @@ See docs/design.md, "The step".
 
 from __future__ import annotations
 
+import atexit
+import gc
 import math
 import threading
 import time
@@ -67,6 +69,19 @@ def valid_text(text: str) -> str:
         raise ValueError(f"the prompt is not valid Unicode: it holds the lone surrogate {text[e.start:e.end]!r} "
                          f"at position {e.start}") from None
     return text
+
+
+def _freeze_startup_heap() -> None:
+    """Moves what exists after startup (torch's, transformers' and the model's ~400k objects) out of
+    the cyclic GC's reach. Every full collection traverses all tracked objects: 0.2-0.5 s each on
+    the dev machine, triggered every few steps once outputs allocate many objects (logprobs:
+    ~1,800 per step at 256 sequences), which cost more per step than building the outputs.
+    vLLM freezes its startup heap likewise. Unfrozen at exit, so that extension modules see
+    their objects freed at interpreter shutdown."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
@@ -121,6 +136,7 @@ class LLMEngine:
         self._prompt_logprobs_pending: dict[str, Request] = {}
         self._request_counter = 0
         self._num_fanning = 0  # queued prompts whose first sample fans out into n > 1
+        _freeze_startup_heap()
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -11,7 +11,7 @@ decoded in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,32 @@ class LogprobBlock:
     top_logprobs: np.ndarray  # float64 [R, k]
     chosen_ids: np.ndarray  # int64 [R]
     wanted: np.ndarray  # int64 [R]
+    # The block as Python lists with every token's string, made at its first output (build_entries):
+    # a block is one step's rows of many requests, each of which reads its own row.
+    _rows: _HostRows | None = field(default=None, init=False, repr=False, compare=False)
+
+    def host_rows(self, table: TokenTable) -> _HostRows:
+        if self._rows is None:
+            self._rows = _HostRows(self, table)
+        return self._rows
+
+
+class _HostRows:
+    """A LogprobBlock as Python lists, made once: the row-major top-k ids, logprobs and strings,
+    and the chosen tokens' ids, logprobs, ranks and strings."""
+
+    __slots__ = ("chosen_ids", "chosen_lps", "chosen_ranks", "chosen_strs", "k", "top_ids", "top_lps", "top_strs",
+                 "wanted")
+
+    def __init__(self, block: LogprobBlock, table: TokenTable) -> None:
+        self.k = block.top_ids.shape[1]
+        # Every string of the block in one call: the top ids row by row, then the chosen ids.
+        strings = table.decode_tokens(np.concatenate([block.top_ids.reshape(-1), block.chosen_ids]).astype(np.int32))
+        n = block.top_ids.size
+        self.top_ids, self.top_lps, self.top_strs = block.top_ids.tolist(), block.top_logprobs.tolist(), strings[:n]
+        self.wanted = block.wanted.tolist()
+        self.chosen_ids, self.chosen_lps = block.chosen_ids.tolist(), block.chosen_logprob.tolist()
+        self.chosen_ranks, self.chosen_strs = block.chosen_rank.tolist(), strings[n:]
 
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
@@ -68,19 +94,20 @@ def unpack_logprobs(a: np.ndarray, wanted: np.ndarray) -> LogprobBlock:
 
 def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:
     """The `{token id: Logprob}` of each (block, row): the row's top-k alternatives plus the chosen
-    token itself, with every token string decoded in one batched call."""
-    ids: list[int] = []
-    for block, row in refs:
-        ids.extend(block.top_ids[row, : block.wanted[row]].tolist())
-        ids.append(int(block.chosen_ids[row]))
-    strings = iter(table.decode_tokens(np.asarray(ids, dtype=np.int32)))
+    token itself. Each block is converted to Python (strings included) once, at the first output
+    that reads it; an entry then costs its Logprob objects and a dict (the chosen token's object
+    serves for its top-k place too)."""
     entries = []
     for block, row in refs:
-        k = int(block.wanted[row])
-        entry = {tid: Logprob(lp, rank + 1, next(strings))
-                 for rank, (tid, lp) in enumerate(zip(block.top_ids[row, :k].tolist(),
-                                                      block.top_logprobs[row, :k].tolist()))}
-        entry[int(block.chosen_ids[row])] = Logprob(float(block.chosen_logprob[row]), int(block.chosen_rank[row]),
-                                                    next(strings))
+        h = block._rows or block.host_rows(table)
+        chosen = h.chosen_ids[row]
+        mine = Logprob(h.chosen_lps[row], h.chosen_ranks[row], h.chosen_strs[row])
+        ids, lps, strs, base = h.top_ids[row], h.top_lps[row], h.top_strs, row * h.k
+        # Most likely first, the chosen token in its top-k place or else last.
+        entry = {}
+        for j in range(h.wanted[row]):
+            tid = ids[j]
+            entry[tid] = mine if tid == chosen else Logprob(lps[j], j + 1, strs[base + j])
+        entry[chosen] = mine
         entries.append(entry)
     return entries
