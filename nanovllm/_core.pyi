@@ -7,7 +7,7 @@ import numpy.typing as npt
 
 class TokenTable:
     """Bytes of every token id plus how the tokenizer's decoder joins them; built once per
-    tokenizer by `nanovllm.detokenizer.build_token_table`."""
+    tokenizer by `nanovllm.token_table.build_token_table`."""
 
     def __init__(
         self,

@@ -8,7 +8,7 @@ Tokens live in the C++ core (`nanovllm._C`); text lives here. Per step the engin
 typed code over C++ strings, and Python objects are created only for the results.
 
 How a token becomes text. A `TokenTable` is built once per tokenizer (see
-`nanovllm.detokenizer.build_token_table`, which reads the tokenizer's decoder) and stores, per id,
+`nanovllm.token_table.build_token_table`, which reads the tokenizer's decoder) and stores, per id,
 what that token contributes to `tokenizer.decode(ids)`:
 
 * byte-level tokenizers (GPT-2 / Qwen / Llama 3, decoder `ByteLevel`): the token's raw bytes. The
@@ -140,7 +140,7 @@ cdef struct Seq:
 cdef class TokenTable:
     """What each token id contributes to the decoded text; built once per tokenizer.
 
-    Use `nanovllm.detokenizer.build_token_table(tokenizer)`; the constructor takes the already
+    Use `nanovllm.token_table.build_token_table(tokenizer)`; the constructor takes the already
     interpreted decoder:
 
     pieces: one entry per id: the token's raw bytes (`byte_level=True`), or the UTF-8 of its text

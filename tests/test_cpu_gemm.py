@@ -198,7 +198,7 @@ def test_engine_with_prepacked_layers_matches_transformers(builtin_shaped: Path)
     llm = LLM(str(builtin_shaped), device="cpu", num_kvcache_blocks=64, block_size=16, max_model_len=512)
     # ours: every projection and the LM head; oneDNN: all but o_proj (below its threshold).
     per_layer = 4 if cpu_features.gemm_kernel() == "avx2" else 3
-    assert llm.engine.runner.num_prepacked == 2 * per_layer + 1
+    assert llm.engine.executor.runner.num_prepacked == 2 * per_layer + 1
     assert_greedy_matches(llm, builtin_shaped, random_prompts([1, 30, 100], 4096, seed=22), max_new=24)
 
 

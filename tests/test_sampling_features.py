@@ -184,7 +184,7 @@ def test_parallel_sampling_shares_the_prompt(model_dir: Path) -> None:
     prompt = random_prompts([200], VOCAB, seed=8)[0]
     greedy_one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].token_ids
-    llm.engine.core.stats()  # noqa: B018 - the pool is idle and whole here
+    llm.engine.scheduler.core.stats()  # noqa: B018 - the pool is idle and whole here
     many = llm.generate([prompt], SamplingParams(n=8, temperature=0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)[0]
     assert [c.index for c in many.outputs] == list(range(8))
@@ -270,15 +270,15 @@ def test_beam_memory_follows_live_beams(model_dir: Path) -> None:
     prompt = random_prompts([100], VOCAB, seed=12)[0]
     width, max_new = 4, 40
     peak = 0
-    original_step = engine.core.postprocess
+    original_step = engine.scheduler.core.postprocess
 
     def watching(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         nonlocal peak
         result = original_step(*args, **kwargs)
-        peak = max(peak, engine.core.stats()["num_used_blocks"])
+        peak = max(peak, engine.scheduler.core.stats()["num_used_blocks"])
         return result
 
-    engine.core = _Spy(engine.core, watching)
+    engine.scheduler.core = _Spy(engine.scheduler.core, watching)
     out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=width, max_tokens=max_new,
                                                                          ignore_eos=True))
     assert len(out[0].sequences) == width

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from engine_helpers import random_prompts
+from engine_helpers import apply_pending_changes, random_prompts
 from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -50,7 +50,8 @@ def llm(model_dir: Path) -> LLM:
 def assert_clean(llm: LLM) -> None:
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_requests"] == 0
-    assert not llm.engine.sampling.grammars.matchers
+    apply_pending_changes(llm)
+    assert not llm.engine.executor.runner.token_sampler.state.grammars.matchers
 
 
 def params(so: StructuredOutputsParams, **kw: object) -> SamplingParams:

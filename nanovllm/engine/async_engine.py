@@ -276,7 +276,7 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
-            self.engine.runner.make_device_current()  # the current CUDA device is per thread
+            self.engine.make_device_current()  # the current CUDA device is per thread
             while self._iterate():
                 pass
         except BaseException as e:  # a bug outside step(): stop serving rather than hang requests

@@ -115,6 +115,18 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
         raise ValueError(f"checkpoint in {Path(model_dir)} is missing tensors: {shown}{more}")
 
 
+def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                           attn_backend: str = "torch", tp: TPGroup | None = None) -> DecoderForCausalLM:
+    """Build `config`'s architecture in `dtype` and load its weights (this rank's shards under tensor
+    parallelism `tp`) from the checkpoint beside its config.json."""
+    # Every file's header is checked before the model takes any memory: a truncated shard fails
+    # here, naming the file, not halfway through the load.
+    validate_weight_files(find_weight_files(config.model_dir))
+    model = build_model(config, dtype, device, attn_backend, tp)
+    load_weights(model, config.model_dir)
+    return model
+
+
 def load_model(
     model_dir: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -122,12 +134,7 @@ def load_model(
     attn_backend: str = "torch",
     tp: TPGroup | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
-    """Read config.json, build the architecture and load its weights (this rank's shards under
-    tensor parallelism `tp`). Returns (model, config)."""
+    """Read config.json, then `load_model_from_config` with `dtype` resolved against it (the engine
+    resolves its configuration once and calls that directly). Returns (model, config)."""
     config = load_model_config(model_dir)
-    # Every file's header is checked before the model takes any memory: a truncated shard fails
-    # here, naming the file, not halfway through the load.
-    validate_weight_files(find_weight_files(model_dir))
-    model = build_model(config, resolve_dtype(config, dtype, device), device, attn_backend, tp)
-    load_weights(model, model_dir)
-    return model, config
+    return load_model_from_config(config, resolve_dtype(config, dtype, device), device, attn_backend, tp), config

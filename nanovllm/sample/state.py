@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from nanovllm.sample import cpu_kernels
-from nanovllm.sample.rows import DenseRows, RowColumns
+from nanovllm.row_columns import RowColumns
+from nanovllm.sample.rows import DenseRows
 from nanovllm.sample.sampler import GREEDY_EPS, SamplingBatch
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.staging import to_device
@@ -83,16 +84,18 @@ class SamplingState:
     # Lifecycle ----------------------------------------------------------------------------------
 
     def add(self, sid: int, params: SamplingParams, prompt_token_ids: list[int],
-            grammar: xgr.CompiledGrammar | None = None) -> None:
+            grammar: xgr.CompiledGrammar | None = None, logprobs: int | None = None) -> None:
         """Admit a sequence: its parameters, its seeded generator, the rows its filters read and
-        its grammar (`params.structured_outputs` compiled)."""
+        its grammar (`params.structured_outputs` compiled). `logprobs` overrides the params'."""
         r = self.rows
         r.reset(sid)
         r.temperature[sid] = params.temperature
         r.top_k[sid] = params.top_k if 0 < params.top_k < self.vocab_size else 0
         r.top_p[sid] = params.top_p
         r.min_p[sid] = params.min_p
-        r.logprobs[sid] = -1 if params.logprobs is None else params.logprobs
+        if logprobs is None:
+            logprobs = params.logprobs
+        r.logprobs[sid] = -1 if logprobs is None else logprobs
         r.min_tokens[sid] = params.min_tokens
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
