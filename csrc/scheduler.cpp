@@ -70,7 +70,6 @@ void Scheduler::fork(int64_t parent_id, int64_t child_id) {
   kv_.fork(parent, *child);
   child->status = parent.status;
   if (parent.status == SeqStatus::kRunning) {
-    child->admitted_at = ++admission_counter_;
     running_.push_back(child.get());
   } else {
     // Right behind its parent, so the two are admitted together and share cached blocks.
@@ -122,7 +121,6 @@ void Scheduler::schedule_waiting(int32_t& budget) {
     }
     waiting_.pop_front();
     seq->status = SeqStatus::kRunning;
-    seq->admitted_at = ++admission_counter_;
     running_.push_back(seq);
     batch_.push_back({seq, num_new, seq->num_computed + num_new == seq->num_tokens()});
     budget -= num_new;
@@ -189,7 +187,6 @@ void Scheduler::fork_in_step(const Sequence& parent, int64_t child_id, int32_t t
   kv_.fork(parent, *child);
   if (append_and_check(*child, token, finished)) return;  // done at once: never runs
   child->status = SeqStatus::kRunning;
-  child->admitted_at = ++admission_counter_;
   running_.push_back(child.get());
   seqs_.emplace(child_id, std::move(child));
 }
@@ -224,6 +221,12 @@ std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled
   batch_.clear();
   in_flight_ = false;
   return finished;
+}
+
+bool Scheduler::reset_prefix_cache() {
+  if (in_flight_ || kv_.pool().num_used() > 0) return false;
+  kv_.pool().reset_prefix_cache();
+  return true;
 }
 
 }  // namespace nanovllm

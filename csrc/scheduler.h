@@ -74,6 +74,10 @@ class Scheduler {
   // before the parent appends its own sample.
   std::vector<FinishedSeq> postprocess(std::span<const int32_t> sampled, std::span<const ForkRequest> forks = {});
 
+  // Forget every cached prefix (vLLM's reset_prefix_cache): only when no block is in use, so no
+  // running sequence's blocks change under it. Returns whether it did.
+  bool reset_prefix_cache();
+
   const StepPlan& plan() const { return plan_; }
   const KVCacheManager& kv() const { return kv_; }
   const SchedulerStats& stats() const { return stats_; }
@@ -106,7 +110,6 @@ class Scheduler {
   std::vector<Sequence*> running_;  // admission order
   std::vector<Scheduled> batch_;    // the plan in flight, in plan order
   std::vector<std::pair<int32_t, int32_t>> copies_;
-  uint64_t admission_counter_ = 0;
   bool in_flight_ = false;
   SchedulerStats stats_;
 };

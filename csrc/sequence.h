@@ -28,8 +28,6 @@ struct Sequence {
   int32_t num_registered_blocks = 0;
   StopParams stop;
   SeqStatus status = SeqStatus::kWaiting;
-  // Order of admission to running; the highest running one is preempted first.
-  uint64_t admitted_at = 0;
   // Changes (to a value never used before) whenever block_table changes other than by
   // appending, so a cached block-table row can tell whether it is still valid.
   uint64_t table_epoch = 0;

@@ -112,6 +112,10 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; only while no request runs. Returns whether it did."""
+        return self.engine.reset_prefix_cache()
+
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     # bytes would pass as a sequence of ints (token ids), None fail deep inside with a TypeError.

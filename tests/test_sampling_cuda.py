@@ -27,7 +27,7 @@ from test_models_sampler import reference_distribution
 from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 from nanovllm.sample import Sampler, make_sampling_batch
-from nanovllm.sample import cpu_kernels
+from nanovllm.cpu import sampler as cpu_sampler
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -79,7 +79,7 @@ def random_logits(rows: int, vocab: int, seed: int, device: str) -> torch.Tensor
 def test_greedy_equals_the_cpu_kernels(device: str) -> None:
     logits = random_logits(64, 4099, seed=1, device=device)
     got = Sampler("torch")(logits, make_sampling_batch([0.0] * 64))
-    want = cpu_kernels.argmax(logits.cpu().contiguous())
+    want = cpu_sampler.argmax(logits.cpu().contiguous())
     np.testing.assert_array_equal(got.cpu().numpy(), want)
     assert got.device.type == device
 

@@ -358,6 +358,11 @@ class LLMEngine:
         if req.finished:
             done_reqs.append(req)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name), e.g. after changing what a prefix
+        means to the model; only while no request runs. Returns whether it did."""
+        return self.scheduler.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Release what outlives a dropped engine otherwise until exit: tensor-parallel workers."""
         self.executor.shutdown()

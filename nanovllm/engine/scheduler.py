@@ -149,6 +149,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
     @property
     def num_total_blocks(self) -> int:
         return self.core.num_total_blocks

@@ -18,7 +18,7 @@ import torch
 
 from nanovllm._core import TokenTable
 from nanovllm.outputs import Logprob
-from nanovllm.sample import cpu_kernels
+from nanovllm.cpu import sampler as cpu_sampler
 from nanovllm.staging import to_host
 
 
@@ -66,9 +66,9 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarr
     wanted = np.asarray(wanted, dtype=np.int64)
     k = int(wanted.max()) if len(wanted) else 0
     logits = logits.float()
-    if cpu_kernels.runs_on(logits):
+    if cpu_sampler.runs_on(logits):
         ids = to_host(chosen)[0].astype(np.int64, copy=False).reshape(-1)
-        return LogprobBlock(*cpu_kernels.logprobs(logits, ids, k), ids, wanted)
+        return LogprobBlock(*cpu_sampler.logprobs(logits, ids, k), ids, wanted)
     return unpack_logprobs(to_host(logprob_columns(logits, chosen, k))[0], wanted)
 
 

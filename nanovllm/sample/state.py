@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanovllm.sample import cpu_kernels
+from nanovllm.cpu import sampler as cpu_sampler
 from nanovllm.row_columns import RowColumns
 from nanovllm.sample.rows import DenseRows
 from nanovllm.sample.sampler import GREEDY_EPS, SamplingBatch
@@ -230,8 +230,8 @@ class SamplingState:
         dev = logits.device
         if len(pen_rows):
             s = sids[pen_rows]
-            if cpu_kernels.runs_on(logits):
-                cpu_kernels.apply_penalties(logits, pen_rows, self._penalties.data, pen_slots[pen_rows],
+            if cpu_sampler.runs_on(logits):
+                cpu_sampler.apply_penalties(logits, pen_rows, self._penalties.data, pen_slots[pen_rows],
                                             r.repetition[s], r.frequency[s], r.presence[s])
             else:
                 rows = to_device(pen_rows, dev)

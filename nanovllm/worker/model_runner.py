@@ -24,7 +24,7 @@ import torch
 from nanovllm import _C
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, ResolvedConfig
-from nanovllm.layers import cpu_gemm
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.models.loader import load_model_from_config
 from nanovllm.sample import make_sampling_batch
