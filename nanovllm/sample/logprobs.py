@@ -33,32 +33,18 @@ class LogprobBlock:
     top_logprobs: np.ndarray  # float64 [R, k]
     chosen_ids: np.ndarray  # int64 [R]
     wanted: np.ndarray  # int64 [R]
-    # The block as Python lists with every token's string, made at its first output (build_entries):
-    # a block is one step's rows of many requests, each of which reads its own row.
-    _rows: _HostRows | None = field(default=None, init=False, repr=False, compare=False)
+    # The `{token id: Logprob}` of every row, made at the block's first output (build_entries): a
+    # block is one step's rows of many requests, and converting it whole is cheaper than row by row.
+    _entries: list[dict[int, Logprob]] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def host_rows(self, table: TokenTable) -> _HostRows:
-        if self._rows is None:
-            self._rows = _HostRows(self, table)
-        return self._rows
-
-
-class _HostRows:
-    """A LogprobBlock as Python lists, made once: the row-major top-k ids, logprobs and strings,
-    and the chosen tokens' ids, logprobs, ranks and strings."""
-
-    __slots__ = ("chosen_ids", "chosen_lps", "chosen_ranks", "chosen_strs", "k", "top_ids", "top_lps", "top_strs",
-                 "wanted")
-
-    def __init__(self, block: LogprobBlock, table: TokenTable) -> None:
-        self.k = block.top_ids.shape[1]
-        # Every string of the block in one call: the top ids row by row, then the chosen ids.
-        strings = table.decode_tokens(np.concatenate([block.top_ids.reshape(-1), block.chosen_ids]).astype(np.int32))
-        n = block.top_ids.size
-        self.top_ids, self.top_lps, self.top_strs = block.top_ids.tolist(), block.top_logprobs.tolist(), strings[:n]
-        self.wanted = block.wanted.tolist()
-        self.chosen_ids, self.chosen_lps = block.chosen_ids.tolist(), block.chosen_logprob.tolist()
-        self.chosen_ranks, self.chosen_strs = block.chosen_rank.tolist(), strings[n:]
+    def entries(self, table: TokenTable) -> list[dict[int, Logprob]]:
+        """Each row's top-k alternatives (most likely first) plus the chosen token, whose Logprob
+        serves its top-k place too (TokenTable.logprob_entries: one C loop, strings remembered)."""
+        if self._entries is None:
+            self._entries = table.logprob_entries(
+                np.ascontiguousarray(self.top_ids, dtype=np.int64), np.ascontiguousarray(self.top_logprobs),
+                self.chosen_ids, np.ascontiguousarray(self.chosen_logprob), self.chosen_rank, self.wanted, Logprob)
+        return self._entries
 
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
@@ -93,21 +79,5 @@ def unpack_logprobs(a: np.ndarray, wanted: np.ndarray) -> LogprobBlock:
 
 
 def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:
-    """The `{token id: Logprob}` of each (block, row): the row's top-k alternatives plus the chosen
-    token itself. Each block is converted to Python (strings included) once, at the first output
-    that reads it; an entry then costs its Logprob objects and a dict (the chosen token's object
-    serves for its top-k place too)."""
-    entries = []
-    for block, row in refs:
-        h = block._rows or block.host_rows(table)
-        chosen = h.chosen_ids[row]
-        mine = Logprob(h.chosen_lps[row], h.chosen_ranks[row], h.chosen_strs[row])
-        ids, lps, strs, base = h.top_ids[row], h.top_lps[row], h.top_strs, row * h.k
-        # Most likely first, the chosen token in its top-k place or else last.
-        entry = {}
-        for j in range(h.wanted[row]):
-            tid = ids[j]
-            entry[tid] = mine if tid == chosen else Logprob(lps[j], j + 1, strs[base + j])
-        entry[chosen] = mine
-        entries.append(entry)
-    return entries
+    """The `{token id: Logprob}` of each (block, row) (LogprobBlock.entries)."""
+    return [block.entries(table)[row] for block, row in refs]
