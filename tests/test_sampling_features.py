@@ -307,10 +307,41 @@ def test_seeded_parallel_samples_do_not_depend_on_the_batch(model_dir: Path) -> 
     alone = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128, max_num_seqs=8)
     expected = [c.token_ids for c in alone.generate([prompt], params, use_tqdm=False)[0].outputs]
     assert len({tuple(t) for t in expected}) == 3
-    small = LLM(str(model_dir), device="cpu", num_kvcache_blocks=20, max_model_len=128, max_num_seqs=8)
+    # Room for all 9 samples at once (max_num_seqs), not for their blocks: preemption.
+    small = LLM(str(model_dir), device="cpu", num_kvcache_blocks=20, max_model_len=128, max_num_seqs=9)
     others = random_prompts([50, 55, 40], VOCAB, seed=32)
     outs = small.generate(others + [prompt], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)] * 3
                           + [params], use_tqdm=False)
     assert small.stats()["num_preemptions"] > 0
     assert [c.token_ids for c in outs[-1].outputs] == expected
     assert_pool_whole(small)
+
+
+def test_fan_out_never_runs_or_samples_more_than_max_num_seqs(model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 prompts x n=8 on an engine of max_num_seqs=8: each prompt is admitted only when its 8
+    samples fit, so no step samples more rows than the memory profile reserved (max_num_seqs)
+    and no more sequences run; the seeded samples equal those of an engine with room for all."""
+    prompts = random_prompts([9, 14, 6, 11], VOCAB, seed=41)
+    params = SamplingParams(n=8, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    roomy = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128, max_num_seqs=8)
+    engine = tight.engine
+    rows: list[int] = []
+    running: list[int] = []
+    sample = engine.runner.sample
+
+    def spy(hidden, sample_indices, row_sids, repeats=None):  # noqa: ANN001, ANN202
+        rows.append(len(row_sids))
+        running.append(engine.core.num_running)
+        return sample(hidden, sample_indices, row_sids, repeats)
+
+    monkeypatch.setattr(engine.runner, "sample", spy)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert max(rows) <= 8 and max(running) <= 8, (max(rows), max(running))
+    assert_pool_whole(tight)
+    with pytest.raises(ValueError, match=r"^n = 9 .*max_num_seqs = 8"):
+        tight.generate(prompts[0], SamplingParams(n=9), use_tqdm=False)
+    assert_pool_whole(tight)

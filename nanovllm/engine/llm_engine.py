@@ -171,7 +171,7 @@ class LLMEngine:
         try:
             self.core.add(sid, token_ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                           ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
-                          use_prefix_cache=params.prompt_logprobs is None)
+                          use_prefix_cache=params.prompt_logprobs is None, num_samples=params.n)
         except BaseException:
             self._release(comp)
             raise
@@ -188,6 +188,11 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_params(self, params: SamplingParams) -> None:
+        max_num_seqs = self.config.max_num_seqs
+        if params.n > max_num_seqs:
+            # A prompt's samples fan out together (they share its KV blocks) and each is a sequence.
+            raise ValueError(f"n = {params.n} samples of one prompt can never run at once: this engine runs at "
+                             f"most max_num_seqs = {max_num_seqs} sequences, and each sample is one; lower n")
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:
