@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+from nanovllm.quote import quote
 
 # As vLLM: how many top log-probabilities a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -38,14 +41,15 @@ class StructuredOutputsParams:
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, (dict, str)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), got {value!r}")
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or a JSON string), got "
+                             f"{quote(value)}")
         if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
-            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {quote(value)}")
         if kind == "choice" and not (isinstance(value, (list, tuple)) and value
                                      and all(isinstance(c, str) and _encodable(c) for c in value)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {value!r}")
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {quote(value)}")
         if kind == "json_object" and value is not True:
-            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+            raise ValueError(f"structured_outputs.json_object must be true, got {quote(value)}")
         if kind == "choice":
             object.__setattr__(self, "choice", list(value))
 
@@ -53,14 +57,20 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(name for name in KINDS if getattr(self, name) not in (None, False))
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar: (kind, its text). A dict schema keeps its key order,
-        which is the order the properties are generated in."""
+        which is the order the properties are generated in. Computed once, by whoever compiles the
+        spec (a large schema's json.dumps is not free; it never runs on the engine thread)."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json" and isinstance(value, dict):
-            return kind, json.dumps(value, ensure_ascii=False)
+            try:
+                return kind, json.dumps(value, ensure_ascii=False)
+            except RecursionError:
+                raise ValueError("structured_outputs.json nests too deeply") from None
+            except (TypeError, ValueError) as e:  # a dict built in Python may hold what JSON cannot
+                raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
         if kind == "choice":
             return kind, json.dumps(value, ensure_ascii=False)
         return kind, "" if kind == "json_object" else value

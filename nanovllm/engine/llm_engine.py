@@ -20,7 +20,7 @@ import math
 import time
 from collections import deque
 from itertools import repeat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from nanovllm.sample.grammar import GrammarCompiler
 from nanovllm.sample.rows import RowColumns
 from nanovllm.sample.state import GrammarEnds
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanovllm.sample.grammar import HeldGrammar
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -148,15 +151,33 @@ class LLMEngine:
         return str(self._request_counter - 1)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, stream: bool = False) -> None:
-        """Queues a request. A streamed request's outputs carry only what is new since the last."""
+                    arrival_time: float | None = None, stream: bool = False,
+                    grammar: HeldGrammar | None = None) -> None:
+        """Queues a request. A streamed request's outputs carry only what is new since the last.
+
+        A request with `params.structured_outputs` comes with its grammar compiled (the engine
+        never compiles: `grammar=engine.grammars.compile(params.structured_outputs)`, or the
+        server's compile pool); the request holds it until it finishes, and it is released here
+        if the request is refused."""
+        try:
+            self._admit(request_id, prompt, params, arrival_time, stream, grammar)
+        except BaseException:
+            if grammar is not None:
+                grammar.release()
+            raise
+
+    def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
+               stream: bool, grammar: HeldGrammar | None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_prompt(token_ids)
         self._check_params(params)
-        # Compiled before admission (a cache hit when the server compiled it in a worker thread).
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("structured_outputs needs its grammar compiled before admission (the engine never "
+                             "compiles): pass grammar=engine.grammars.compile(params.structured_outputs)")
+        if grammar is not None and params.structured_outputs is None:
+            raise ValueError("a grammar was given for a request without structured_outputs")
         metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
         req = Request(request_id, text, token_ids, params, metrics, stream,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -164,7 +185,7 @@ class LLMEngine:
         sid = self._seq_ids.acquire()
         # The Python side first, then the core: whatever fails, nothing is left behind.
         try:
-            comp = self._add_completion(req, sid, grammar=grammar)
+            comp = self._add_completion(req, sid, grammar=None if grammar is None else grammar.compiled)
         except BaseException:
             self._seq_ids.release(sid)
             raise
@@ -175,6 +196,7 @@ class LLMEngine:
         except BaseException:
             self._release(comp)
             raise
+        req.grammar = grammar
         self._seqs.fan_out[sid] = params.n
         self._num_fanning += params.n > 1
         self._requests[request_id] = req
@@ -236,6 +258,7 @@ class LLMEngine:
                 comp.finish_reason = "abort"
                 self.core.abort(comp.seq_id)
                 self._release(comp)
+        req.release_grammar()
 
     def _release(self, comp: Completion) -> None:
         sid = comp.seq_id
@@ -363,6 +386,7 @@ class LLMEngine:
         now = time.time()
         for req in done_reqs:
             req.metrics.finished_time = now
+            req.release_grammar()
             outputs.append(req.output(self.token_table))
             self._requests.pop(req.request_id, None)
             self._prompt_logprobs_pending.pop(req.request_id, None)
@@ -425,6 +449,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release what outlives a dropped engine otherwise until exit: tensor-parallel workers."""
         self.runner.shutdown()
+
+    def abandon_step(self, reason: str) -> None:
+        """The step running on another thread is hung: the runner fails it if it can (the engine
+        cannot run again). Thread-safe; called by a watchdog."""
+        self.runner.abandon(reason)
 
     def stats(self) -> dict[str, int]:
         s = dict(self.core.stats())

@@ -117,6 +117,10 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release processes this runner started (none on one device; see TensorParallelRunner)."""
 
+    def abandon(self, reason: str) -> None:
+        """A step is hung (called from another thread): make it fail if it can, and every later
+        step. Nothing to do on one device, where no peer can hang a step."""
+
     def make_device_current(self) -> None:
         """Make this runner's GPU the calling thread's current CUDA device. Our kernels launch on the
         runtime's current device, not the tensors' (cuda:1 would otherwise get cuda:0's launches on

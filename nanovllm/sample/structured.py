@@ -5,6 +5,9 @@ xgrammar call) and applies it to their logits (one batched call; disallowed toke
 `accept` advances the matchers with the tokens sampled for them. A matcher's state is a function of
 the sequence's generated tokens, which survive preemption, so a recomputed sequence keeps its
 matcher as is. A sequence forked for n > 1 gets its own copy of the parent's matcher.
+
+Beside its matcher, a constrained sequence has a UTF-8 state (sample/utf8.py): the grammar's mask
+is ANDed with the tokens that keep the output valid UTF-8, so the text never holds U+FFFD.
 """
 
 from __future__ import annotations
@@ -13,12 +16,16 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from nanovllm.sample.utf8 import ACCEPT, Utf8Tokens
+
 
 class GrammarRows:
     def __init__(self, vocab_size: int, device: torch.device, max_threads: int = 1) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.matchers: dict[int, xgr.GrammarMatcher] = {}
+        self.utf8_states: dict[int, int] = {}
+        self._utf8: Utf8Tokens | None = None  # built from the first grammar's vocabulary
         self._filler = xgr.BatchGrammarMatcher(max_threads)
         self._bitmask = self._allocate(64)
 
@@ -28,13 +35,21 @@ class GrammarRows:
         return mask.pin_memory() if self.device.type == "cuda" else mask
 
     def add(self, sid: int, grammar: xgr.CompiledGrammar) -> None:
+        if self._utf8 is None:
+            info = grammar.tokenizer_info
+            stops = set(info.stop_token_ids)
+            self._utf8 = Utf8Tokens(info.decoded_vocab, self.vocab_size,
+                                    [t for t in info.special_token_ids if t not in stops], sorted(stops))
         self.matchers[sid] = xgr.GrammarMatcher(grammar)
+        self.utf8_states[sid] = ACCEPT
 
     def fork(self, parent: int, child: int) -> None:
         self.matchers[child] = self.matchers[parent].fork()
+        self.utf8_states[child] = self.utf8_states[parent]
 
     def remove(self, sid: int) -> None:
         self.matchers.pop(sid, None)
+        self.utf8_states.pop(sid, None)
 
     def mask(self, logits: torch.Tensor, rows: np.ndarray, sids: np.ndarray) -> None:
         """In place: logits[rows[i]] keeps only the tokens sequence sids[i]'s grammar allows next.
@@ -47,6 +62,10 @@ class GrammarRows:
         fill_rows = rows[first]
         self._filler.batch_fill_next_token_bitmask([self.matchers[int(s)] for s in unique], self._bitmask,
                                                    fill_rows.tolist())
+        assert self._utf8 is not None
+        states = torch.tensor([self.utf8_states[int(s)] for s in unique], dtype=torch.int64)
+        fill = torch.from_numpy(fill_rows)
+        self._bitmask[fill] &= self._utf8.allowed_bitmask[states]
         if len(unique) < len(sids):
             src = fill_rows[np.searchsorted(unique, sids)]
             self._bitmask[torch.from_numpy(rows)] = self._bitmask[torch.from_numpy(src)]
@@ -59,8 +78,11 @@ class GrammarRows:
         # One call per matcher: xgrammar's batch_accept_token costs more in converting its result
         # list than the accepts themselves (measured: 120-240 us against 80 us for 64 rows).
         done, rejected = [], []
+        utf8, states = self._utf8, self.utf8_states
+        assert utf8 is not None
         for sid, token in zip(sids.tolist(), tokens.tolist()):
             matcher = self.matchers[sid]
+            states[sid] = utf8.advance(states[sid], token)
             if not matcher.accept_token(token):
                 rejected.append(sid)
             elif matcher.is_terminated():

@@ -56,7 +56,7 @@ class ChatServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await ctx.submit([(request_id, prompt, params)], arrival)
+        group = await until_disconnected(raw, ctx.submit([(request_id, prompt, params)], arrival))
         if req.stream:
             return event_stream(self._stream(req, request_id, group, prompt), group)
         response = await until_disconnected(raw, self._collect(req, request_id, group, prompt))

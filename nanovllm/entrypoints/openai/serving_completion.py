@@ -57,7 +57,7 @@ class CompletionServing:
                                       k if echo and k is not None else None) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = await ctx.submit(list(zip(rids, prompts, params)), arrival)
+        group = await until_disconnected(raw, ctx.submit(list(zip(rids, prompts, params)), arrival))
         if req.stream:
             return event_stream(self._stream(req, request_id, group, prompts), group)
         response = await until_disconnected(raw, self._collect(req, request_id, group, prompts))
