@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -102,20 +104,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {quote(self.stop_token_ids)}")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of strings, got {quote(self.stop)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a map of token id -> bias, got {self.logit_bias!r}")
+                raise ValueError(f"logit_bias must be a map of token id -> bias, got {quote(self.logit_bias)}")
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
         def fail(name: str, requirement: str) -> None:
-            raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
+            raise ValueError(f"{name} must be {requirement}, got {quote(getattr(self, name))}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -179,12 +181,18 @@ def _encodable(text: str) -> bool:
     return True
 
 
+# A token id written in JSON: plain ASCII decimal digits (int() would also take "1_0", " 10", "+10"
+# or other scripts' digits), at most 10 of them (no vocabulary is larger).
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
 def _token_key(key: object) -> int:
     """logit_bias keys may arrive as strings (JSON objects have string keys)."""
-    try:
-        return int(key)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)  # (numpy integers too)
+    if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+        return int(key)
+    raise ValueError(f"logit_bias keys must be token ids (plain decimal integers), got {quote(key)}")
 
 
 @dataclass

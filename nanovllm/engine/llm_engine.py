@@ -36,6 +36,7 @@ from nanovllm.distributed.driver import make_model_runner
 from nanovllm.executor.model_runner import SampleOutput
 from nanovllm.model_config import load_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
+from nanovllm.quote import quote
 from nanovllm.sample import SequenceIds, build_entries, gather_logprobs
 from nanovllm.sample.grammar import GrammarCompiler
 from nanovllm.sample.rows import RowColumns
@@ -218,7 +219,8 @@ class LLMEngine:
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{name} holds token id {quote(bad[0])}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     def _add_completion(self, req: Request, sid: int, parent: int | None = None,
                         grammar: xgr.CompiledGrammar | None = None) -> Completion:
@@ -371,10 +373,13 @@ class LLMEngine:
                 if req.stream:
                     streamed[req.request_id] = req
                 self._finish(req, comp, reason, None, done_reqs)
+        eos = self.eos_token_ids
         for sid, (reason, stop) in core_done.items():
             req, comp = by_seq[sid]
             if req.stream:
                 streamed[req.request_id] = req
+            if stop in eos and not req.params.ignore_eos:
+                stop = None  # as vLLM: stop_reason names a stop token id or string, never EOS
             self._finish(req, comp, reason, stop, done_reqs)
         outputs = []
         for req in streamed.values():

@@ -47,6 +47,10 @@ class ChatServing:
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
+        refused = req.refused_field()
+        if refused is not None:
+            field, why = refused
+            raise OpenAIError(400, f"{field} is not supported by this server ({why}); leave it out", param=field)
         ctx.warn_ignored(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
