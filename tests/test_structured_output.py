@@ -5,12 +5,14 @@ same batch are untouched; bad specs are ValueErrors that leave the engine clean.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 from engine_helpers import random_prompts
 from tiny_models import make_tiny_model
@@ -19,6 +21,7 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 from nanovllm.sample import grammar as grammar_module
 from nanovllm.sample.grammar import GrammarCacheFull, GrammarCompiler, GrammarTooLarge
+from nanovllm.sample.utf8 import ACCEPT, NUM_STATES, REJECT, Utf8Tokens
 
 VOCAB = 512
 
@@ -284,3 +287,39 @@ def test_fuzz_constrained_outputs_are_valid_text_that_validates(llm: LLM) -> Non
                 jsonschema.validate(json.loads(c.text), schema)
     assert checked >= 100
     assert_clean(llm)
+
+
+def test_utf8_tables_agree_with_pythons_decoder() -> None:
+    """A token is allowed after others exactly when Python's incremental UTF-8 decoder accepts
+    their bytes; a stop token only between characters; surrogates and overlong forms never."""
+    rng = random.Random(5)
+    tokens = [bytes(rng.randrange(256) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    tokens += [b"\xc3\xa9", b"\xe2\x82", b"\xac", b"\xed\xa0\x80", b"\xed\x9f\xbf", b"\xc0\x80", b"\xf4\x90\x80\x80",
+               b"\xf0\x9f\x98\x80", b"", b"stop"]
+    stop = len(tokens) - 1
+    tables = Utf8Tokens(tokens, len(tokens) + 3, [], [stop])  # 3 ids past the tokenizer: never allowed
+
+    def valid(data: bytes) -> bool:
+        """Some continuation bytes (none, or up to 3) make `data` whole UTF-8."""
+        for tail in completions:
+            try:
+                (data + tail).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            return True
+        return False
+
+    continuation = [b"\x80", b"\x90", b"\xa0", b"\xbf"]
+    completions = [b""] + [b"".join(t) for k in (1, 2, 3) for t in itertools.product(continuation, repeat=k)]
+
+    for _ in range(4000):
+        first, second = rng.randrange(stop), rng.randrange(stop)
+        state = tables.advance(ACCEPT, first)
+        assert (state != REJECT) == valid(tokens[first]), tokens[first]
+        if state != REJECT:
+            assert (tables.advance(state, second) != REJECT) == valid(tokens[first] + tokens[second])
+            pending = not valid(tokens[first] + b"a")  # in the middle of a character
+            assert (tables.advance(state, stop) != REJECT) == (not pending)
+    allowed = np.unpackbits(tables.allowed_bitmask.view(np.uint8), bitorder="little").reshape(NUM_STATES, -1)
+    assert not allowed[:, stop + 1:len(tokens) + 3].any() and not allowed[REJECT].any()
+    assert (allowed[:, :len(tokens) + 3].astype(bool) == (tables.next_state != REJECT)).all()

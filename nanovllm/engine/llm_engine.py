@@ -183,6 +183,8 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params, metrics, stream,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                       fanned_out=params.n == 1)
+        if grammar is not None and self.grammars.utf8 is not None:
+            self.sampling.grammars.use_utf8(self.grammars.utf8)
         sid = self._seq_ids.acquire()
         # The Python side first, then the core: whatever fails, nothing is left behind.
         try:

@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanovllm.quote import shorten
 from nanovllm.sample.json_schema import InvalidSchema, SchemaError, prepare_schema
+from nanovllm.sample.utf8 import Utf8Tokens
 from nanovllm.sampling_params import StructuredOutputsParams
 
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -136,6 +137,7 @@ class GrammarCompiler:
         self._max_threads = max_threads
         self.cache_bytes = cache_bytes
         self._info: xgr.TokenizerInfo | None = None  # built on first use: it scans the vocabulary
+        self.utf8: Utf8Tokens | None = None  # the vocabulary's UTF-8 tables, built with it
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
         self._cached_bytes = 0
@@ -145,8 +147,10 @@ class GrammarCompiler:
     def tokenizer_info(self) -> xgr.TokenizerInfo:
         with self._lock:
             if self._info is None:
-                self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                                stop_token_ids=self._stop_token_ids)
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self.utf8 = Utf8Tokens.of(info, self._vocab_size)  # here, not on the engine thread
+                self._info = info
             return self._info
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:

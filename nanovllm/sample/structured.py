@@ -34,12 +34,15 @@ class GrammarRows:
         # Pinned on CUDA: the step copies it to the device without blocking.
         return mask.pin_memory() if self.device.type == "cuda" else mask
 
+    def use_utf8(self, tables: Utf8Tokens) -> None:
+        """The vocabulary's UTF-8 tables, built elsewhere (where the grammars are compiled), so that
+        the first constrained sequence does not build them on the engine thread."""
+        if self._utf8 is None:
+            self._utf8 = tables
+
     def add(self, sid: int, grammar: xgr.CompiledGrammar) -> None:
         if self._utf8 is None:
-            info = grammar.tokenizer_info
-            stops = set(info.stop_token_ids)
-            self._utf8 = Utf8Tokens(info.decoded_vocab, self.vocab_size,
-                                    [t for t in info.special_token_ids if t not in stops], sorted(stops))
+            self._utf8 = Utf8Tokens.of(grammar.tokenizer_info, self.vocab_size)
         self.matchers[sid] = xgr.GrammarMatcher(grammar)
         self.utf8_states[sid] = ACCEPT
 
@@ -63,9 +66,9 @@ class GrammarRows:
         self._filler.batch_fill_next_token_bitmask([self.matchers[int(s)] for s in unique], self._bitmask,
                                                    fill_rows.tolist())
         assert self._utf8 is not None
-        states = torch.tensor([self.utf8_states[int(s)] for s in unique], dtype=torch.int64)
-        fill = torch.from_numpy(fill_rows)
-        self._bitmask[fill] &= self._utf8.allowed_bitmask[states]
+        states = np.fromiter((self.utf8_states[s] for s in unique.tolist()), dtype=np.intp, count=len(unique))
+        bitmask = self._bitmask.numpy()  # (a view: numpy's small ops cost less than torch's)
+        bitmask[fill_rows] &= self._utf8.allowed_bitmask[states]
         if len(unique) < len(sids):
             src = fill_rows[np.searchsorted(unique, sids)]
             self._bitmask[torch.from_numpy(rows)] = self._bitmask[torch.from_numpy(src)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
+import xgrammar as xgr
 
 # States: between characters, then the continuation bytes a character still needs (with the
 # narrower ranges after E0, ED, F0 and F4 that rule out overlong forms, surrogates and code points
@@ -55,6 +55,13 @@ BYTE_TABLE = _byte_table()
 
 
 class Utf8Tokens:
+    @classmethod
+    def of(cls, info: xgr.TokenizerInfo, vocab_size: int) -> Utf8Tokens:
+        """The tables of a vocabulary as xgrammar sees it (a fraction of a second for 150k tokens)."""
+        stops = set(info.stop_token_ids)
+        return cls(info.decoded_vocab, vocab_size, [t for t in info.special_token_ids if t not in stops],
+                   sorted(stops))
+
     def __init__(self, token_bytes: Sequence[bytes], vocab_size: int, neutral: Sequence[int],
                  stop_token_ids: Sequence[int]) -> None:
         """`token_bytes[t]`: the bytes token t adds to the output; `neutral`: tokens that add none
@@ -79,12 +86,15 @@ class Utf8Tokens:
         next_state[:, stops] = REJECT
         next_state[ACCEPT, stops] = ACCEPT
         self.next_state = next_state
+        # One bytes object per state: indexing one is the cheapest lookup Python has (record
+        # advances each constrained row with it).
+        self._next = [row.tobytes() for row in next_state]
         allowed = next_state != REJECT
         allowed[REJECT] = False
-        self.allowed_bitmask = torch.from_numpy(_pack(allowed))
+        self.allowed_bitmask = _pack(allowed)
 
     def advance(self, state: int, token: int) -> int:
-        return int(self.next_state[state, token])
+        return self._next[state][token]
 
 
 def _pack(allowed: np.ndarray) -> np.ndarray:
