@@ -152,8 +152,6 @@ class GrammarPool:
             workers, self._workers = self._workers, []
         for w in workers:
             w.kill()
-        for _ in self._threads:
-            self._jobs.put(None)
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -161,6 +159,8 @@ class GrammarPool:
                 break
             if job is not None and job.future.set_running_or_notify_cancel():
                 job.future.set_exception(PoolClosed("the server is shutting down"))
+        for _ in self._threads:  # each idle thread wakes up and leaves
+            self._jobs.put(None)
 
     # Pool threads ---------------------------------------------------------------------------
 
@@ -175,17 +175,15 @@ class GrammarPool:
             if not job.future.set_running_or_notify_cancel():
                 continue  # cancelled while queued
             try:
-                held = self.compiler.lookup(job.spec.key)  # the key's json.dumps runs here, not on the loop
+                held = self.compiler.lookup(job.spec.key)  # (another job may have compiled it meanwhile)
                 if held is None:
+                    # A worker that was killed (timeout, cancellation) or died is replaced.
                     worker = worker if worker is not None and worker.proc.is_alive() else self._start_worker()
                     held = self._compile(worker, job)
             except _Cancelled:  # nobody waits for it any more
-                worker = None
                 job.future.set_exception(concurrent.futures.CancelledError())
                 continue
             except BaseException as e:  # noqa: BLE001  (handed to whoever waits)
-                if isinstance(e, (CompileTimeout, PoolClosed, EOFError, OSError)):
-                    worker = None  # killed, or dead
                 job.future.set_exception(PoolClosed("the server is shutting down") if self._closed.is_set()
                                          else e)
                 continue
