@@ -15,9 +15,12 @@ allowed-token bitmask in xgrammar's layout (bit t of word t // 32), ANDed into t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # States: between characters, then the continuation bytes a character still needs (with the
 # narrower ranges after E0, ED, F0 and F4 that rule out overlong forms, surrogates and code points
