@@ -387,7 +387,7 @@ void bind_scheduler(py::module_& m) {
            py::arg("eos_token_ids") = py::tuple(), py::arg("vocab_size") = 0)
       .def("add",
            [](Scheduler& s, int64_t id, py::handle prompt, int64_t max_tokens, int64_t min_tokens, bool ignore_eos,
-              py::handle stop_token_ids, bool use_prefix_cache) {
+              py::handle stop_token_ids, bool use_prefix_cache, int64_t num_samples) {
              if (s.contains(id)) value_error("sequence id " + std::to_string(id) + " is already in use");
              auto tokens = token_vector(prompt, "prompt_token_ids", s.config().vocab_size);
              if (tokens.empty()) value_error("prompt_token_ids is empty: a prompt needs at least one token");
@@ -407,10 +407,13 @@ void bind_scheduler(py::module_& m) {
              stop.min_tokens = checked_int32(min_tokens, "min_tokens", 0, max_tokens);
              stop.ignore_eos = ignore_eos;
              stop.stop_token_ids = token_vector(stop_token_ids, "stop_token_ids", s.config().vocab_size);
-             s.add(id, std::move(tokens), std::move(stop), use_prefix_cache);
+             // More samples than max_num_seqs could never be admitted together: refuse, not deadlock.
+             const int32_t samples = checked_int32(num_samples, "num_samples", 1, s.config().max_num_seqs);
+             s.add(id, std::move(tokens), std::move(stop), use_prefix_cache, samples);
            },
            py::arg("seq_id"), py::arg("prompt_token_ids"), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
            py::arg("ignore_eos") = false, py::arg("stop_token_ids") = py::tuple(), py::arg("use_prefix_cache") = true,
+           py::arg("num_samples") = 1,
            "Queues a prompt. use_prefix_cache=False computes every prompt token (e.g. for prompt logprobs).")
       .def("abort",
            [](Scheduler& s, int64_t id) {

@@ -65,7 +65,9 @@ class Scheduler {
   bool in_flight() const { return in_flight_; }
   bool in_current_batch(int64_t id) const;
 
-  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache = true);
+  // `num_samples` (n, at most max_num_seqs): sequences its first sample fans out into.
+  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache = true,
+           int32_t num_samples = 1);
   void abort(int64_t id);
   void fork(int64_t parent_id, int64_t child_id);
   const StepPlan& schedule();

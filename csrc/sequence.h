@@ -33,6 +33,9 @@ struct Sequence {
   uint64_t table_epoch = 0;
   // False for requests that need every prompt position computed (prompt logprobs).
   bool use_prefix_cache = true;
+  // Running slots it takes (of max_num_seqs): n for a prompt whose first sample fans out into
+  // n sequences, reserved from admission so the fan-out never runs past the cap; then 1.
+  int32_t num_samples = 1;
   bool in_batch = false;       // scheduled in the plan in flight
   bool abort_pending = false;  // aborted while in flight: released by postprocess
 

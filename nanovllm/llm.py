@@ -86,7 +86,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p)
+                # Compiled here, in the caller's thread (a cache hit for a spec seen before).
+                grammar = engine.grammars.compile(p.structured_outputs) if p.structured_outputs else None
+                engine.add_request(rid, prompt, p, grammar=grammar)
                 ids.append(rid)
         except BaseException:
             # A bad prompt rejects the whole call and leaves nothing behind in the engine.

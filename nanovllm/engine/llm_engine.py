@@ -35,6 +35,7 @@ from nanovllm.engine.request_state import Completion, Request
 from nanovllm.engine.scheduler import Finished, Scheduler
 from nanovllm.executor import make_executor
 from nanovllm.outputs import RequestMetrics, RequestOutput
+from nanovllm.quote import quote
 from nanovllm.row_columns import RowColumns
 from nanovllm.sample import build_entries
 from nanovllm.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ from nanovllm.token_table import build_token_table
 from nanovllm.worker.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from nanovllm.sample.grammar import GrammarCompiler
+    from nanovllm.sample.grammar import GrammarCompiler, HeldGrammar
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -155,27 +156,48 @@ class LLMEngine:
         return str(self._request_counter - 1)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, stream: bool = False) -> None:
-        """Queues a request. A streamed request's outputs carry only what is new since the last."""
+                    arrival_time: float | None = None, stream: bool = False,
+                    grammar: HeldGrammar | None = None) -> None:
+        """Queues a request. A streamed request's outputs carry only what is new since the last.
+
+        A request with `params.structured_outputs` comes with its grammar compiled (the engine
+        never compiles: `grammar=engine.grammars.compile(params.structured_outputs)`, or the
+        server's compile pool); the request holds it until it finishes, and it is released here
+        if the request is refused."""
+        try:
+            self._admit(request_id, prompt, params, arrival_time, stream, grammar)
+        except BaseException:
+            if grammar is not None:
+                grammar.release()
+            raise
+
+    def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
+               stream: bool, grammar: HeldGrammar | None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt(token_ids)
         self._check_params(params)
-        # Compiled before admission (a cache hit when the server compiled it in a worker thread).
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("structured_outputs needs its grammar compiled before admission (the engine never "
+                             "compiles): pass grammar=engine.grammars.compile(params.structured_outputs)")
+        if grammar is not None and params.structured_outputs is None:
+            raise ValueError("a grammar was given for a request without structured_outputs")
         metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
         req = Request(request_id, text, token_ids, params, metrics, stream,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                       fanned_out=params.n == 1)
-        # Prompt logprobs need every prompt position computed: no prefix-cache reads.
-        sid = self.scheduler.add(token_ids, params, grammar=grammar, num_samples=params.n,
-                                 use_prefix_cache=params.prompt_logprobs is None)
+        # Prompt logprobs need every prompt position computed: no prefix-cache reads. The grammar's
+        # compiler hands its vocabulary's UTF-8 tables along, built where it compiles.
+        sid = self.scheduler.add(token_ids, params, grammar=None if grammar is None else grammar.compiled,
+                                 grammar_utf8=None if grammar is None else self.grammars.utf8,
+                                 num_samples=params.n, use_prefix_cache=params.prompt_logprobs is None)
         try:
             self._add_completion(req, sid)
         except BaseException:
             self.scheduler.abort(sid)  # whatever fails, nothing is left behind
             raise
+        req.grammar = grammar
         self._requests[request_id] = req
 
     def check_prompt(self, token_ids: list[int]) -> None:
@@ -185,10 +207,16 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_params(self, params: SamplingParams) -> None:
+        max_num_seqs = self.config.max_num_seqs
+        if params.n > max_num_seqs:
+            # A prompt's samples fan out together (they share its KV blocks) and each is a sequence.
+            raise ValueError(f"n = {params.n} samples of one prompt can never run at once: this engine runs at "
+                             f"most max_num_seqs = {max_num_seqs} sequences, and each sample is one; lower n")
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{name} holds token id {quote(bad[0])}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     def _add_completion(self, req: Request, sid: int, parent: int | None = None) -> Completion:
         """Registers sequence `sid` as the request's next completion: its prompt, or (with `parent`)
@@ -218,6 +246,7 @@ class LLMEngine:
                 comp.finish_reason = "abort"
                 self.scheduler.abort(comp.seq_id)
                 self._release(comp)
+        req.release_grammar()
 
     def _release(self, comp: Completion) -> None:
         """The engine's side of a sequence that ended (the scheduler's side is done already)."""
@@ -319,10 +348,13 @@ class LLMEngine:
                 if req.stream:
                     streamed[req.request_id] = req
                 self._finish(req, comp, reason, None, done_reqs)
+        eos = self.eos_token_ids
         for sid, (reason, stop) in core_done.items():
             req, comp = by_seq[sid]
             if req.stream:
                 streamed[req.request_id] = req
+            if stop in eos and not req.params.ignore_eos:
+                stop = None  # as vLLM: stop_reason names a stop token id or string, never EOS
             self._finish(req, comp, reason, stop, done_reqs)
         outputs = []
         for req in streamed.values():
@@ -334,6 +366,7 @@ class LLMEngine:
         now = time.time()
         for req in done_reqs:
             req.metrics.finished_time = now
+            req.release_grammar()
             outputs.append(req.output(self.token_table))
             self._requests.pop(req.request_id, None)
         return outputs
@@ -366,6 +399,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release what outlives a dropped engine otherwise until exit: tensor-parallel workers."""
         self.executor.shutdown()
+
+    def abandon_step(self, reason: str) -> None:
+        """The step running on another thread is hung: the runner fails it if it can (the engine
+        cannot run again). Thread-safe; called by a watchdog."""
+        self.executor.abandon(reason)
 
     def stats(self) -> dict[str, int]:
         s = self.scheduler.stats()

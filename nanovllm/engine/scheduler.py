@@ -56,24 +56,28 @@ class Scheduler:
 
     # Sequences ---------------------------------------------------------------------------------
 
-    def add(self, token_ids: list[int], params: SamplingParams, *, grammar: Any = None, num_samples: int = 1,
+    def add(self, token_ids: list[int], params: SamplingParams, *, grammar: Any = None, grammar_utf8: Any = None,
+            num_samples: int = 1,
             max_tokens: int | None = None, ignore_eos: bool | None = None, use_prefix_cache: bool = True,
             candidates: int = 0, logprob_temperature: float = 0.0) -> int:
         """Queues a prompt; returns its sequence id. `num_samples` > 1 reserves the ids its other
-        samples take when its first token fans out (the runner forks them). `max_tokens` and
-        `ignore_eos` default to the params'; `candidates`, `logprob_temperature`: see Admission."""
+        samples take when its first token fans out (the runner forks them), and the core keeps that
+        many running slots for it until then. `max_tokens` and `ignore_eos` default to the params';
+        `grammar_utf8`, `candidates`, `logprob_temperature`: see Admission."""
         sid = self._ids.acquire()
         try:
             self.core.add(sid, token_ids, max_tokens=params.max_tokens if max_tokens is None else max_tokens,
                           min_tokens=params.min_tokens, ignore_eos=params.ignore_eos if ignore_eos is None else ignore_eos,
-                          stop_token_ids=params.stop_token_ids, use_prefix_cache=use_prefix_cache)
+                          stop_token_ids=params.stop_token_ids, use_prefix_cache=use_prefix_cache,
+                          num_samples=num_samples)
         except BaseException:
             self._ids.release(sid)
             raise
         children = tuple(self._ids.acquire() for _ in range(num_samples - 1))
         if children:
             self._reserved[sid] = children
-        self._admitted[sid] = Admission(sid, params, token_ids, grammar, children, candidates, logprob_temperature)
+        self._admitted[sid] = Admission(sid, params, token_ids, grammar, grammar_utf8, children, candidates,
+                                        logprob_temperature)
         return sid
 
     def children(self, sid: int) -> tuple[int, ...]:

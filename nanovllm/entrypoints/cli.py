@@ -133,7 +133,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
                           timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
-                          shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout)
+                          shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout,
+                          grammar_compile_timeout=args.grammar_compile_timeout, step_timeout=args.step_timeout)
     engine = _make_llm(args, model).engine
     try:
         code = run_server(engine, config)
@@ -195,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(streams with an error event, others with a 503)")
     serve.add_argument("--stream-stall-timeout", type=float, default=60.0,
                        help="abort a request whose client has read none of its output for this many seconds")
+    serve.add_argument("--grammar-compile-timeout", type=float, default=30.0,
+                       help="a structured-output grammar (JSON schema, regex, grammar) that takes longer to compile "
+                            "gets a 400; compiles run in their own worker processes, and end when their client leaves")
+    serve.add_argument("--step-timeout", type=float, default=300.0,
+                       help="a step that makes no progress for this many seconds (a hung tensor-parallel worker) "
+                            "fails the requests in flight with 503, marks /health unhealthy and exits non-zero")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--disable-access-log", action="store_true")
     _engine_args(serve)

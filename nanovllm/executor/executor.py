@@ -43,6 +43,10 @@ class Executor:
     def shutdown(self) -> None:
         """Release processes this executor started (none on one device)."""
 
+    def abandon(self, reason: str) -> None:
+        """A step is hung (called from another thread): make it fail if it can, and every later
+        step. Nothing to do in one process, where no peer can hang a step."""
+
 
 def check_pool_holds_one_sequence(num_blocks: int, config: ResolvedConfig) -> None:
     """A pool smaller than max_model_len would cut every long enough request at the pool's size

@@ -143,6 +143,13 @@ class MultiprocExecutor(Executor):
         if group is not None:
             group.abort()
 
+    def abandon(self, reason: str) -> None:
+        """A step is hung (a stopped worker, say): fail the collective or ring wait it is in, and
+        every later step; shutting down then kills the workers instead of asking them to stop."""
+        self._broken = f"tensor parallelism failed: {reason}; the engine cannot continue"
+        self._res.healthy = False
+        self._on_worker_death()
+
     def _check(self) -> None:
         if self._broken is not None:
             raise WorkerDiedError(self._broken)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
     from nanovllm.sample.structured import GrammarRows
+    from nanovllm.sample.utf8 import Utf8Tokens
 
 COLUMNS = {
     "temperature": (np.float32, 1.0),
@@ -84,9 +85,11 @@ class SamplingState:
     # Lifecycle ----------------------------------------------------------------------------------
 
     def add(self, sid: int, params: SamplingParams, prompt_token_ids: list[int],
-            grammar: xgr.CompiledGrammar | None = None, logprobs: int | None = None) -> None:
+            grammar: xgr.CompiledGrammar | None = None, logprobs: int | None = None,
+            grammar_utf8: Utf8Tokens | None = None) -> None:
         """Admit a sequence: its parameters, its seeded generator, the rows its filters read and
-        its grammar (`params.structured_outputs` compiled). `logprobs` overrides the params'."""
+        its grammar (`params.structured_outputs` compiled; `grammar_utf8`: its vocabulary's UTF-8
+        tables where the compiler built them already). `logprobs` overrides the params'."""
         r = self.rows
         r.reset(sid)
         r.temperature[sid] = params.temperature
@@ -123,6 +126,8 @@ class SamplingState:
                 from nanovllm.sample.structured import GrammarRows
 
                 self.grammars = GrammarRows(self.vocab_size, self.device)
+            if grammar_utf8 is not None:
+                self.grammars.use_utf8(grammar_utf8)
             self.grammars.add(sid, grammar)
             r.constrained[sid] = True
         self._count(sid, 1)

@@ -32,6 +32,7 @@ class Admission:
     params: SamplingParams
     prompt_token_ids: list[int]
     grammar: Any = None  # xgrammar.CompiledGrammar (xgrammar is imported only when used)
+    grammar_utf8: Any = None  # the vocabulary's UTF-8 tables (sample/utf8.py), if its compiler built them
     children: tuple[int, ...] = ()
     # Beam search: > 0 reports this many top logprobs each step (past SamplingParams' limit of 20),
     # of logits / logprob_temperature when that is > 0 (the raw logits otherwise).

@@ -69,7 +69,8 @@ class TokenSampler:
             self._prompt_logprobs.pop(sid, None)
             self._logprob_scale.pop(sid, None)
         for a in so.admitted:
-            state.add(a.seq_id, a.params, a.prompt_token_ids, a.grammar, logprobs=a.candidates or None)
+            state.add(a.seq_id, a.params, a.prompt_token_ids, a.grammar, logprobs=a.candidates or None,
+                      grammar_utf8=a.grammar_utf8)
             if a.children:
                 self._children[a.seq_id] = a.children
             if a.logprob_temperature > 0:
