@@ -54,12 +54,19 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 class ForwardTimer:
-    """Wraps the runner's model calls and adds up the time spent in them."""
+    """Wraps the runner's model calls (the forward, and the LM head as the token sampler calls it)
+    and adds up the time spent in them; `restore()` puts them back."""
 
     def __init__(self, runner: Any) -> None:
         self.total = 0.0
-        for name in ("forward", "logits"):
-            setattr(runner, name, self._timed(getattr(runner, name)))
+        self._saved = [(obj, name, getattr(obj, name)) for obj, name in ((runner, "forward"),
+                                                                         (runner.token_sampler, "_logits"))]
+        for obj, name, fn in self._saved:
+            setattr(obj, name, self._timed(fn))
+
+    def restore(self) -> None:
+        for obj, name, fn in self._saved:
+            setattr(obj, name, fn)
 
     def _timed(self, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -96,8 +103,7 @@ def run_scenario(llm: LLM, num_seqs: int, context: int, mode: str, steps: int) -
                 step_times.append(dt)
                 forward_times.append(timer.total)
     finally:
-        for name in ("forward", "logits"):
-            delattr(engine.executor.runner, name)  # drop the instance wrappers: back to the class methods
+        timer.restore()
     if len(step_times) < 4:
         raise RuntimeError(f"only {len(step_times)} full decode steps measured for {mode} N={num_seqs}")
     step_us = statistics.median(step_times) * 1e6

@@ -175,7 +175,7 @@ class _BeamSearch:
                 owner[child_sid] = group
         for b in new_beams:
             owner[b.sid].live[b.sid] = b
-        chosen = RunnerOutput(out.seq_ids, out.token_offsets, tokens)
+        chosen = RunnerOutput(out.seq_ids, tokens)
         for sid, reason, _ in scheduler.postprocess(chosen, forks=forks):
             group = owner.pop(sid)
             beam = group.live.pop(sid)

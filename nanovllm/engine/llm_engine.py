@@ -20,8 +20,6 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
@@ -268,23 +266,21 @@ class LLMEngine:
         """Schedule, execute, postprocess, then the outputs: one for every streamed request that
         gained something and for every other request that finished."""
         so = self.scheduler.schedule()
-        with self._failing_batch_dropped(so):
+        try:
             out = self.executor.execute(so)
+        except BaseException:
+            self._drop_batch(so)
+            raise
         finished = self.scheduler.postprocess(out)
         return self._outputs(out, finished)
 
-    @contextmanager
-    def _failing_batch_dropped(self, so: SchedulerOutput) -> Iterator[None]:
-        """If the step raises, the batch's KV state is unknown: its requests are dropped, the engine
-        stays consistent, and the error goes on to the caller."""
-        try:
-            yield
-        except BaseException:
-            doomed = {self._by_seq[sid][0].request_id for sid in so.plan.seq_ids.tolist() if sid in self._by_seq}
-            for request_id in doomed:
-                self.abort_request(request_id)
-            self.scheduler.fail_step()
-            raise
+    def _drop_batch(self, so: SchedulerOutput) -> None:
+        """The step raised, so the batch's KV state is unknown: its requests are dropped and the
+        engine stays consistent (the error goes on to the caller)."""
+        doomed = {self._by_seq[sid][0].request_id for sid in so.plan.seq_ids.tolist() if sid in self._by_seq}
+        for request_id in doomed:
+            self.abort_request(request_id)
+        self.scheduler.fail_step()
 
     def _outputs(self, out: RunnerOutput, finished: list[Finished]) -> list[RequestOutput]:
         sids, tokens = out.seq_ids, out.last_tokens()

@@ -124,6 +124,8 @@ class Scheduler:
         the runner: their children's sampling state is forked with the next plan); returns the
         sequences the core finished (EOS, a stop id, max_tokens, max_model_len), whose ids are
         free again once the caller has recorded them."""
+        if not (out.forks or forks):
+            return self._after_step(self.core.postprocess(out.last_tokens()))
         for parent, child, _ in out.forks:
             self._reserved.pop(parent, None)
         self._forked += [(parent, child, i + 1) for i, (parent, child, _) in enumerate(forks)]
@@ -138,9 +140,10 @@ class Scheduler:
     def _after_step(self, finished: list[Finished]) -> list[Finished]:
         for sid, _, _ in finished:
             self._leave(sid)
-        for sid in self._release_after_step:
-            self._ids.release(sid)
-        self._release_after_step = []
+        if self._release_after_step:
+            for sid in self._release_after_step:
+                self._ids.release(sid)
+            self._release_after_step = []
         return finished
 
     # State -------------------------------------------------------------------------------------

@@ -112,6 +112,7 @@ class MultiprocExecutor(Executor):
             self._raise_if_worker_died(e)
             self.shutdown()
             raise
+        self._plan: _C.StepPlan | None = None
         self.runner.before_logits = self._publish_logits
 
     def _connect(self, device: torch.device) -> TPGroup:
@@ -219,6 +220,7 @@ class MultiprocExecutor(Executor):
         self._check()
         try:
             self._channel(so.plan).publish_step(so.plan, self._check)
+            self._plan = so.plan
             return self.runner.execute(so)
         except WorkerDiedError:
             raise
@@ -226,10 +228,12 @@ class MultiprocExecutor(Executor):
             self._raise_if_worker_died(e)
             raise
 
-    def _publish_logits(self, rows: np.ndarray) -> None:
+    def _publish_logits(self, rows: np.ndarray | None) -> None:
+        """The runner's before_logits hook; None: the step's sample indices."""
         self._check()
-        assert self._res.channel is not None
-        self._res.channel.publish_logits(rows.astype(np.int32, copy=False), self._check)
+        assert self._res.channel is not None and self._plan is not None
+        host = self._plan.sample_indices if rows is None else rows
+        self._res.channel.publish_logits(host.astype(np.int32, copy=False), self._check)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -108,8 +108,9 @@ class ModelRunner:
             self.token_sampler = TokenSampler(self.logits, device, self.model_config.vocab_size, eos_token_ids,
                                               self.max_num_seqs)
         # Under tensor parallelism every rank computes its share of the LM head for the same rows:
-        # rank 0's executor tells the workers which, before each logits call (host row indices).
-        self.before_logits: Callable[[np.ndarray], None] | None = None
+        # rank 0's executor tells the workers which, before each logits call (host row indices,
+        # None for the step's sample indices).
+        self.before_logits: Callable[[np.ndarray | None], None] | None = None
         self.kv_cache: torch.Tensor | None = None
         self._plan_tensors: PlanTensors | None = None
         self.graphs: DecodeGraphs | None = None
@@ -294,11 +295,12 @@ class ModelRunner:
         return self.model(v.input_ids, v.positions, meta)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, host_rows: np.ndarray) -> torch.Tensor:
-        """fp32 logits of the hidden-state rows `rows` (`host_rows` on the host), [rows, vocab]."""
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> torch.Tensor:
+        """fp32 logits of the hidden-state rows `rows`, [rows, vocab]. `host_rows`: the same on the
+        host, None for the step's own sample indices (what the tensor-parallel hook needs)."""
         if self.before_logits is not None:
             self.before_logits(host_rows)
         # Every row (a decode-only step samples every token: rows are 0..n-1): skip the gather.
-        logits = self.model.compute_logits(hidden if len(host_rows) == hidden.shape[0] else hidden[rows])
+        logits = self.model.compute_logits(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows])
         assert logits is not None, "logits are gathered on rank 0 only"
         return logits

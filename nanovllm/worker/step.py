@@ -65,11 +65,12 @@ class PromptLogprobRows:
 @dataclass
 class RunnerOutput:
     """The tokens of a step, ragged per row: row r (sequence `seq_ids[r]`, the plan's sampled
-    sequences in order) gained `tokens[token_offsets[r]:token_offsets[r + 1]]`."""
+    sequences in order) gained `tokens[token_offsets[r]:token_offsets[r + 1]]`; without offsets,
+    one token each (`tokens[r]`: every row while nothing speculates, and no offsets to build)."""
 
-    seq_ids: np.ndarray  # int32 [R]
-    token_offsets: np.ndarray  # int32 [R + 1]
+    seq_ids: np.ndarray  # int64 [R]
     tokens: np.ndarray  # int32 [T]
+    token_offsets: np.ndarray | None = None  # int32 [R + 1]; None: T == R, one per row
     # (parent, child, the child's first token): a prompt's first sample fanned out into n > 1.
     forks: list[tuple[int, int, int]] = field(default_factory=list)
     logprobs: LogprobBlock | None = None  # for the sequences in logprob_seq_ids, in that order
@@ -80,9 +81,8 @@ class RunnerOutput:
     @classmethod
     def empty(cls) -> RunnerOutput:
         """A step that sampled nothing (prefill chunks only)."""
-        none = np.zeros(0, dtype=np.int32)
-        return cls(none, np.zeros(1, dtype=np.int32), none)
+        return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32))
 
     def last_tokens(self) -> np.ndarray:
-        """Each row's last new token (the only one while every row gains one)."""
-        return self.tokens[self.token_offsets[1:] - 1]
+        """Each row's last new token."""
+        return self.tokens if self.token_offsets is None else self.tokens[self.token_offsets[1:] - 1]

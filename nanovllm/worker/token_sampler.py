@@ -27,7 +27,7 @@ from nanovllm.sample.logprobs import LogprobBlock, logprob_columns, unpack_logpr
 from nanovllm.staging import to_device, to_host
 from nanovllm.worker.step import PromptLogprobRows, RunnerOutput, SchedulerOutput
 
-LogitsFn = Callable[[torch.Tensor, torch.Tensor, np.ndarray], torch.Tensor]
+LogitsFn = Callable[[torch.Tensor, torch.Tensor, "np.ndarray | None"], torch.Tensor]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
@@ -43,7 +43,8 @@ class _PromptLogprobs:
 class TokenSampler:
     def __init__(self, logits: LogitsFn, device: torch.device, vocab_size: int, eos_token_ids: Sequence[int],
                  max_rows: int) -> None:
-        """`logits(hidden, rows, host_rows)`: the fp32 logits of hidden-state rows. `max_rows`
+        """`logits(hidden, rows, host_rows)`: the fp32 logits of hidden-state rows (host_rows None:
+        the step's sample indices). `max_rows`
         bounds the rows of one logits call beyond the step's samples (the memory profile
         reserved that many: max_num_seqs)."""
         self._logits = logits
@@ -86,8 +87,8 @@ class TokenSampler:
             out = RunnerOutput.empty()
             out.prompt_logprobs = prompt_logprobs
             return out
-        raw = self._logits(hidden, sample_indices, plan.sample_indices)
-        rows, repeats = sids.astype(np.int64), None
+        raw = self._logits(hidden, sample_indices, None)
+        rows, repeats = sids, None
         if self._children:
             repeats = np.array([1 + len(self._children.get(int(s), ())) for s in sids])
             if (repeats > 1).any():
@@ -129,8 +130,8 @@ class TokenSampler:
             first = host[starts]
             forks = self._fan_out(sids, repeats, starts, rows, host)
         ends = state.record(rows, tokens, host)
-        return RunnerOutput(sids, np.arange(len(sids) + 1, dtype=np.int32), first, forks, logprobs,
-                            rows[lp_rows], ends, prompt_logprobs)
+        return RunnerOutput(sids, first, None, forks, logprobs, rows[lp_rows] if logprobs is not None else _NO_ROWS,
+                            ends, prompt_logprobs)
 
     def _fan_out(self, sids: np.ndarray, repeats: np.ndarray, starts: np.ndarray, rows: np.ndarray,
                  tokens: np.ndarray) -> list[tuple[int, int, int]]:
