@@ -47,3 +47,33 @@ def test_bad_model_directory_is_a_clear_error(tmp_path: Path) -> None:
     res = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert res.returncode == 2
     assert "model directory not found" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_engine_flags_come_from_the_one_declaration_of_options() -> None:
+    """Every EngineConfig option is a flag of each command, with the option's default and help,
+    and nothing else reaches the engine; LLM() takes exactly the same names."""
+    import dataclasses
+
+    from nanovllm.config import EngineConfig
+    from nanovllm.entrypoints.cli import _engine_kwargs, build_parser
+
+    options = {f.name: f for f in EngineConfig.options() if f.name != "model"}
+    parser = build_parser()
+    for command in (["bench"], ["generate", "--model", "m", "--prompt", "p"], ["serve"]):
+        kwargs = _engine_kwargs(parser.parse_args(command))
+        assert set(kwargs) == set(options)
+        assert all(kwargs[name] == f.default for name, f in options.items()), command
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    help_text = sub.choices["serve"].format_help()
+    for name, f in options.items():
+        assert "--" + name.replace("_", "-") in help_text
+        assert f.metadata["help"].split(" (")[0][:30] in " ".join(help_text.split()), name
+    args = parser.parse_args(["bench", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--dtype", "float32",
+                              "-tp", "2", "--enforce-eager"])
+    kwargs = _engine_kwargs(args)
+    assert (kwargs["max_num_seqs"], kwargs["enable_prefix_caching"], kwargs["dtype"], kwargs["tensor_parallel_size"],
+            kwargs["enforce_eager"]) == (7, False, "float32", 2, True)
+    assert _engine_kwargs(parser.parse_args(["bench", "--no-prefix-caching"]))["enable_prefix_caching"] is False
+    with pytest.raises(TypeError, match="unknown engine option.*'max_num_seq'"):
+        LLM("unused", max_num_seq=3)
+    assert dataclasses.replace(EngineConfig(model="m", **kwargs)).parallel.tensor_parallel_size == 2
