@@ -30,6 +30,9 @@ class EngineConfig:
     num_kvcache_blocks: int | None = None
     enforce_eager: bool = False
     seed: int = 0
+    # None: as the checkpoint is stored; "int8" / "int4": quantize its linear layers while loading
+    # (layers/quantization); "compressed-tensors" / "awq" / "gptq": must be the checkpoint's format.
+    quantization: str | None = None
     device: str = "auto"
     # Tensor parallelism (docs/design.md, "Tensor parallelism"); see ParallelConfig.
     tensor_parallel_size: int = 1

@@ -32,6 +32,7 @@ class LLM:
         num_kvcache_blocks: int | None = None,
         enforce_eager: bool = False,
         seed: int = 0,
+        quantization: str | None = None,
         device: str = "auto",
         tensor_parallel_size: int = 1,
         distributed_backend: str | None = None,
@@ -44,13 +45,17 @@ class LLM:
         CPU); `distributed_backend` None picks NCCL on CUDA and gloo on CPU. Across machines,
         `nnodes` nodes with the same number of ranks each: this process is node 0 (the engine),
         the others run `nanovllm serve ... --node-rank N --headless` with the same
-        `master_addr`/`master_port`."""
+        `master_addr`/`master_port`. `quantization="int8"|"int4"` quantizes an unquantized checkpoint's
+        linear layers while loading (weight-only, round to nearest: int8 per output channel, int4 in
+        groups of 128, asymmetric, as `nanovllm quantize`); a quantized checkpoint (compressed-tensors,
+        AWQ, GPTQ) needs nothing."""
         self.engine = LLMEngine(EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes, num_kvcache_blocks=num_kvcache_blocks,
-            enforce_eager=enforce_eager, seed=seed, device=device, tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager, seed=seed, quantization=quantization, device=device,
+            tensor_parallel_size=tensor_parallel_size,
             distributed_backend=distributed_backend, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
             master_port=master_port,
         ))

@@ -47,7 +47,7 @@ def make_model_runner(config: EngineConfig, device: torch.device, *, max_model_l
     """The engine's runner: a plain ModelRunner on one device, else rank 0 of a tensor-parallel
     group (which starts the workers of this node)."""
     kwargs = dict(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                  enforce_eager=config.enforce_eager, eos_token_ids=eos_token_ids)
+                  enforce_eager=config.enforce_eager, eos_token_ids=eos_token_ids, quantization=config.quantization)
     parallel = config.parallel
     if parallel.tensor_parallel_size == 1:
         return ModelRunner(config.model, config.dtype, device, config.block_size, **kwargs)

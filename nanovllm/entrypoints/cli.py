@@ -1,5 +1,5 @@
-"""`nanovllm` command line: `bench` (the throughput workload), `generate` (one completion) and
-`serve` (the OpenAI-compatible HTTP server)."""
+"""`nanovllm` command line: `bench` (the throughput workload), `generate` (one completion), `serve`
+(the OpenAI-compatible HTTP server) and `quantize` (a weight-only int8 / int4 checkpoint)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kvcache-blocks", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", "-q", default=None,
+                   help="int8 or int4: quantize the linear layers while loading (a quantized checkpoint "
+                        "needs nothing)")
     g.add_argument("--device", default="auto")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many GPUs (processes on CPU)")
@@ -44,7 +47,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
-        enforce_eager=args.enforce_eager, seed=args.seed, device=args.device,
+        enforce_eager=args.enforce_eager, seed=args.seed, quantization=args.quantization, device=args.device,
         tensor_parallel_size=args.tensor_parallel_size, distributed_backend=args.distributed_backend,
         nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
     )
@@ -206,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-access-log", action="store_true")
     _engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    from nanovllm.entrypoints import quantize
+
+    quant = sub.add_parser("quantize", help="write an int8 / int4 weight-only (compressed-tensors) copy of a checkpoint")
+    quantize.add_arguments(quant)
+    quant.set_defaults(func=quantize.run)
     return parser
 
 

@@ -88,17 +88,20 @@ def choose_attention_backend(model_dir: str, device: torch.device) -> str:
 class ModelRunner:
     def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int, *,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 attn_backend: str | None = None, eos_token_ids: Sequence[int] = (), tp: TPGroup | None = None) -> None:
+                 attn_backend: str | None = None, eos_token_ids: Sequence[int] = (), tp: TPGroup | None = None,
+                 quantization: str | None = None) -> None:
         """`max_num_seqs` and `max_model_len` (default: the model's max_position_embeddings) size the
         CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
         automatic choice (see choose_attention_backend); `eos_token_ids` are what min_tokens masks
         (besides a request's stop ids); `tp` makes this runner one rank of a tensor-parallel group
-        (it holds that rank's shard of the model and of the KV cache)."""
+        (it holds that rank's shard of the model and of the KV cache); `quantization` as
+        EngineConfig's."""
         self.device = device
         self.tp = tp
         self.make_device_current()
         backend = attn_backend or choose_attention_backend(model_dir, device)
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp)
+        self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
+                                             quantization=quantization)
         self.attn_backend = backend
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype

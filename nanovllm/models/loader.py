@@ -16,6 +16,8 @@ from safetensors import safe_open
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.linear import ShardId, get_weight_loader
+from nanovllm.layers.quantization.config import resolve_quant_config
+from nanovllm.layers.quantization.linear_method import finish_model, prepare_model
 from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.registry import build_model
@@ -121,13 +123,20 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_backend: str = "torch",
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Read config.json, build the architecture and load its weights (this rank's shards under
-    tensor parallelism `tp`). Returns (model, config)."""
+    tensor parallelism `tp`). `quantization`: a load-time scheme ("int8", "int4") for an unquantized
+    checkpoint, or the format a quantized one must have (layers/quantization). Returns (model, config)."""
     config = load_model_config(model_dir)
+    quant = resolve_quant_config(config.raw, quantization, str(Path(model_dir) / "config.json"))
     # Every file's header is checked before the model takes any memory: a truncated shard fails
     # here, naming the file, not halfway through the load.
     validate_weight_files(find_weight_files(model_dir))
     model = build_model(config, resolve_dtype(config, dtype, device), device, attn_backend, tp)
+    if quant is not None:
+        prepare_model(model, quant)
     load_weights(model, model_dir)
+    if quant is not None:
+        finish_model(model, quant, torch.device(device))
     return model, config
