@@ -137,8 +137,8 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
         if fmt != "pack-quantized":
             raise ValueError(f"{where}: {what} is not supported: only 'pack-quantized' (weight-only int4/int8)")
         if group.get("input_activations") is not None or group.get("output_activations") is not None:
-            raise ValueError(f"{where}: {what} quantizes activations; only weight-only schemes (W4A16, W8A16) are "
-                             "supported")
+            raise ValueError(f"{where}: {what} quantizes activations: not supported (only weight-only "
+                             "schemes: W4A16, W8A16)")
         w = group.get("weights") or {}
         if w.get("type", "int") != "int" or w.get("dynamic", False):
             raise ValueError(f"{where}: {what}: weights of type {w.get('type')!r} (dynamic={w.get('dynamic')}) are "

@@ -52,7 +52,7 @@ class TritonWeight:
 @triton.jit
 def _dequant_gemm(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride_x, stride_q, stride_y, GROUPS,
                   GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,11 +74,16 @@ def _dequant_gemm(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride_x
         s = tl.load(s_ptr + g, mask=w_ok, other=0.0)
         z = tl.load(z_ptr + g, mask=w_ok, other=0.0)
         w = (q.to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+def precision(dtype: torch.dtype) -> str:
+    """fp32 activations multiply in full fp32 ("ieee"), not TF32: the model's dtype is what runs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def linear(x: torch.Tensor, w: TritonWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -97,5 +102,5 @@ def linear(x: torch.Tensor, w: TritonWeight, bias: torch.Tensor | None) -> torch
         _dequant_gemm[grid](rows, w.q, w.scales, w.zeros, bias if bias is not None else y, y, m, w.out_features,
                             w.in_features, rows.stride(0), w.q.stride(0), y.stride(0), w.scales.shape[1],
                             GROUP_SIZE=w.group_size, BITS=w.bits, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                            BLOCK_N=64, BLOCK_K=32)
+                            BLOCK_N=64, BLOCK_K=32, PRECISION=precision(x.dtype))
     return y.reshape(*x.shape[:-1], w.out_features)

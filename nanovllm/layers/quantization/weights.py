@@ -67,11 +67,13 @@ class QuantizedWeight:
         return self.scales.shape[1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The `[out, in]` weight, in the input's column order: (q - z) * s in fp32, then `dtype`."""
-        q = self.qweight.float()
+        """The `[out, in]` weight, in the input's column order: (q - z) * s in fp32 (fp64 for
+        `dtype` fp64), then `dtype`."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        q = self.qweight.to(work)
         if self.zeros is not None:
-            q = q - self.zeros.float().repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
-        w = q * self.scales.repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
+            q = q - self.zeros.to(work).repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
+        w = q * self.scales.to(work).repeat_interleave(self.group_size, dim=1)[:, :self.in_features]
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
