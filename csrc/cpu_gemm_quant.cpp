@@ -1,6 +1,7 @@
 #include "cpu_gemm_quant.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cpu_gemm.h"
@@ -151,6 +152,87 @@ struct Isa {
   }
 };
 #include "cpu_gemm_quant_tiles.h"
+
+// The bf16 path (QuantGemmArgs::x_bf16): the dequantized slice rounded to bf16, two input columns
+// to a 32-bit lane, against pairs of bf16 activations with vdpbf16ps.
+#define NANOVLLM_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+// buf [kc][16] fp32 -> pairs [ceil(kc / 2)][16] dwords: bf16(w[2j][c]) | bf16(w[2j + 1][c]) << 16.
+NANOVLLM_AVX512BF16 void to_bf16_pairs(const float* buf, int64_t kc, uint32_t* pairs) {
+  // cvtne2ps gives [even 0..15 | odd 0..15]; vpermw interleaves them.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t j = 0; 2 * j < kc; ++j) {
+    const __m512 even = _mm512_loadu_ps(buf + 2 * j * kGemmPanel);
+    const __m512 odd = 2 * j + 1 < kc ? _mm512_loadu_ps(buf + (2 * j + 1) * kGemmPanel) : _mm512_setzero_ps();
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
+    _mm512_storeu_si512(pairs + j * kGemmPanel, _mm512_permutexvar_epi16(interleave, both));
+  }
+}
+
+template <int R>
+NANOVLLM_AVX512BF16 void tile_bf16(const uint16_t* x, int64_t ldx, const uint32_t* pairs, int64_t kc, float* y,
+                                   int64_t ldy, int cols, bool add, __m512 bias) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = add ? _mm512_setzero_ps() : bias;
+  for (int64_t j = 0; 2 * j < kc; ++j) {
+    const __m512bh b = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + j * kGemmPanel));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * j, sizeof pair);
+      acc[r] = _mm512_dpbf16_ps(acc[r], b, reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)));
+    }
+  }
+  for (int r = 0; r < R; ++r) put(y + r * ldy, &acc[r], cols, add);
+}
+
+template <int R = Isa::kTileRows>
+NANOVLLM_AVX512BF16 void tiles_bf16(const uint16_t* x, int64_t ldx, int64_t rows, const uint32_t* pairs, int64_t kc,
+                                    float* y, int64_t ldy, int cols, bool add, __m512 bias) {
+  if constexpr (R == Isa::kTileRows) {
+    for (; rows >= R; rows -= R, x += R * ldx, y += R * ldy) tile_bf16<R>(x, ldx, pairs, kc, y, ldy, cols, add, bias);
+  }
+  if constexpr (R > 0) {
+    if (rows == R) {
+      tile_bf16<R>(x, ldx, pairs, kc, y, ldy, cols, add, bias);
+    } else {
+      tiles_bf16<R - 1>(x, ldx, rows, pairs, kc, y, ldy, cols, add, bias);
+    }
+  }
+}
+
+template <int Bits>
+NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
+  const int64_t panels = gemm_panels(a.n);
+  alignas(64) float buf[kQuantKc * kGemmPanel];
+  alignas(64) uint32_t pairs[kQuantKc / 2 * kGemmPanel];
+  const int64_t kp = padded_depth(a.k, Bits);
+  for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
+    const int64_t kc = std::min(kQuantKc, a.k - k0);
+    for (int64_t m0 = 0; m0 < a.m; m0 += kQuantMc) {
+      const int64_t mc = std::min(kQuantMc, a.m - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col0 = p * kGemmPanel;
+        const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+        dequant_slice<Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), buf);
+        to_bf16_pairs(buf, kc, pairs);
+        alignas(64) float b16[kGemmPanel] = {};
+        if (a.bias != nullptr && k0 == 0) std::copy_n(a.bias + col0, cols, b16);
+        tiles_bf16(a.x_bf16 + m0 * a.x_stride + k0, a.x_stride, mc, pairs, kc, a.y + m0 * a.y_stride + col0,
+                   a.y_stride, cols, k0 > 0, _mm512_loadu_ps(b16));
+      }
+    }
+  }
+}
+
+NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
+  if (a.bits == 8) {
+    panels_bf16<8>(a, segs, p0, p1);
+  } else {
+    panels_bf16<4>(a, segs, p0, p1);
+  }
+}
 }  // namespace
 }  // namespace quant_avx512
 #pragma GCC diagnostic pop
@@ -179,6 +261,14 @@ bool quant_isa_supported(QuantIsa isa) {
 #endif
 }
 
+bool quant_has_bf16() {
+#if defined(__x86_64__)
+  return quant_isa_supported(QuantIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 QuantIsa quant_isa_best() {
   static const QuantIsa best = [] {
     for (QuantIsa isa : {QuantIsa::kAvx512, QuantIsa::kAvx2}) {
@@ -196,7 +286,7 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
   // Each row's sum of x over each segment, for the zero points of the in-register path (at most
   // kDirectRows; the buffered path does not read it).
   std::vector<float> xsum;
-  if (a.m <= kMaxDirectRows) {
+  if (a.x_bf16 == nullptr && a.m <= kMaxDirectRows) {
     xsum.assign(a.m * segs.count(), 0.0f);
     for (int64_t r = 0; r < a.m; ++r) {
       for (int64_t s = 0; s < segs.count(); ++s) {
@@ -207,6 +297,12 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
     }
   }
   parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, [&](int64_t p0, int64_t p1) {
+#if defined(__x86_64__)
+    if (a.x_bf16 != nullptr) {
+      quant_avx512::run_bf16(a, segs, p0, p1);
+      return;
+    }
+#endif
     switch (isa) {
 #if defined(__x86_64__)
       case QuantIsa::kAvx512: quant_avx512::run(a, segs, xsum.data(), p0, p1); break;

@@ -30,7 +30,11 @@ enum class QuantIsa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3
 int64_t quant_gemm_packed_bytes(int64_t n, int64_t k, int bits);
 
 struct QuantGemmArgs {
-  const float* x;            // [m, k], rows x_stride apart
+  const float* x;            // [m, k], rows x_stride apart (null with x_bf16)
+  // Nullable: bf16 activations instead of x, [m, k rounded up to even] (a pad column of zeros),
+  // rows x_stride apart: every slice is dequantized, rounded to bf16 and multiplied with AVX512-BF16
+  // dot products (twice the fp32 FMA rate; a bf16 model's own arithmetic). Needs quant_has_bf16().
+  const uint16_t* x_bf16;
   const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
   const float* scales;       // [panels][groups][16]
   const int8_t* zeros;       // nullable: [panels][groups][16]
@@ -46,6 +50,8 @@ struct QuantGemmArgs {
 bool quant_isa_supported(QuantIsa isa);
 // The instruction set kAuto picks here.
 QuantIsa quant_isa_best();
+// Whether this CPU runs the bf16 path (AVX-512 with AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids).
+bool quant_has_bf16();
 
 // The binding checks sizes, pointers and that the CPU runs `isa`.
 void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads);

@@ -22,6 +22,7 @@ ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_kernel.isa_supported(
 SHAPES = [
     (1, 256, 16, 32), (1, 300, 40, 64), (3, 333, 33, 333), (7, 1000, 48, 128), (12, 520, 100, 520),
     (13, 200, 17, 64), (150, 700, 64, 128), (300, 96, 31, 32), (0, 64, 16, 64), (5, 257, 1000, 16),
+    (2, 333, 20, 111), (20, 333, 20, 111),  # odd groups: int4 stored a byte per value
 ]
 
 
@@ -63,6 +64,26 @@ def test_activation_order_and_strided_bf16_input(isa: str) -> None:
     torch.testing.assert_close(y, reference(xb.float(), w, None).to(torch.bfloat16), rtol=2 ** -7, atol=1e-3)
 
 
+@pytest.mark.skipif(not _C.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_dot_product_path(bits: int) -> None:
+    """bf16 activations past the in-register rows: the dequantized weight rounded to bf16, times the
+    bf16 activations, summed in fp32 (a bf16 GEMM's arithmetic); odd depths pad a zero column."""
+    for i, (rows, k, n, group) in enumerate([(13, 333, 40, 112), (150, 700, 64, 100), (40, 255, 17, 255)]):
+        w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=i)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        y = cpu_kernel.linear(x, cpu_kernel.pack(w), None)
+        expected = F.linear(x.double(), w.dequantize(torch.bfloat16).double())
+        torch.testing.assert_close(y.float(), expected.float(), rtol=2 ** -7, atol=1e-3 * expected.abs().max().item())
+        # Rounded to bf16 before the product: closer to that than to the fp32 weights' product.
+        assert (y.double() - expected).abs().mean() < (y.double() - reference(x.float(), w, None).double()).abs().mean()
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="even"):  # bf16 rows hold k rounded up to even
+        p = cpu_kernel.pack(random_quantized(16, 63, 4, 63, True, seed=0))
+        _C.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0, 0, torch.empty(20, 16).data_ptr(), 20, 16,
+                          63, 63, 16, 63, 4, 8.0, 0, 1, x.data_ptr())
+
+
 def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
     """Threads split the output panels, never a sum: every thread count gives the same bits."""
     w = random_quantized(200, 300, 4, 64, symmetric=False, seed=3)
@@ -76,12 +97,25 @@ def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
             assert all(torch.equal(outs[0], y) for y in outs[1:]), (isa, rows)
 
 
+def test_odd_int4_groups_are_stored_as_bytes() -> None:
+    w = random_quantized(16, 90, 4, 45, symmetric=False, seed=4)
+    p = cpu_kernel.pack(w)
+    assert p.bits == 8 and p.packed.numel() == 16 * 90
+    with pytest.raises(ValueError, match="even size"):
+        cpu_kernel.PackedQuantWeight(p.packed[:16 * 45], p.scales, p.zeros, 16, 90, 4, 45, None)
+    x = torch.randn(3, 90)
+    y = torch.empty(3, 16)
+    with pytest.raises(ValueError, match="even group size"):
+        _C.quant_gemm_cpu(x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(),
+                          3, 16, 90, 90, 16, 45, 4, 8.0)
+
+
 def test_packed_sizes() -> None:
     """int8: a byte per weight; int4: half, K padded to even; rows padded to 16-column panels."""
     assert _C.quant_gemm_packed_bytes(16, 256, 8) == 16 * 256
     assert _C.quant_gemm_packed_bytes(17, 256, 8) == 32 * 256
     assert _C.quant_gemm_packed_bytes(16, 255, 4) == 16 * 256 // 2
-    w = random_quantized(33, 333, 4, 111, symmetric=False, seed=1)
+    w = random_quantized(33, 333, 4, 112, symmetric=False, seed=1)
     p = cpu_kernel.pack(w)
     assert p.packed.numel() == 48 * 334 // 2 and tuple(p.scales.shape) == (3, 3, 16) == tuple(p.zeros.shape)
     assert p.scales[2, :, 1:].eq(0).all()  # columns past n: scale 0

@@ -17,6 +17,7 @@ from nanovllm.layers.quantization.weights import QuantizedWeight
 
 PANEL = 16  # csrc/cpu_gemm.h kGemmPanel
 SLICE = 256  # csrc/cpu_gemm_quant.cpp kQuantKc
+DIRECT_ROWS = 12  # csrc/cpu_gemm_quant.cpp kMaxDirectRows: up to this many rows dequantize in registers
 Isa = Literal["auto", "portable", "avx2", "avx512"]
 ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 
@@ -60,8 +61,12 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(w: QuantizedWeight) -> PackedQuantWeight:
-    """The kernel's copy of `w` (csrc/cpu_gemm_quant.h: panels of 16 columns, slices 256 deep)."""
+    """The kernel's copy of `w` (csrc/cpu_gemm_quant.h: panels of 16 columns, slices 256 deep). int4
+    values pair up two input columns to a byte, so groups must start at even columns: int4 in groups
+    of an odd size (no format writes them, but nothing forbids them) is stored a byte per value."""
     n, k, bits = w.out_features, w.in_features, w.bits
+    if bits == 4 and w.group_size % 2 and w.group_size < k:
+        bits = 8
     q = w.qweight if bits == 8 else (w.qweight.to(torch.int16) + 8).to(torch.uint8)
     if bits == 4 and k % 2:
         q = F.pad(q, (0, 1))  # int4 rows come in pairs; the pad is never read
@@ -82,8 +87,14 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
     return PackedQuantWeight(packed, scales, zeros, n, k, bits, w.group_size, w.perm)
 
 
+def _check_groups(p: PackedQuantWeight) -> None:
+    if p.bits == 4 and p.group_size % 2 and p.group_size < p.in_features:
+        raise ValueError(f"int4 groups must have an even size (got {p.group_size}): pack() stores odd ones as int8")
+
+
 def check(p: PackedQuantWeight) -> None:
     """The sizes the kernel will read, checked once when the packed weight is made (it trusts them)."""
+    _check_groups(p)
     panels, groups = -(-p.out_features // PANEL), -(-p.in_features // p.group_size)
     if p.packed.dtype != torch.uint8 or p.packed.numel() != _C.quant_gemm_packed_bytes(p.out_features, p.in_features,
                                                                                        p.bits):
@@ -99,6 +110,17 @@ def check(p: PackedQuantWeight) -> None:
         raise ValueError("packed tensors must be contiguous")
 
 
+def _bf16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """bf16 rows the kernel reads in pairs of columns: in place when contiguous with an even length,
+    else a copy with a zero pad column."""
+    m, k = rows.shape
+    if k % 2 == 0 and rows.is_contiguous():
+        return rows, k
+    padded = torch.zeros((m, k + k % 2), dtype=torch.bfloat16)
+    padded[:, :k] = rows
+    return padded, padded.shape[1]
+
+
 def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa: Isa = "auto",
            num_threads: int | None = None) -> torch.Tensor:
     """`F.linear(x, dequantize(W), bias)` for the weight `p` was packed from; x `[..., in]`."""
@@ -109,15 +131,18 @@ def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa
     rows = x if x.dim() == 2 else x.reshape(-1, p.in_features)
     if p.perm is not None:
         rows = rows.index_select(1, p.perm)
-    xs, stride = cpu_gemm.fp32_rows(rows)
-    b = None if bias is None else bias.float().contiguous()
     m = rows.shape[0]
+    # bf16 activations past the in-register rows: bf16 dot products where the CPU has them.
+    bf16 = x.dtype == torch.bfloat16 and m > DIRECT_ROWS and isa in ("auto", "avx512") and _C.quant_has_bf16()
+    xs, stride = _bf16_rows(rows) if bf16 else cpu_gemm.fp32_rows(rows)
+    b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, p.out_features), dtype=torch.float32)
     if m:
-        _C.quant_gemm_cpu(xs.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
+        _C.quant_gemm_cpu(0 if bf16 else xs.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
                           0 if p.zeros is None else p.zeros.data_ptr(), 0 if b is None else b.data_ptr(),
                           y.data_ptr(), m, p.out_features, p.in_features, stride, p.out_features, p.group_size,
                           p.bits, p.zero_offset, ISA_CODES[isa],
-                          torch.get_num_threads() if num_threads is None else num_threads)
+                          torch.get_num_threads() if num_threads is None else num_threads,
+                          xs.data_ptr() if bf16 else 0)
     y = y if x.dtype == torch.float32 else y.to(x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.out_features)
