@@ -187,21 +187,6 @@ NANOVLLM_AVX512BF16 void tile_bf16(const uint16_t* x, int64_t ldx, const uint32_
   for (int r = 0; r < R; ++r) put(y + r * ldy, &acc[r], cols, add);
 }
 
-template <int R = Isa::kTileRows>
-NANOVLLM_AVX512BF16 void tiles_bf16(const uint16_t* x, int64_t ldx, int64_t rows, const uint32_t* pairs, int64_t kc,
-                                    float* y, int64_t ldy, int cols, bool add, __m512 bias) {
-  if constexpr (R == Isa::kTileRows) {
-    for (; rows >= R; rows -= R, x += R * ldx, y += R * ldy) tile_bf16<R>(x, ldx, pairs, kc, y, ldy, cols, add, bias);
-  }
-  if constexpr (R > 0) {
-    if (rows == R) {
-      tile_bf16<R>(x, ldx, pairs, kc, y, ldy, cols, add, bias);
-    } else {
-      tiles_bf16<R - 1>(x, ldx, rows, pairs, kc, y, ldy, cols, add, bias);
-    }
-  }
-}
-
 template <int Bits>
 NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
@@ -219,8 +204,12 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
         to_bf16_pairs(buf, kc, pairs);
         alignas(64) float b16[kGemmPanel] = {};
         if (a.bias != nullptr && k0 == 0) std::copy_n(a.bias + col0, cols, b16);
-        tiles_bf16(a.x_bf16 + m0 * a.x_stride + k0, a.x_stride, mc, pairs, kc, a.y + m0 * a.y_stride + col0,
-                   a.y_stride, cols, k0 > 0, _mm512_loadu_ps(b16));
+        const uint16_t* x = a.x_bf16 + m0 * a.x_stride + k0;
+        float* y = a.y + m0 * a.y_stride + col0;
+        const __m512 bias = _mm512_loadu_ps(b16);
+        row_tiles(mc, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
+          tile_bf16<R>(x + r * a.x_stride, a.x_stride, pairs, kc, y + r * a.y_stride, a.y_stride, cols, k0 > 0, bias);
+        });
       }
     }
   }

@@ -185,18 +185,18 @@ void tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float* y, i
   for (int r = 0; r < R; ++r) put(y + r * ldy, acc[r], cols, add);
 }
 
-// Rows [0, rows) in tiles of kTileRows and one smaller tile for the rest.
-template <int R = Isa::kTileRows>
-void tiles(const float* x, int64_t ldx, int64_t rows, const float* buf, int64_t kc, float* y, int64_t ldy, int cols,
-           bool add, const V* bias) {
+// Rows [0, rows) in tiles of kTileRows and one smaller tile for the rest:
+// tile_at.template operator()<R>(first row) for each.
+template <int R = Isa::kTileRows, typename TileAt>
+void row_tiles(int64_t rows, const TileAt& tile_at, int64_t r0 = 0) {
   if constexpr (R == Isa::kTileRows) {
-    for (; rows >= R; rows -= R, x += R * ldx, y += R * ldy) tile<R>(x, ldx, buf, kc, y, ldy, cols, add, bias);
+    for (; rows >= R; rows -= R, r0 += R) tile_at.template operator()<R>(r0);
   }
   if constexpr (R > 0) {
     if (rows == R) {
-      tile<R>(x, ldx, buf, kc, y, ldy, cols, add, bias);
+      tile_at.template operator()<R>(r0);
     } else {
-      tiles<R - 1>(x, ldx, rows, buf, kc, y, ldy, cols, add, bias);
+      row_tiles<R - 1>(rows, tile_at, r0);
     }
   }
 }
@@ -218,8 +218,11 @@ void panels_buffered(const QuantGemmArgs& a, const Segments& segs, int64_t p0, i
         if (a.bias != nullptr && k0 == 0) std::copy_n(a.bias + col0, cols, b16);
         V bias[kVecs];
         load16(b16, bias);
-        tiles(a.x + m0 * a.x_stride + k0, a.x_stride, mc, buf, kc, a.y + m0 * a.y_stride + col0, a.y_stride, cols,
-              k0 > 0, bias);
+        const float* x = a.x + m0 * a.x_stride + k0;
+        float* y = a.y + m0 * a.y_stride + col0;
+        row_tiles(mc, [&]<int R>(int64_t r) {
+          tile<R>(x + r * a.x_stride, a.x_stride, buf, kc, y + r * a.y_stride, a.y_stride, cols, k0 > 0, bias);
+        });
       }
     }
   }
