@@ -778,6 +778,7 @@ void bind_cpu_gemm_quant(py::module_& m) {
         if (bits == 4 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: int4 needs an even group size");
         if (x_bf16 && !quant_has_bf16()) value_error("quant_gemm_cpu: bf16 activations need AVX512-BF16");
         if (x_bf16 && x_stride < k + k % 2) value_error("quant_gemm_cpu: bf16 rows must hold k rounded up to even");
+        if (x_bf16 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: bf16 activations need even groups");
         if (m > 0 && (!(x || x_bf16) || !packed || !scales || !y)) value_error("null pointer passed to quant_gemm_cpu");
         const QuantGemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(x_bf16),
                               reinterpret_cast<const uint8_t*>(packed),

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_dtype.h"
 #include "cpu_gemm.h"
 #include "cpu_parallel.h"
 
@@ -153,73 +154,107 @@ struct Isa {
 };
 #include "cpu_gemm_quant_tiles.h"
 
-// The bf16 path (QuantGemmArgs::x_bf16): the dequantized slice rounded to bf16, two input columns
-// to a 32-bit lane, against pairs of bf16 activations with vdpbf16ps.
+// The bf16 path (QuantGemmArgs::x_bf16): like the in-register path, with vdpbf16ps on pairs of
+// input columns (a 32-bit lane holds one column's weights at depths 2j and 2j + 1, the activations'
+// pair is broadcast), twice the products per instruction of fp32 FMAs and no dequantized buffer.
+// Weights become bf16 exactly: an int4 nibble u as the bf16 bits 0x4300 | u, i.e. 128 + u (so the
+// zero point moves by 128 too), an int8 value as itself (|q| <= 128 fits bf16's 8 bits).
 #define NANOVLLM_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
-// buf [kc][16] fp32 -> pairs [ceil(kc / 2)][16] dwords: bf16(w[2j][c]) | bf16(w[2j + 1][c]) << 16.
-NANOVLLM_AVX512BF16 void to_bf16_pairs(const float* buf, int64_t kc, uint32_t* pairs) {
-  // cvtne2ps gives [even 0..15 | odd 0..15]; vpermw interleaves them.
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int64_t j = 0; 2 * j < kc; ++j) {
-    const __m512 even = _mm512_loadu_ps(buf + 2 * j * kGemmPanel);
-    const __m512 odd = 2 * j + 1 < kc ? _mm512_loadu_ps(buf + (2 * j + 1) * kGemmPanel) : _mm512_setzero_ps();
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));
-    _mm512_storeu_si512(pairs + j * kGemmPanel, _mm512_permutexvar_epi16(interleave, both));
+template <int Bits>
+NANOVLLM_AVX512BF16 inline __m512bh weight_pairs(const uint8_t* w, bool last_odd) {
+  if constexpr (Bits == 4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));  // lo | hi << 4
+    // (b & 0xf) | 0x43004300, then | (b << 12) & 0xf0000: imm 0xEA is (A & B) | C.
+    const __m512i lo = _mm512_ternarylogic_epi32(b, _mm512_set1_epi32(0xf), _mm512_set1_epi32(0x43004300), 0xEA);
+    return reinterpret_cast<__m512bh>(
+        _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 12), _mm512_set1_epi32(0xf0000), lo, 0xEA));
+  } else {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 even[1], odd[1] = {_mm512_setzero_ps()};
+    Isa::int8(reinterpret_cast<const int8_t*>(w), even);
+    if (!last_odd) Isa::int8(reinterpret_cast<const int8_t*>(w + kGemmPanel), odd);  // no row past an odd k
+    // cvtne2ps gives [even 0..15 | odd 0..15]; vpermw interleaves them into the lanes.
+    return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(
+        interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd[0], even[0]))));
   }
 }
 
-template <int R>
-NANOVLLM_AVX512BF16 void tile_bf16(const uint16_t* x, int64_t ldx, const uint32_t* pairs, int64_t kc, float* y,
-                                   int64_t ldy, int cols, bool add, __m512 bias) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = add ? _mm512_setzero_ps() : bias;
-  for (int64_t j = 0; 2 * j < kc; ++j) {
-    const __m512bh b = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pairs + j * kGemmPanel));
+// R rows (x rows ldx apart, pairs of bf16) against panel p's slice at k0, segment by segment, as
+// direct_slice; xsum holds these rows' segment sums.
+template <int R, int Bits>
+NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p,
+                                           int64_t k0, const uint8_t* w, const uint16_t* x, const float* xsum,
+                                           float* y) {
+  constexpr int S = std::clamp(8 / R, 1, 4);  // accumulator sets, as dot_segment
+  constexpr int kRowBytes = kGemmPanel * Bits / 8;
+  const float magic = Bits == 4 ? 128.0f : 0.0f;
+  const int64_t groups = (a.k + a.group_size - 1) / a.group_size;
+  const int64_t col0 = p * kGemmPanel;
+  const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+  for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
+    const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
+    const int64_t pairs = (len + 1) / 2;
+    const uint8_t* ws = w + (s0 - k0) * kRowBytes;
+    __m512 part[S][R];
+    for (int t = 0; t < S; ++t) {
+      for (int r = 0; r < R; ++r) part[t][r] = _mm512_setzero_ps();
+    }
+    const auto step = [&](int64_t j, __m512* into) NANOVLLM_AVX512BF16 {
+      const __m512bh b = weight_pairs<Bits>(ws + 2 * j * kRowBytes, Bits == 8 && 2 * j + 1 == len);
 #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * a.x_stride + s0 + 2 * j, sizeof pair);
+        into[r] = _mm512_dpbf16_ps(into[r], b, reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)));
+      }
+    };
+    int64_t j = 0;
+    for (; j + S <= pairs; j += S) {
+#pragma GCC unroll 4
+      for (int t = 0; t < S; ++t) step(j + t, part[t]);
+    }
+    for (; j < pairs; ++j) step(j, part[0]);
+    __m512 s[1], z[1];
+    group_params(a, groups, p, s0 / a.group_size, s, z);
+    const __m512 zero = _mm512_add_ps(z[0], _mm512_set1_ps(magic));
+    const bool first = s0 == 0;
+    alignas(64) float b16[kGemmPanel] = {};
+    if (first && a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
+    const __m512 bias = _mm512_load_ps(b16);
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * j, sizeof pair);
-      acc[r] = _mm512_dpbf16_ps(acc[r], b, reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)));
+      __m512 acc = part[0][r];
+      for (int t = 1; t < S; ++t) acc = _mm512_add_ps(acc, part[t][r]);
+      __m512 out = _mm512_mul_ps(s[0], _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[r * segs.count() + sg]), acc));
+      if (first) out = _mm512_add_ps(out, bias);
+      put(y + r * a.y_stride + col0, &out, cols, !first);
     }
   }
-  for (int r = 0; r < R; ++r) put(y + r * ldy, &acc[r], cols, add);
 }
 
 template <int Bits>
-NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
+NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0,
+                                     int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
-  alignas(64) float buf[kQuantKc * kGemmPanel];
-  alignas(64) uint32_t pairs[kQuantKc / 2 * kGemmPanel];
   const int64_t kp = padded_depth(a.k, Bits);
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
-    const int64_t kc = std::min(kQuantKc, a.k - k0);
-    for (int64_t m0 = 0; m0 < a.m; m0 += kQuantMc) {
-      const int64_t mc = std::min(kQuantMc, a.m - m0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t col0 = p * kGemmPanel;
-        const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
-        dequant_slice<Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), buf);
-        to_bf16_pairs(buf, kc, pairs);
-        alignas(64) float b16[kGemmPanel] = {};
-        if (a.bias != nullptr && k0 == 0) std::copy_n(a.bias + col0, cols, b16);
-        const uint16_t* x = a.x_bf16 + m0 * a.x_stride + k0;
-        float* y = a.y + m0 * a.y_stride + col0;
-        const __m512 bias = _mm512_loadu_ps(b16);
-        row_tiles(mc, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
-          tile_bf16<R>(x + r * a.x_stride, a.x_stride, pairs, kc, y + r * a.y_stride, a.y_stride, cols, k0 > 0, bias);
-        });
-      }
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
+      row_tiles(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
+        direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
+                                   xsum + r * segs.count(), a.y + r * a.y_stride);
+      });
     }
   }
 }
 
-NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
+NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0,
+                                  int64_t p1) {
   if (a.bits == 8) {
-    panels_bf16<8>(a, segs, p0, p1);
+    panels_bf16<8>(a, segs, xsum, p0, p1);
   } else {
-    panels_bf16<4>(a, segs, p0, p1);
+    panels_bf16<4>(a, segs, xsum, p0, p1);
   }
 }
 }  // namespace
@@ -272,15 +307,17 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
   if (a.m == 0) return;
   if (isa == QuantIsa::kAuto) isa = quant_isa_best();
   const Segments segs(a.k, a.group_size);
-  // Each row's sum of x over each segment, for the zero points of the in-register path (at most
-  // kDirectRows; the buffered path does not read it).
+  // Each row's sum of x over each segment, for the zero points of the in-register paths (the
+  // fp32 one takes at most kMaxDirectRows rows; the buffered path does not read it).
   std::vector<float> xsum;
-  if (a.x_bf16 == nullptr && a.m <= kMaxDirectRows) {
+  if (a.x_bf16 != nullptr || a.m <= kMaxDirectRows) {
     xsum.assign(a.m * segs.count(), 0.0f);
     for (int64_t r = 0; r < a.m; ++r) {
       for (int64_t s = 0; s < segs.count(); ++s) {
         float sum = 0.0f;
-        for (int64_t i = segs.start[s]; i < segs.start[s + 1]; ++i) sum += a.x[r * a.x_stride + i];
+        for (int64_t i = segs.start[s]; i < segs.start[s + 1]; ++i) {
+          sum += a.x_bf16 != nullptr ? widen(a.x_bf16[r * a.x_stride + i]) : a.x[r * a.x_stride + i];
+        }
         xsum[r * segs.count() + s] = sum;
       }
     }
@@ -288,7 +325,7 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
   parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, [&](int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
     if (a.x_bf16 != nullptr) {
-      quant_avx512::run_bf16(a, segs, p0, p1);
+      quant_avx512::run_bf16(a, segs, xsum.data(), p0, p1);
       return;
     }
 #endif

@@ -32,8 +32,8 @@ int64_t quant_gemm_packed_bytes(int64_t n, int64_t k, int bits);
 struct QuantGemmArgs {
   const float* x;            // [m, k], rows x_stride apart (null with x_bf16)
   // Nullable: bf16 activations instead of x, [m, k rounded up to even] (a pad column of zeros),
-  // rows x_stride apart: every slice is dequantized, rounded to bf16 and multiplied with AVX512-BF16
-  // dot products (twice the fp32 FMA rate; a bf16 model's own arithmetic). Needs quant_has_bf16().
+  // rows x_stride apart, multiplied with AVX512-BF16 dot products on pairs of input columns (twice
+  // the fp32 FMA rate). Needs quant_has_bf16() and groups of an even size (or one per row).
   const uint16_t* x_bf16;
   const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
   const float* scales;       // [panels][groups][16]

@@ -67,19 +67,21 @@ def test_activation_order_and_strided_bf16_input(isa: str) -> None:
 @pytest.mark.skipif(not _C.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bf16_dot_product_path(bits: int) -> None:
-    """bf16 activations past the in-register rows: the dequantized weight rounded to bf16, times the
-    bf16 activations, summed in fp32 (a bf16 GEMM's arithmetic); odd depths pad a zero column."""
-    for i, (rows, k, n, group) in enumerate([(13, 333, 40, 112), (150, 700, 64, 100), (40, 255, 17, 255)]):
+    """bf16 activations on an AVX512-BF16 CPU: bf16 dot products on pairs of input columns (the
+    weights' integers are exact in bf16, scales apply in fp32), so as close to the fp32 product of
+    the bf16 activations as the in-register fp32 path; odd depths pad a zero column; 1-300 rows."""
+    for i, (rows, k, n, group) in enumerate([(1, 333, 40, 112), (13, 700, 64, 100), (40, 255, 17, 255),
+                                             (300, 512, 48, 64), (5, 96, 16, 32)]):
         w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=i)
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         y = cpu_kernel.linear(x, cpu_kernel.pack(w), None)
-        expected = F.linear(x.double(), w.dequantize(torch.bfloat16).double())
-        torch.testing.assert_close(y.float(), expected.float(), rtol=2 ** -7, atol=1e-3 * expected.abs().max().item())
-        # Rounded to bf16 before the product: closer to that than to the fp32 weights' product.
-        assert (y.double() - expected).abs().mean() < (y.double() - reference(x.float(), w, None).double()).abs().mean()
+        expected = reference(x.float(), w, None)
+        torch.testing.assert_close(y.float(), expected, rtol=2 ** -7, atol=2 ** -8 * expected.abs().max().item())
+        y32 = cpu_kernel.linear(x, cpu_kernel.pack(w), None, isa="avx2")  # the fp32 path
+        assert (y.float() - y32.float()).abs().max() <= 2 ** -7 * y32.float().abs().max()
     x = torch.randn(20, 64).to(torch.bfloat16)
+    p = cpu_kernel.pack(random_quantized(16, 63, 4, 63, True, seed=0))
     with pytest.raises(ValueError, match="even"):  # bf16 rows hold k rounded up to even
-        p = cpu_kernel.pack(random_quantized(16, 63, 4, 63, True, seed=0))
         _C.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0, 0, torch.empty(20, 16).data_ptr(), 20, 16,
                           63, 63, 16, 63, 4, 8.0, 0, 1, x.data_ptr())
 
