@@ -106,8 +106,8 @@ def run_nanovllm(spec: dict[str, Any]) -> dict[str, Any]:
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     result = _measure(generate, spec)
-    result.update(version=_version("nanovllm"), torch=torch.__version__, dtype=str(llm.engine.runner.dtype),
-                  attention_backend=llm.engine.runner.attn_backend)
+    result.update(version=_version("nanovllm"), torch=torch.__version__, dtype=str(llm.engine.executor.runner.dtype),
+                  attention_backend=llm.engine.executor.runner.attn_backend)
     return result
 
 

@@ -3,7 +3,7 @@ matmul on a reordered weight as the engine calls it, MKL's packed sgemm, and nan
 `gemm_cpu`), in fp32 and bf16. A variant the CPU cannot run (oneDNN bf16 needs AVX512-BW or
 AVX-NE-CONVERT; ours needs AVX2 + FMA) is reported as such.
 
-Median microseconds of `--repeats` calls per shape; nanovllm/layers/cpu_gemm.py says which variant
+Median microseconds of `--repeats` calls per shape; nanovllm/cpu/gemm.py says which variant
 the engine takes on which CPU (see benchmarks/RESULTS.md).
 
 Usage: python benchmarks/cpu_linear.py [--repeats 30] [--json out.json]
@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from bench_report import machine, markdown_table, write_json
 
-from nanovllm import _C, cpu_features
-from nanovllm.layers import cpu_gemm
+from nanovllm import _cpu
+from nanovllm.cpu import features as cpu_features
+from nanovllm.cpu import gemm as cpu_gemm
 
 # (batch rows, in, out): decode at batch 64 of the Qwen3-shaped bench model (qkv, o, gate_up,
 # down, LM head) and of the built-in model (qkv, gate_up), and one prefill chunk.
@@ -52,7 +53,7 @@ def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]
     if x.dtype == torch.float32:
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, x.shape[0])
         out["MKL packed"] = lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, x.shape[0])
-    ours = cpu_gemm.prepack(w, "avx2") if _C.has_avx2_fma() else None
+    ours = cpu_gemm.prepack(w, "avx2") if _cpu.has_avx2_fma() else None
     out["nanovllm gemm_cpu"] = ((lambda: cpu_gemm.linear(x, ours, None)) if ours is not None else
                                 _unsupported("needs AVX2 + FMA"))
     return out

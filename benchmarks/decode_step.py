@@ -52,8 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from nanovllm import _C
-    from nanovllm.executor.model_runner import ModelRunner
-    from nanovllm.model_config import load_model_config
+    from nanovllm.attention.metadata import HostSeqLens
+    from nanovllm.config import EngineConfig
+    from nanovllm.worker.model_runner import ModelRunner
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -66,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     prefill_steps = -(-args.batch * (args.context - 1) // max(1, budget - args.batch)) + 1
     max_tokens = warm + args.steps + prefill_steps + 8
     max_model_len = args.context + max_tokens + 8
-    runner = ModelRunner(args.model, args.dtype, device, args.block_size, max_num_seqs=args.batch,
-                         max_model_len=max_model_len, enforce_eager=args.enforce_eager)
-    vocab = load_model_config(args.model).vocab_size
+    runner = ModelRunner(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                                      max_num_seqs=args.batch, max_model_len=max_model_len,
+                                      enforce_eager=args.enforce_eager).resolve())
+    vocab = runner.model_config.vocab_size
     blocks_per_seq = -(-max_model_len // args.block_size)
     num_blocks = args.batch * blocks_per_seq + 8
     runner.allocate_kv_cache(num_blocks)  # captures the decode graphs unless eager
@@ -97,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        v, hidden = runner.forward(plan)
-        tokens = runner.logits(hidden, v.sample_indices).argmax(dim=-1).to(torch.int32)
+        v = runner.plan_views(plan)
+        hidden = runner.forward(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
+        tokens = runner.logits(hidden, v.sample_indices, plan.sample_indices).argmax(dim=-1).to(torch.int32)
         if cuda:
             end.record()
         t2 = time.perf_counter()

@@ -46,7 +46,7 @@ import numpy as np
 from bench_report import machine, markdown_table, write_json
 
 from nanovllm._core import Detokenizer
-from nanovllm.detokenizer import build_token_table
+from nanovllm.token_table import build_token_table
 
 ns = time.perf_counter_ns
 # Stop strings that do not occur in the benchmark text (checked): the search runs, never matches.

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = [rng.randrange(min(engine.vocab_size, 10_000)) for _ in range(args.prompt_len)]
         engine.add_request(engine.next_request_id(), prompt, params)
     # Prefill everything (and a couple of decodes, so the profiled steps are all decode).
-    budget = engine.config.resolve_lengths(engine.max_model_len)[1]  # the step's token budget
+    budget = engine.config.max_num_batched_tokens  # the step's token budget
     for _ in range(1 + -(-args.num_seqs * args.prompt_len // budget) + 2):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -95,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     step_ms = totals["step"] / args.steps
     parts = {name: totals.get(name, 0.0) / args.steps for name in WRAPPED}
     parts["other (python, scheduler, plumbing)"] = step_ms - sum(parts.values())
-    print(f"{model}, {engine.runner.dtype}, backend {engine.runner.attn_backend}, batch {args.num_seqs}, "
+    print(f"{model}, {engine.executor.runner.dtype}, backend {engine.executor.runner.attn_backend}, batch {args.num_seqs}, "
           f"context ~{args.prompt_len}, {torch.get_num_threads()} threads, {machine()}")
     print(f"decode step: {step_ms:.2f} ms under the profiler ({1000 * wall / args.steps:.2f} ms wall)")
     print("| part | ms / step | share |\n|---|---:|---:|")
     for name, ms in parts.items():
         print(f"| {name} | {ms:.2f} | {100 * ms / step_ms:.0f}% |")
     if args.json is not None:
-        write_json(args.json, {"model": model, "dtype": str(engine.runner.dtype), "num_seqs": args.num_seqs,
+        write_json(args.json, {"model": model, "dtype": str(engine.executor.runner.dtype), "num_seqs": args.num_seqs,
                                "prompt_len": args.prompt_len, "step_ms": step_ms, "parts_ms": parts,
                                "machine": machine()})
     return 0

@@ -23,7 +23,7 @@ import torch
 
 from bench_report import machine, markdown_table, write_json
 
-from nanovllm.layers import cpu_gemm
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.weights import quantize_rtn
 

@@ -90,7 +90,7 @@ def head_bytes(head: ParallelLMHead) -> int:
 
 
 def step_bytes(llm: LLM, batch: int, context: int) -> dict[str, int]:
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     model = runner.model
     spec = runner.kv_spec
     kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
@@ -111,7 +111,7 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
         ids = [engine.next_request_id() for _ in range(batch)]
         for rid in ids:
             engine.add_request(rid, [rng.randrange(min(engine.vocab_size, 4000)) for _ in range(args.context)], params)
-        budget = engine.config.resolve_lengths(engine.max_model_len)[1]
+        budget = engine.config.max_num_batched_tokens
         for _ in range(2 + -(-batch * args.context // budget)):  # prefill, then decode only
             engine.step()
         walls = []

@@ -3,7 +3,7 @@
 Scenarios (docs/design.md, "The step"; the issue's targets are in `check_targets`):
 - decode: N sequences in steady-state decode (64 / 256 / 1024), block size 16 / 256, context
   about 1024 / 4096. A step is `schedule()` + `postprocess()` with one sampled token per
-  sequence; the plan -> torch conversion (`nanovllm.executor.plan_tensors.PlanTensors`, the code
+  sequence; the plan -> torch conversion (`nanovllm.worker.plan_tensors.PlanTensors`, the code
   the model runner uses) is timed separately.
 - prefill: 64 prompts of 1024 tokens admitted in one step, on a fresh scheduler; `prefill` has no
   shared prefix, `prefill_prefix_hit` shares a 512-token prefix already in the prefix cache.
@@ -42,10 +42,10 @@ from bench_report import cpu_busy_seconds, machine, markdown_table, write_json
 from nanovllm._C import Scheduler, StepPlan
 
 try:
-    from nanovllm.executor.plan_tensors import PlanTensors
+    from nanovllm.worker.plan_tensors import PlanTensors
 except ImportError as e:  # the installed package predates plan_tensors.py
     sys.exit(f"{e}: reinstall the package (pip install --no-build-isolation .) so it includes "
-             "nanovllm.executor.plan_tensors")
+             "nanovllm.worker.plan_tensors")
 
 VOCAB = 32000
 # One max_model_len for every decode configuration, so that context 1024 and 4096 differ only in

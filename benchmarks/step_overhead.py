@@ -73,7 +73,7 @@ class ForwardTimer:
 
 def run_scenario(llm: LLM, num_seqs: int, context: int, mode: str, steps: int) -> dict[str, Any]:
     engine = llm.engine
-    timer = ForwardTimer(engine.runner)
+    timer = ForwardTimer(engine.executor.runner)
     try:
         opts = dict(MODES[mode])
         n = opts.get("n", 1)
@@ -91,13 +91,13 @@ def run_scenario(llm: LLM, num_seqs: int, context: int, mode: str, steps: int) -
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
-            plan = engine.core.plan
+            plan = engine.scheduler.core.plan
             if plan.num_prefill_tokens == 0 and plan.num_seqs == num_prompts * n:
                 step_times.append(dt)
                 forward_times.append(timer.total)
     finally:
         for name in ("forward", "logits"):
-            delattr(engine.runner, name)  # drop the instance wrappers: back to the class methods
+            delattr(engine.executor.runner, name)  # drop the instance wrappers: back to the class methods
     if len(step_times) < 4:
         raise RuntimeError(f"only {len(step_times)} full decode steps measured for {mode} N={num_seqs}")
     step_us = statistics.median(step_times) * 1e6

@@ -108,7 +108,7 @@ def main() -> None:
         compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
         for kind, spec in SPECS.items():
             t = time.perf_counter()
-            grammar = compiler.compile(spec)
+            grammar = compiler.compile(spec).compiled
             compile_ms = (time.perf_counter() - t) * 1e3
             for n in args.num_rows:
                 state = SamplingState(torch.device("cpu"), vocab, [tokenizer.eos_token_id])

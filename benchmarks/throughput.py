@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(ensure_default_model())
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=args.seed, device=args.device,
               enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
-    device, dtype = llm.engine.device, llm.engine.runner.dtype
+    device, dtype = llm.engine.device, llm.engine.executor.runner.dtype
     workload = make_workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.engine.vocab_size,
                              seed=args.seed, min_len=args.min_len)
     lo_in, lo_out = min(args.min_len, args.max_input_len), min(args.min_len, args.max_output_len)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{workload.num_output_tokens} output tokens), max_num_seqs {args.max_num_seqs}, "
           f"temperature {args.temperature}")
 
-    llm_graphs = getattr(llm.engine.runner, "graphs", None) is not None
+    llm_graphs = getattr(llm.engine.executor.runner, "graphs", None) is not None
     with other_cpu() as engine_cpu:
         engine = run_engine(llm, workload, use_tqdm=not args.no_tqdm, temperature=args.temperature)
     engine_other = engine_cpu.seconds

@@ -1,5 +1,7 @@
-// pybind11 module `nanovllm._C`. Every argument is validated here, at the boundary, so the
-// core's hot loops can trust their inputs and nothing a caller passes can crash the process.
+// pybind11 module `nanovllm._C`: the scheduling core (hashing, blocks, KV cache manager, scheduler,
+// step plan, step ring). Every argument is validated here, at the boundary, so the core's hot
+// loops can trust their inputs and nothing a caller passes can crash the process. The CPU math
+// kernels are their own module, `nanovllm._cpu` (cpu_bindings.cpp).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -9,34 +11,18 @@
 #include <string>
 #include <unordered_set>
 
+#include "binding_checks.h"
 #include "block_pool.h"
 #include "kv_cache_manager.h"
-#include "cpu_attention.h"
-#include "cpu_fused_ops.h"
-#include "cpu_gemm.h"
-#include "cpu_gemm_quant.h"
-#include "cpu_isa.h"
-#include "cpu_sampler.h"
 #include "scheduler.h"
 #include "step_ring.h"
 #include "xxhash64.h"
 
 namespace py = pybind11;
 using namespace nanovllm;
+using namespace nanovllm::binding;
 
 namespace {
-
-constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-
-[[noreturn]] void value_error(const std::string& msg) { throw py::value_error(msg); }
-
-int32_t checked_int32(int64_t v, const char* name, int64_t lo, int64_t hi = kInt32Max) {
-  if (v < lo || v > hi) {
-    value_error(std::string(name) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                "], got " + std::to_string(v));
-  }
-  return static_cast<int32_t>(v);
-}
 
 // Token ids from a list/tuple of ints or an integer numpy array, each in [0, vocab) (vocab 0:
 // no upper bound).
@@ -401,7 +387,7 @@ void bind_scheduler(py::module_& m) {
            py::arg("eos_token_ids") = py::tuple(), py::arg("vocab_size") = 0)
       .def("add",
            [](Scheduler& s, int64_t id, py::handle prompt, int64_t max_tokens, int64_t min_tokens, bool ignore_eos,
-              py::handle stop_token_ids, bool use_prefix_cache) {
+              py::handle stop_token_ids, bool use_prefix_cache, int64_t num_samples) {
              if (s.contains(id)) value_error("sequence id " + std::to_string(id) + " is already in use");
              auto tokens = token_vector(prompt, "prompt_token_ids", s.config().vocab_size);
              if (tokens.empty()) value_error("prompt_token_ids is empty: a prompt needs at least one token");
@@ -421,10 +407,13 @@ void bind_scheduler(py::module_& m) {
              stop.min_tokens = checked_int32(min_tokens, "min_tokens", 0, max_tokens);
              stop.ignore_eos = ignore_eos;
              stop.stop_token_ids = token_vector(stop_token_ids, "stop_token_ids", s.config().vocab_size);
-             s.add(id, std::move(tokens), std::move(stop), use_prefix_cache);
+             // More samples than max_num_seqs could never be admitted together: refuse, not deadlock.
+             const int32_t samples = checked_int32(num_samples, "num_samples", 1, s.config().max_num_seqs);
+             s.add(id, std::move(tokens), std::move(stop), use_prefix_cache, samples);
            },
            py::arg("seq_id"), py::arg("prompt_token_ids"), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
            py::arg("ignore_eos") = false, py::arg("stop_token_ids") = py::tuple(), py::arg("use_prefix_cache") = true,
+           py::arg("num_samples") = 1,
            "Queues a prompt. use_prefix_cache=False computes every prompt token (e.g. for prompt logprobs).")
       .def("abort",
            [](Scheduler& s, int64_t id) {
@@ -469,6 +458,8 @@ void bind_scheduler(py::module_& m) {
            "shares its parent's blocks and takes `token` (the parent must be sampled in this step). Returns "
            "(seq_id, 'stop' | 'length', stop token or None) per finished sequence, children included.")
       .def("has_unfinished", &Scheduler::has_unfinished)
+      .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
+           "Forget every cached prefix; only while no block is in use. Returns whether it did.")
       .def_property_readonly("in_flight", &Scheduler::in_flight, "Whether a scheduled step awaits postprocess().")
       .def_property_readonly("plan", &Scheduler::plan, py::return_value_policy::reference_internal,
                              "The most recent plan (valid until the next schedule()).")
@@ -491,309 +482,6 @@ void bind_scheduler(py::module_& m) {
       .def("stats", &scheduler_stats);
 }
 
-void bind_cpu_attention(py::module_& m) {
-  m.def(
-      "paged_attention_cpu",
-      [](uintptr_t query, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t context_lens,
-         uintptr_t cu_seqlens_q, uintptr_t out, int64_t num_tokens, int64_t block_table_stride, int64_t num_seqs,
-         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-         double scale, int64_t dtype, int64_t num_threads) {
-        PagedAttentionArgs a{};
-        a.num_seqs = checked_int32(num_seqs, "num_seqs", 0);
-        a.num_heads = checked_int32(num_heads, "num_heads", 1);
-        a.num_kv_heads = checked_int32(num_kv_heads, "num_kv_heads", 1);
-        if (a.num_heads % a.num_kv_heads != 0) value_error("num_heads must be a multiple of num_kv_heads");
-        a.head_dim = checked_int32(head_dim, "head_dim", 1, 1 << 12);
-        a.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
-        a.block_table_stride = checked_int32(block_table_stride, "block_table_stride", 0);
-        checked_int32(num_blocks, "num_blocks", 1);
-        checked_int32(num_tokens, "num_tokens", 0);
-        a.dtype = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
-        if (!query || !k_cache || !v_cache || !out ||
-            (a.num_seqs > 0 && (!block_tables || !context_lens || !cu_seqlens_q))) {
-          value_error("null pointer passed to paged_attention_cpu");
-        }
-        a.query = reinterpret_cast<const void*>(query);
-        a.k_cache = reinterpret_cast<const void*>(k_cache);
-        a.v_cache = reinterpret_cast<const void*>(v_cache);
-        a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
-        a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
-        a.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
-        a.out = reinterpret_cast<void*>(out);
-        a.scale = static_cast<float>(scale);
-        // Every row the kernel writes and every block it reads must exist: one pass over the used entries.
-        if (a.num_seqs > 0 && a.cu_seqlens_q[0] != 0) value_error("cu_seqlens_q[0] must be 0");
-        for (int32_t i = 0; i < a.num_seqs; ++i) {
-          const std::string at = "[" + std::to_string(i) + "]";
-          const int64_t q_len = static_cast<int64_t>(a.cu_seqlens_q[i + 1]) - a.cu_seqlens_q[i];
-          if (q_len < 0 || a.cu_seqlens_q[i + 1] > num_tokens) value_error("cu_seqlens_q" + at + " out of range");
-          const int64_t ctx = a.context_lens[i];
-          const int64_t used = (ctx + a.block_size - 1) / a.block_size;
-          if (ctx < q_len || used > a.block_table_stride) value_error("context_lens" + at + " out of range");
-          const int32_t* row = a.block_tables + static_cast<int64_t>(i) * a.block_table_stride;
-          for (int64_t b = 0; b < used; ++b) {
-            if (row[b] < 0 || row[b] >= num_blocks) {
-              throw py::index_error("block_tables[" + std::to_string(i) + ", " + std::to_string(b) + "] = " +
-                                    std::to_string(row[b]) + " is not a block of the cache");
-            }
-          }
-        }
-        py::gil_scoped_release release;
-        paged_attention(a, static_cast<int>(std::max<int64_t>(1, num_threads)));
-      },
-      py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-      py::arg("cu_seqlens_q"), py::arg("out"), py::arg("num_tokens"), py::arg("block_table_stride"),
-      py::arg("num_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
-      py::arg("num_blocks"), py::arg("scale"), py::arg("dtype"), py::arg("num_threads") = 1,
-      "Paged attention (decode rows and prefill chunks) over the cache, fp32 (dtype 0) or bf16 (1), from raw "
-      "pointers of contiguous host tensors (nanovllm.attention.cpu_backend checks the tensors before calling).");
-  m.def(
-      "write_kv_cache_cpu",
-      [](uintptr_t key, uintptr_t value, uintptr_t k_cache, uintptr_t v_cache, uintptr_t slot_mapping,
-         int64_t num_tokens, int64_t row_bytes, int64_t key_stride, int64_t value_stride, int64_t num_slots) {
-        if (num_tokens < 0 || row_bytes < 1 || key_stride < row_bytes || value_stride < row_bytes) {
-          value_error("write_kv_cache_cpu: bad sizes");
-        }
-        if (num_tokens > 0 && (!key || !value || !k_cache || !v_cache || !slot_mapping)) {
-          value_error("null pointer passed to write_kv_cache_cpu");
-        }
-        const auto* slots = reinterpret_cast<const int32_t*>(slot_mapping);
-        for (int64_t i = 0; i < num_tokens; ++i) {
-          if (slots[i] >= num_slots || slots[i] < -1) {
-            throw py::index_error("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
-                                  " is not a slot of the cache");
-          }
-        }
-        const KVWriteArgs a{reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
-                            reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache), slots,
-                            num_tokens, row_bytes, key_stride, value_stride};
-        py::gil_scoped_release release;
-        write_kv_cache(a);
-      },
-      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
-      py::arg("num_tokens"), py::arg("row_bytes"), py::arg("key_stride"), py::arg("value_stride"),
-      py::arg("num_slots"),
-      "Scatter K/V rows into their cache slots (-1 = skip), from raw pointers (cpu_backend checks the tensors).");
-}
-
-void bind_cpu_fused_ops(py::module_& m) {
-  m.def(
-      "rms_norm_cpu",
-      [](uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t out, uintptr_t residual_out, int64_t rows,
-         int64_t hidden, int64_t heads, int64_t x_stride, double eps, int64_t dtype, int64_t num_threads) {
-        if (rows < 0 || hidden < 1 || heads < 1 || x_stride < heads * hidden) value_error("rms_norm_cpu: bad sizes");
-        if ((rows > 0 && (!x || !weight || !out)) || (residual && !residual_out)) {
-          value_error("null pointer passed to rms_norm_cpu");
-        }
-        const RmsNormArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(residual),
-                            reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out),
-                            reinterpret_cast<void*>(residual_out), rows, hidden, heads, x_stride,
-                            static_cast<float>(eps), static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
-        py::gil_scoped_release release;
-        rms_norm(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
-      },
-      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("out"), py::arg("residual_out"), py::arg("rows"),
-      py::arg("hidden"), py::arg("heads"), py::arg("x_stride"), py::arg("eps"), py::arg("dtype"),
-      py::arg("num_threads") = 1,
-      "RMSNorm (with an optional fused residual add) from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
-  m.def(
-      "silu_and_mul_cpu",
-      [](uintptr_t x, uintptr_t out, int64_t rows, int64_t inner, int64_t x_stride, int64_t dtype, int64_t num_threads) {
-        if (rows < 0 || inner < 1 || x_stride < 2 * inner) value_error("silu_and_mul_cpu: bad sizes");
-        if (rows > 0 && (!x || !out)) value_error("null pointer passed to silu_and_mul_cpu");
-        const SiluAndMulArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), rows, inner, x_stride,
-                               static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
-        py::gil_scoped_release release;
-        silu_and_mul(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
-      },
-      py::arg("x"), py::arg("out"), py::arg("rows"), py::arg("inner"), py::arg("x_stride"), py::arg("dtype"),
-      py::arg("num_threads") = 1,
-      "silu(gate) * up over [rows, 2 * inner] rows, from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
-  m.def(
-      "rotary_cpu",
-      [](uintptr_t q, uintptr_t k, uintptr_t positions, uintptr_t inv_freq, int64_t tokens, int64_t q_heads,
-         int64_t k_heads, int64_t head_dim, int64_t q_stride, int64_t k_stride, int64_t dtype, int64_t num_threads) {
-        if (tokens < 0 || q_heads < 0 || k_heads < 0 || head_dim < 2 || head_dim % 2 || head_dim > kMaxRotaryDim ||
-            q_stride < q_heads * head_dim || k_stride < k_heads * head_dim) {
-          value_error("rotary_cpu: bad sizes (head_dim must be even and at most " + std::to_string(kMaxRotaryDim) + ")");
-        }
-        if (tokens > 0 && (!q || !k || !positions || !inv_freq)) value_error("null pointer passed to rotary_cpu");
-        const RotaryArgs a{reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
-                           reinterpret_cast<const int32_t*>(positions), reinterpret_cast<const float*>(inv_freq),
-                           tokens, q_heads, k_heads, head_dim, q_stride, k_stride,
-                           static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
-        py::gil_scoped_release release;
-        rotary(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
-      },
-      py::arg("q"), py::arg("k"), py::arg("positions"), py::arg("inv_freq"), py::arg("tokens"), py::arg("q_heads"),
-      py::arg("k_heads"), py::arg("head_dim"), py::arg("q_stride"), py::arg("k_stride"), py::arg("dtype"),
-      py::arg("num_threads") = 1,
-      "Rotary embedding in place on q and k rows from raw pointers (nanovllm.layers.cpu_ops checks the tensors).");
-}
-
-
-LogitRows logit_rows(uintptr_t data, int64_t rows, int64_t vocab, int64_t stride, const char* what) {
-  if (rows < 0 || vocab < 1 || vocab > std::numeric_limits<int32_t>::max() || stride < vocab) {
-    value_error(std::string(what) + ": bad logits sizes");
-  }
-  if (rows > 0 && !data) value_error(std::string("null logits passed to ") + what);
-  return {reinterpret_cast<const float*>(data), rows, vocab, stride};
-}
-
-int clamp_threads(int64_t n) { return static_cast<int>(std::clamp<int64_t>(n, 1, 1024)); }
-
-void bind_cpu_sampler(py::module_& m) {
-  m.def(
-      "sample_cpu",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t temperature, uintptr_t top_k,
-         uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t out, int64_t num_threads) {
-        const LogitRows l = logit_rows(logits, rows, vocab, stride, "sample_cpu");
-        if (rows > 0 && (!temperature || !top_k || !top_p || !min_p || !uniform || !out)) {
-          value_error("null pointer passed to sample_cpu");
-        }
-        const SampleArgs a{l, reinterpret_cast<const float*>(temperature), reinterpret_cast<const int64_t*>(top_k),
-                           reinterpret_cast<const float*>(top_p), reinterpret_cast<const float*>(min_p),
-                           reinterpret_cast<const double*>(uniform), reinterpret_cast<int64_t*>(out)};
-        py::gil_scoped_release release;
-        sample(a, clamp_threads(num_threads));
-      },
-      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("stride"), py::arg("temperature"),
-      py::arg("top_k"), py::arg("top_p"), py::arg("min_p"), py::arg("uniform"), py::arg("out"),
-      py::arg("num_threads") = 1,
-      "One token per row of fp32 logits, from raw pointers (nanovllm.sample.cpu_kernels checks the arrays).");
-  m.def(
-      "argmax_cpu",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t out, int64_t num_threads) {
-        const LogitRows l = logit_rows(logits, rows, vocab, stride, "argmax_cpu");
-        if (rows > 0 && !out) value_error("null pointer passed to argmax_cpu");
-        py::gil_scoped_release release;
-        argmax_rows(l, reinterpret_cast<int64_t*>(out), clamp_threads(num_threads));
-      },
-      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("stride"), py::arg("out"),
-      py::arg("num_threads") = 1, "The first maximum of each row of fp32 logits, from raw pointers.");
-  m.def(
-      "logprobs_cpu",
-      [](uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t chosen, int64_t k,
-         uintptr_t chosen_logprob, uintptr_t chosen_rank, uintptr_t top_ids, uintptr_t top_logprobs,
-         int64_t num_threads) {
-        const LogitRows l = logit_rows(logits, rows, vocab, stride, "logprobs_cpu");
-        if (k < 0 || k > vocab) value_error("logprobs_cpu: k must be in [0, vocab]");
-        if (rows > 0 && (!chosen || !chosen_logprob || !chosen_rank || (k > 0 && (!top_ids || !top_logprobs)))) {
-          value_error("null pointer passed to logprobs_cpu");
-        }
-        const LogprobArgs a{l, reinterpret_cast<const int64_t*>(chosen), k, reinterpret_cast<double*>(chosen_logprob),
-                            reinterpret_cast<int64_t*>(chosen_rank), reinterpret_cast<int64_t*>(top_ids),
-                            reinterpret_cast<double*>(top_logprobs)};
-        py::gil_scoped_release release;
-        logprobs(a, clamp_threads(num_threads));
-      },
-      py::arg("logits"), py::arg("rows"), py::arg("vocab"), py::arg("stride"), py::arg("chosen"), py::arg("k"),
-      py::arg("chosen_logprob"), py::arg("chosen_rank"), py::arg("top_ids"), py::arg("top_logprobs"),
-      py::arg("num_threads") = 1,
-      "Logprobs of the chosen and the k most likely tokens per row, from raw pointers (cpu_kernels checks them).");
-  m.def(
-      "apply_penalties_cpu",
-      [](uintptr_t logits, int64_t vocab, int64_t stride, int64_t rows, uintptr_t logit_rows, uintptr_t seen,
-         uintptr_t slots, uintptr_t repetition, uintptr_t frequency, uintptr_t presence, int64_t num_threads) {
-        if (rows < 0 || vocab < 1 || stride < vocab) value_error("apply_penalties_cpu: bad sizes");
-        if (rows > 0 && (!logits || !logit_rows || !seen || !slots || !repetition || !frequency || !presence)) {
-          value_error("null pointer passed to apply_penalties_cpu");
-        }
-        const PenaltyArgs a{reinterpret_cast<float*>(logits), vocab, stride, rows,
-                            reinterpret_cast<const int64_t*>(logit_rows), reinterpret_cast<const float*>(seen),
-                            reinterpret_cast<const int64_t*>(slots), reinterpret_cast<const float*>(repetition),
-                            reinterpret_cast<const float*>(frequency), reinterpret_cast<const float*>(presence)};
-        py::gil_scoped_release release;
-        apply_penalties(a, clamp_threads(num_threads));
-      },
-      py::arg("logits"), py::arg("vocab"), py::arg("stride"), py::arg("rows"), py::arg("logit_rows"), py::arg("seen"),
-      py::arg("slots"), py::arg("repetition"), py::arg("frequency"), py::arg("presence"), py::arg("num_threads") = 1,
-      "Repetition, frequency and presence penalties in place, from raw pointers (cpu_kernels checks them).");
-}
-
-void bind_cpu_gemm(py::module_& m) {
-  m.def("has_avx2_fma", &has_avx2_fma, "Whether this CPU runs the AVX2 + FMA kernels (gemm_cpu, attention tiles).");
-  m.def("gemm_packed_elements", [](int64_t n, int64_t k) {
-        if (n < 1 || k < 1) value_error("gemm_packed_elements: n and k must be >= 1");
-        if (gemm_panels(n) > std::numeric_limits<int64_t>::max() / kGemmPanel / k) {
-          value_error("gemm_packed_elements: the packed weight would not fit int64");
-        }
-        return gemm_packed_elements(n, k);
-      }, py::arg("n"), py::arg("k"), "Elements of gemm_pack_cpu's copy of an [n, k] weight.");
-  m.def(
-      "gemm_pack_cpu",
-      [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
-        if (n < 1 || k < 1 || w_stride < k) value_error("gemm_pack_cpu: bad sizes");
-        if (!w || !packed) value_error("null pointer passed to gemm_pack_cpu");
-        const auto type = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
-        py::gil_scoped_release release;
-        gemm_pack(reinterpret_cast<const void*>(w), type, n, k, w_stride, reinterpret_cast<void*>(packed));
-      },
-      py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
-      "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu into gemm_packed_elements(n, k) elements of "
-      "the same dtype (nanovllm.layers.cpu_gemm allocates them).");
-  m.def(
-      "gemm_cpu",
-      [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-         int64_t y_stride, int64_t packed_dtype, int64_t num_threads) {
-        if (!has_avx2_fma()) value_error("gemm_cpu needs a CPU with AVX2 and FMA");
-        if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_cpu: bad sizes");
-        if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
-        const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
-                         reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                         y_stride, static_cast<CpuDtype>(checked_int32(packed_dtype, "packed_dtype", 0, 1))};
-        py::gil_scoped_release release;
-        gemm(a, clamp_threads(num_threads));
-      },
-      py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("x_stride"), py::arg("y_stride"), py::arg("packed_dtype"), py::arg("num_threads") = 1,
-      "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W, from raw pointers "
-      "(nanovllm.layers.cpu_gemm checks the tensors).");
-}
-
-void bind_cpu_gemm_quant(py::module_& m) {
-  m.def("quant_isa_supported", [](int64_t isa) { return quant_isa_supported(static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3))); },
-        py::arg("isa"), "Whether this CPU runs quant_gemm_cpu with isa (0 auto, 1 portable, 2 AVX2, 3 AVX-512).");
-  m.def("quant_isa_best", [] { return static_cast<int>(quant_isa_best()); }, "The isa quant_gemm_cpu picks by default.");
-  m.def("quant_has_bf16", &quant_has_bf16, "Whether quant_gemm_cpu takes bf16 activations (AVX512-BF16).");
-  m.def("quant_gemm_packed_bytes", [](int64_t n, int64_t k, int64_t bits) {
-        if (n < 1 || k < 1 || (bits != 4 && bits != 8)) value_error("quant_gemm_packed_bytes: n, k >= 1 and bits 4 or 8");
-        if (gemm_panels(n) > std::numeric_limits<int64_t>::max() / kGemmPanel / (k + 1)) {
-          value_error("quant_gemm_packed_bytes: the packed weight would not fit int64");
-        }
-        return quant_gemm_packed_bytes(n, k, static_cast<int>(bits));
-      }, py::arg("n"), py::arg("k"), py::arg("bits"), "Bytes of quant_gemm_cpu's packed int4 / int8 [n, k] weight.");
-  m.def(
-      "quant_gemm_cpu",
-      [](uintptr_t x, uintptr_t packed, uintptr_t scales, uintptr_t zeros, uintptr_t bias, uintptr_t y, int64_t m,
-         int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int64_t group_size, int64_t bits, double zero_offset,
-         int64_t isa, int64_t num_threads, uintptr_t x_bf16) {
-        const auto which = static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3));
-        if (!quant_isa_supported(which)) value_error("quant_gemm_cpu: this CPU does not run isa " + std::to_string(isa));
-        if (bits != 4 && bits != 8) value_error("quant_gemm_cpu: bits must be 4 or 8, got " + std::to_string(bits));
-        if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n || group_size < 1 || group_size > k) {
-          value_error("quant_gemm_cpu: bad sizes");
-        }
-        // int4 values come in pairs of input columns: a group may not start inside a pair.
-        if (bits == 4 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: int4 needs an even group size");
-        if (x_bf16 && !quant_has_bf16()) value_error("quant_gemm_cpu: bf16 activations need AVX512-BF16");
-        if (x_bf16 && x_stride < k + k % 2) value_error("quant_gemm_cpu: bf16 rows must hold k rounded up to even");
-        if (x_bf16 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: bf16 activations need even groups");
-        if (m > 0 && (!(x || x_bf16) || !packed || !scales || !y)) value_error("null pointer passed to quant_gemm_cpu");
-        const QuantGemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(x_bf16),
-                              reinterpret_cast<const uint8_t*>(packed),
-                              reinterpret_cast<const float*>(scales), reinterpret_cast<const int8_t*>(zeros),
-                              reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                              y_stride, group_size, static_cast<int>(bits), static_cast<float>(zero_offset)};
-        py::gil_scoped_release release;
-        quant_gemm(a, which, clamp_threads(num_threads));
-      },
-      py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bias"), py::arg("y"), py::arg("m"),
-      py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("y_stride"), py::arg("group_size"), py::arg("bits"),
-      py::arg("zero_offset"), py::arg("isa") = 0, py::arg("num_threads") = 1, py::arg("x_bf16") = 0,
-      "y [m, n] = x [m, k] dequant(W)^T (+ bias) in fp32 on a packed int4 / int8 weight, from raw pointers "
-      "(nanovllm.layers.quantization.cpu_kernel checks the tensors).");
-}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -803,9 +491,4 @@ PYBIND11_MODULE(_C, m) {
   bind_step_plan(m);
   bind_step_ring(m);
   bind_scheduler(m);
-  bind_cpu_attention(m);
-  bind_cpu_fused_ops(m);
-  bind_cpu_gemm(m);
-  bind_cpu_gemm_quant(m);
-  bind_cpu_sampler(m);
 }

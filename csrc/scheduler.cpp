@@ -31,7 +31,8 @@ bool Scheduler::in_current_batch(int64_t id) const {
   return it != seqs_.end() && it->second->in_batch;
 }
 
-void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache) {
+void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache,
+                    int32_t num_samples) {
   auto seq = std::make_unique<Sequence>();
   seq->id = id;
   seq->num_prompt_tokens = static_cast<int32_t>(prompt.size());
@@ -39,6 +40,7 @@ void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bo
   seq->tokens.reserve(std::min<size_t>(seq->tokens.size() + stop.max_tokens, config_.max_model_len));
   seq->stop = std::move(stop);
   seq->use_prefix_cache = use_prefix_cache;
+  seq->num_samples = num_samples;
   waiting_.push_back(seq.get());
   seqs_.emplace(id, std::move(seq));
 }
@@ -70,7 +72,6 @@ void Scheduler::fork(int64_t parent_id, int64_t child_id) {
   kv_.fork(parent, *child);
   child->status = parent.status;
   if (parent.status == SeqStatus::kRunning) {
-    child->admitted_at = ++admission_counter_;
     running_.push_back(child.get());
   } else {
     // Right behind its parent, so the two are admitted together and share cached blocks.
@@ -109,8 +110,12 @@ void Scheduler::schedule_running(int32_t& budget, bool& preempted) {
 }
 
 void Scheduler::schedule_waiting(int32_t& budget) {
-  while (!waiting_.empty() && budget > 0 && running_.size() < static_cast<size_t>(config_.max_num_seqs) &&
-         batch_.size() < plan_capacity()) {
+  // Running slots: a prompt about to fan out holds one per sample, so the sequences (and the rows
+  // a step samples) never exceed max_num_seqs; a large fan-out waits until it fits.
+  int64_t slots = 0;
+  for (const Sequence* s : running_) slots += s->num_samples;
+  while (!waiting_.empty() && budget > 0 && batch_.size() < plan_capacity() &&
+         slots + waiting_.front()->num_samples <= config_.max_num_seqs) {
     Sequence* seq = waiting_.front();
     const std::vector<int32_t> hits = kv_.find_cached_prefix(*seq);
     const int32_t hit_tokens = static_cast<int32_t>(hits.size()) * config_.block_size;
@@ -122,8 +127,8 @@ void Scheduler::schedule_waiting(int32_t& budget) {
     }
     waiting_.pop_front();
     seq->status = SeqStatus::kRunning;
-    seq->admitted_at = ++admission_counter_;
     running_.push_back(seq);
+    slots += seq->num_samples;
     batch_.push_back({seq, num_new, seq->num_computed + num_new == seq->num_tokens()});
     budget -= num_new;
   }
@@ -189,7 +194,6 @@ void Scheduler::fork_in_step(const Sequence& parent, int64_t child_id, int32_t t
   kv_.fork(parent, *child);
   if (append_and_check(*child, token, finished)) return;  // done at once: never runs
   child->status = SeqStatus::kRunning;
-  child->admitted_at = ++admission_counter_;
   running_.push_back(child.get());
   seqs_.emplace(child_id, std::move(child));
 }
@@ -210,6 +214,7 @@ std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled
       continue;
     }
     if (!s.sample) continue;
+    seq.num_samples = 1;  // its first sample fanned out (the forks below): one slot each now
     for (const ForkRequest& f : forks) {
       if (f.parent == seq.id) fork_in_step(seq, f.child, f.token, finished);
     }
@@ -224,6 +229,12 @@ std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled
   batch_.clear();
   in_flight_ = false;
   return finished;
+}
+
+bool Scheduler::reset_prefix_cache() {
+  if (in_flight_ || kv_.pool().num_used() > 0) return false;
+  kv_.pool().reset_prefix_cache();
+  return true;
 }
 
 }  // namespace nanovllm

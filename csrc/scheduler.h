@@ -65,7 +65,9 @@ class Scheduler {
   bool in_flight() const { return in_flight_; }
   bool in_current_batch(int64_t id) const;
 
-  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache = true);
+  // `num_samples` (n, at most max_num_seqs): sequences its first sample fans out into.
+  void add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bool use_prefix_cache = true,
+           int32_t num_samples = 1);
   void abort(int64_t id);
   void fork(int64_t parent_id, int64_t child_id);
   const StepPlan& schedule();
@@ -73,6 +75,10 @@ class Scheduler {
   // this step; each child is forked after the parent's tokens of this step are computed and
   // before the parent appends its own sample.
   std::vector<FinishedSeq> postprocess(std::span<const int32_t> sampled, std::span<const ForkRequest> forks = {});
+
+  // Forget every cached prefix (vLLM's reset_prefix_cache): only when no block is in use, so no
+  // running sequence's blocks change under it. Returns whether it did.
+  bool reset_prefix_cache();
 
   const StepPlan& plan() const { return plan_; }
   const KVCacheManager& kv() const { return kv_; }
@@ -106,7 +112,6 @@ class Scheduler {
   std::vector<Sequence*> running_;  // admission order
   std::vector<Scheduled> batch_;    // the plan in flight, in plan order
   std::vector<std::pair<int32_t, int32_t>> copies_;
-  uint64_t admission_counter_ = 0;
   bool in_flight_ = false;
   SchedulerStats stats_;
 };

@@ -28,13 +28,14 @@ struct Sequence {
   int32_t num_registered_blocks = 0;
   StopParams stop;
   SeqStatus status = SeqStatus::kWaiting;
-  // Order of admission to running; the highest running one is preempted first.
-  uint64_t admitted_at = 0;
   // Changes (to a value never used before) whenever block_table changes other than by
   // appending, so a cached block-table row can tell whether it is still valid.
   uint64_t table_epoch = 0;
   // False for requests that need every prompt position computed (prompt logprobs).
   bool use_prefix_cache = true;
+  // Running slots it takes (of max_num_seqs): n for a prompt whose first sample fans out into
+  // n sequences, reserved from admission so the fan-out never runs past the cap; then 1.
+  int32_t num_samples = 1;
   bool in_batch = false;       // scheduled in the plan in flight
   bool abort_pending = false;  // aborted while in flight: released by postprocess
 

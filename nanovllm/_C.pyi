@@ -1,4 +1,5 @@
-"""Type stubs for the C++ engine core (`csrc/`, built as `nanovllm._C`).
+"""Type stubs for the C++ scheduling core (`csrc/`, built as `nanovllm._C`; the CPU math kernels are
+`nanovllm._cpu`, _cpu.pyi).
 
 Every method validates its arguments and raises ValueError (bad value), KeyError (unknown
 sequence id) or IndexError (block id out of range) with a message naming the problem.
@@ -130,6 +131,7 @@ class Scheduler:
         ignore_eos: bool = False,
         stop_token_ids: Seq[int] = (),
         use_prefix_cache: bool = True,  # False: compute every prompt token (prompt logprobs)
+        num_samples: int = 1,  # n: running slots reserved until its first sample fans out
     ) -> None: ...
     def abort(self, seq_id: int) -> None: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
@@ -146,6 +148,8 @@ class Scheduler:
         Returns (seq_id, "stop" | "length", stop token id or None) for each sequence that
         finished, forked children included."""
     def has_unfinished(self) -> bool: ...
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only while no block is in use. Returns whether it did."""
     in_flight: bool  # a scheduled step awaits postprocess()
     plan: StepPlan   # the most recent plan
     num_waiting: int

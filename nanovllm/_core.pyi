@@ -1,5 +1,6 @@
 """Type stubs for the Cython text side (`nanovllm/_core.pyx`, built as `nanovllm._core`)."""
 
+from typing import Any
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -7,7 +8,7 @@ import numpy.typing as npt
 
 class TokenTable:
     """Bytes of every token id plus how the tokenizer's decoder joins them; built once per
-    tokenizer by `nanovllm.detokenizer.build_token_table`."""
+    tokenizer by `nanovllm.token_table.build_token_table`."""
 
     def __init__(
         self,
@@ -35,6 +36,11 @@ class TokenTable:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...  # == tokenizer.decode
     def decode_token(self, token_id: int) -> str: ...  # == tokenizer.decode([token_id])
     def decode_tokens(self, ids: Sequence[int]) -> list[str]: ...
+    def logprob_entries(self, top_ids: Any, top_logprobs: Any, chosen_ids: Any, chosen_logprob: Any,
+                        chosen_rank: Any, wanted: Any, logprob: type) -> list[dict[int, Any]]:
+        """Per row `{token id: logprob(value, rank, string)}` of its `wanted[r]` most likely tokens
+        (int64 / float64 [rows, k] arrays, most likely first) and its chosen token (int64 / float64
+        / int64 [rows]), whose object serves its top-k place too."""
 
 class Detokenizer:
     """Incremental detokenization and stop strings for many sequences, one call per step."""

@@ -8,7 +8,7 @@ Tokens live in the C++ core (`nanovllm._C`); text lives here. Per step the engin
 typed code over C++ strings, and Python objects are created only for the results.
 
 How a token becomes text. A `TokenTable` is built once per tokenizer (see
-`nanovllm.detokenizer.build_token_table`, which reads the tokenizer's decoder) and stores, per id,
+`nanovllm.token_table.build_token_table`, which reads the tokenizer's decoder) and stores, per id,
 what that token contributes to `tokenizer.decode(ids)`:
 
 * byte-level tokenizers (GPT-2 / Qwen / Llama 3, decoder `ByteLevel`): the token's raw bytes. The
@@ -140,7 +140,7 @@ cdef struct Seq:
 cdef class TokenTable:
     """What each token id contributes to the decoded text; built once per tokenizer.
 
-    Use `nanovllm.detokenizer.build_token_table(tokenizer)`; the constructor takes the already
+    Use `nanovllm.token_table.build_token_table(tokenizer)`; the constructor takes the already
     interpreted decoder:
 
     pieces: one entry per id: the token's raw bytes (`byte_level=True`), or the UTF-8 of its text
@@ -170,6 +170,7 @@ cdef class TokenTable:
     cdef readonly str strip_char
     cdef readonly tuple cleanup
     cdef readonly frozenset special_ids
+    cdef list _token_strings          # each id's decode_token string, made at first use
 
     def __init__(
         self,
@@ -287,28 +288,81 @@ cdef class TokenTable:
         return _utf8(s.text, 0, s.text.size())
 
     def decode_token(self, token_id: int) -> str:
-        """`tokenizer.decode([token_id])`, e.g. for a logprob's `decoded_token`."""
-        cdef int32_t tok = self._id(token_id)
+        """`tokenizer.decode([token_id])`, e.g. for a logprob's `decoded_token` (remembered)."""
+        return self._token_string(self._id(token_id))
+
+    def decode_tokens(self, ids) -> list[str]:
+        """`[tokenizer.decode([i]) for i in ids]` in one call (logprobs of a whole step). A token's
+        string does not depend on its neighbours here, so each id is decoded once per table and
+        remembered: the logprobs of a step ask for ~6 per sequence, mostly the same few."""
+        cdef const int32_t[::1] toks = _as_int32(ids, "ids")
+        cdef Py_ssize_t i
+        for i in range(toks.shape[0]):
+            self._check_id(toks[i])
+        return [self._token_string(toks[i]) for i in range(toks.shape[0])]
+
+    cdef object _token_string(self, int32_t tok):
+        """decode_token(tok), remembered (`tok` already checked)."""
+        if self._token_strings is None:
+            self._token_strings = [None] * <Py_ssize_t>self.flags.size()
+        text = self._token_strings[tok]
+        if text is None:
+            text = self._token_strings[tok] = self._decode_one(tok)
+        return text
+
+    cdef object _decode_one(self, int32_t tok):
         cdef Seq s
         _init_seq(self, &s, 0, False, False)
         _feed(self, &s, tok)
         _finish(self, &s)
         return _utf8(s.text, 0, s.text.size())
 
-    def decode_tokens(self, ids) -> list[str]:
-        """`[tokenizer.decode([i]) for i in ids]` in one call (logprobs of a whole step)."""
-        cdef const int32_t[::1] toks = _as_int32(ids, "ids")
-        cdef Py_ssize_t i
-        for i in range(toks.shape[0]):
-            self._check_id(toks[i])
+    def logprob_entries(self, top_ids, top_logprobs, chosen_ids, chosen_logprob, chosen_rank, wanted,
+                        logprob) -> list[dict]:
+        """A step's logprob rows as vLLM hands them out: per row `{token id: logprob(value, rank,
+        string)}` of its `wanted[r]` most likely tokens (most likely first) and its chosen token,
+        whose object serves its top-k place too. `logprob` is the class to build (outputs.Logprob).
+        One C loop for the whole step: in Python the same dicts cost ~4 us a row."""
+        cdef const int64_t[:, ::1] ti = top_ids
+        cdef const double[:, ::1] tl = top_logprobs
+        cdef const int64_t[::1] ci = _as_int64(chosen_ids, "chosen_ids")
+        cdef const double[::1] cl = chosen_logprob
+        cdef const int64_t[::1] cr = _as_int64(chosen_rank, "chosen_rank")
+        cdef const int64_t[::1] w = _as_int64(wanted, "wanted")
+        cdef Py_ssize_t rows = ti.shape[0], k = ti.shape[1], r, j, n
+        if not (cl.shape[0] == ci.shape[0] == cr.shape[0] == w.shape[0] == rows) or tl.shape[0] != rows \
+                or tl.shape[1] != k:
+            raise ValueError("logprob_entries: the arrays disagree in shape")
+        for r in range(rows):
+            self._check_id(ci[r])
+            for j in range(min(max(w[r], 0), k)):
+                self._check_id(ti[r, j])
         cdef list out = []
-        cdef Seq s
-        for i in range(toks.shape[0]):
-            _init_seq(self, &s, 0, False, False)
-            _feed(self, &s, toks[i])
-            _finish(self, &s)
-            out.append(_utf8(s.text, 0, s.text.size()))
+        cdef dict entry
+        cdef int64_t tid, cid
+        for r in range(rows):
+            cid = ci[r]
+            mine = _new_logprob(logprob, cl[r], cr[r], self._token_string(<int32_t>cid))
+            entry = {}
+            n = min(max(w[r], 0), k)
+            for j in range(n):
+                tid = ti[r, j]
+                entry[tid] = mine if tid == cid else \
+                    _new_logprob(logprob, tl[r, j], j + 1, self._token_string(<int32_t>tid))
+            entry[cid] = mine
+            out.append(entry)
         return out
+
+
+cdef inline object _new_logprob(object cls, double value, int64_t rank, object text):
+    # The fields set straight into the instance's slots: calling the dataclass would run its
+    # __init__ as Python code, the larger part of an entry's cost (1,536 objects a step at 256
+    # sequences with logprobs=5).
+    obj = cls.__new__(cls)
+    obj.logprob = value
+    obj.rank = rank
+    obj.decoded_token = text
+    return obj
 
 
 cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint include_stop) except -1:

@@ -1,12 +1,22 @@
-"""Engine options (the `LLM(...)` keyword arguments) and how their defaults resolve."""
+"""The engine's options, declared once, and the configuration they resolve to.
+
+`EngineConfig` holds the options as a user gives them: `LLM(model, **options)`, and the engine flags
+of the command line, which entrypoints/cli.py derives from these fields (name, type, default, and
+the help text in each field's metadata). `EngineConfig.resolve()` reads the model's config.json and
+turns the options into a `ResolvedConfig`: the device, the dtype, the lengths and the parsed model
+config, fixed for the engine's life. Each process resolves once (rank 0 for the engine, each
+tensor-parallel worker for itself); everything below the engine takes the resolved object.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
 from nanovllm.distributed.parallel_state import ParallelConfig
+from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
 
 # Without a GPU to measure, the CPU KV cache gets this much unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -16,31 +26,48 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
-@dataclass
+def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[Any, ...] | None = None,
+           metavar: str | None = None) -> Any:
+    """An engine option: its default and help text; `aliases` are extra command-line flags."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "metavar": metavar})
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_kvcache_blocks: int | None = None
-    enforce_eager: bool = False
-    seed: int = 0
-    # None: as the checkpoint is stored; "int8" / "int4": quantize its linear layers while loading
-    # (layers/quantization); "compressed-tensors" / "awq" / "gptq": must be the checkpoint's format.
-    quantization: str | None = None
-    device: str = "auto"
+    model: str = field(metadata={"help": "a Hugging Face model directory (config.json, *.safetensors, tokenizer)"})
+    dtype: str | torch.dtype = option(
+        "auto", "weights, activations and KV cache: auto (the checkpoint's; a bf16 checkpoint runs float32 on a "
+        "CPU without AVX512-BF16/AMX), float32, bfloat16, float16 (GPU only)")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's "
+                                       "max_position_embeddings)")
+    max_num_seqs: int = option(256, "sequences running at once (a step's largest batch)")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens per step, prompts chunked to fit (default: 8192 on GPU, 512 on CPU, at least max_num_seqs)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of cached prompt prefixes",
+                                         aliases=("--no-prefix-caching",))
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory the engine may use (the KV cache "
+                                           "gets what the weights and a profiled step leave)")
+    kv_cache_memory_bytes: int | None = option(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: "
+                                               "from gpu_memory_utilization)")
+    num_kvcache_blocks: int | None = option(None, "KV cache size in blocks (overrides the two above)")
+    enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")
+    seed: int = option(0, "seed of the sampling generator for requests without their own seed")
+    quantization: str | None = option(
+        None, "int8 or int4: quantize the linear layers while loading (weight-only, round to nearest: int8 per "
+        "output channel, int4 in groups of 128, as `nanovllm quantize`); a quantized checkpoint (compressed-tensors, "
+        "AWQ, GPTQ) needs nothing", aliases=("-q",))
+    device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     # Tensor parallelism (docs/design.md, "Tensor parallelism"); see ParallelConfig.
-    tensor_parallel_size: int = 1
-    distributed_backend: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
+    tensor_parallel_size: int = option(1, "split the model over this many GPUs (processes on CPU)", aliases=("-tp",))
+    distributed_backend: str | None = option(None, "nccl or gloo (default: nccl on CUDA, gloo on CPU)",
+                                             choices=("nccl", "gloo"))
+    nnodes: int = option(1, "machines the tensor-parallel ranks span")
+    node_rank: int = option(0, "this machine's index (0 runs the engine)")
+    master_addr: str = option("127.0.0.1", "node 0's address, reachable from every node")
+    master_port: int | None = option(None, "node 0's rendezvous port (default: a free one; required with "
+                                     "nnodes > 1)")
+    parallel: ParallelConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -55,12 +82,18 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        self.parallel  # validates the parallel options
+        object.__setattr__(self, "parallel", ParallelConfig(
+            self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr, self.master_port,
+            self.distributed_backend))
 
-    @property
-    def parallel(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
-                              self.master_port, self.distributed_backend)
+    @classmethod
+    def options(cls) -> list[Any]:
+        """The option fields (everything a caller sets), in declaration order."""
+        return [f for f in fields(cls) if f.init]
+
+    def as_options(self) -> dict[str, Any]:
+        """The options as keyword arguments (what rebuilds this object)."""
+        return {f.name: getattr(self, f.name) for f in self.options()}
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -70,14 +103,44 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but CUDA is not available")
         return device
 
-    def resolve_lengths(self, max_position_embeddings: int) -> tuple[int, int]:
-        """(max_model_len, max_num_batched_tokens) with defaults filled in."""
-        max_model_len = self.max_model_len or max_position_embeddings
-        if max_model_len > max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_position_embeddings}"
-            )
+    def resolve(self) -> ResolvedConfig:
+        """Read config.json and fill in every default: the engine's configuration."""
+        model_config = load_model_config(self.model)
+        device = self.resolve_device()
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{model_config.max_position_embeddings}")
         # Chunked prefill splits long prompts, so the budget need not cover max_model_len.
-        default = DEFAULT_BATCHED_TOKENS.get(self.resolve_device().type, DEFAULT_BATCHED_TOKENS["cuda"])
+        default = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
         budget = self.max_num_batched_tokens or max(default, self.max_num_seqs)
-        return max_model_len, budget
+        return ResolvedConfig(self, model_config, device, resolve_dtype(model_config, self.dtype, device),
+                              max_model_len, budget)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The options with every default filled in, and the model's parsed config.json."""
+
+    options: EngineConfig
+    model_config: ModelConfig
+    device: torch.device  # rank 0's; a tensor-parallel worker's is rank_device()
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    @property
+    def model(self) -> str:
+        return self.options.model
+
+    @property
+    def block_size(self) -> int:
+        return self.options.block_size
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.options.max_num_seqs
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.options.parallel

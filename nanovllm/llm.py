@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import EngineConfig
@@ -18,47 +17,21 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        dtype: str | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_memory_bytes: int | None = None,
-        num_kvcache_blocks: int | None = None,
-        enforce_eager: bool = False,
-        seed: int = 0,
-        quantization: str | None = None,
-        device: str = "auto",
-        tensor_parallel_size: int = 1,
-        distributed_backend: str | None = None,
-        nnodes: int = 1,
-        node_rank: int = 0,
-        master_addr: str = "127.0.0.1",
-        master_port: int | None = None,
-    ) -> None:
-        """`tensor_parallel_size` > 1 splits the model over that many ranks (GPUs, or processes on
-        CPU); `distributed_backend` None picks NCCL on CUDA and gloo on CPU. Across machines,
-        `nnodes` nodes with the same number of ranks each: this process is node 0 (the engine),
-        the others run `nanovllm serve ... --node-rank N --headless` with the same
-        `master_addr`/`master_port`. `quantization="int8"|"int4"` quantizes an unquantized checkpoint's
-        linear layers while loading (weight-only, round to nearest: int8 per output channel, int4 in
-        groups of 128, asymmetric, as `nanovllm quantize`); a quantized checkpoint (compressed-tensors,
-        AWQ, GPTQ) needs nothing."""
-        self.engine = LLMEngine(EngineConfig(
-            model=str(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, num_kvcache_blocks=num_kvcache_blocks,
-            enforce_eager=enforce_eager, seed=seed, quantization=quantization, device=device,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_backend=distributed_backend, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-            master_port=master_port,
-        ))
+    def __init__(self, model: str, **options: Any) -> None:
+        """`model`: a Hugging Face model directory. `options`: the engine's (nanovllm.config.
+        EngineConfig's fields, each with its default and meaning there; vLLM's names): dtype,
+        max_model_len, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
+        gpu_memory_utilization, kv_cache_memory_bytes, num_kvcache_blocks, enforce_eager, seed,
+        device, and tensor parallelism: tensor_parallel_size (> 1 splits the model over that many
+        GPUs, or processes on CPU), distributed_backend, and across machines nnodes, node_rank,
+        master_addr, master_port (this process is node 0; the others run `nanovllm serve ...
+        --node-rank N --headless`)."""
+        known = {f.name for f in EngineConfig.options()}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine option(s) {', '.join(map(repr, unknown))}; the options are "
+                            f"{', '.join(sorted(known - {'model'}))}")
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -113,7 +86,9 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = engine.next_request_id()
-                engine.add_request(rid, prompt, p)
+                # Compiled here, in the caller's thread (a cache hit for a spec seen before).
+                grammar = engine.grammars.compile(p.structured_outputs) if p.structured_outputs else None
+                engine.add_request(rid, prompt, p, grammar=grammar)
                 ids.append(rid)
         except BaseException:
             # A bad prompt rejects the whole call and leaves nothing behind in the engine.
@@ -138,6 +113,10 @@ class LLM:
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; only while no request runs. Returns whether it did."""
+        return self.engine.reset_prefix_cache()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.cpu_features import gemm_kernel, native_bf16
+from nanovllm.cpu.features import gemm_kernel, native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto",
     runs in float32, which holds every fp16 value exactly). A bf16 checkpoint under "auto" stays
     bf16 where the CPU computes bf16 natively and runs in float32 elsewhere; an explicit
     "bfloat16" runs anyway: without those instructions its linear layers multiply in float32
-    arithmetic (layers/cpu_gemm.py), on the bf16 weights with our AVX2 GEMM, on float32 copies of
+    arithmetic (cpu/gemm.py), on the bf16 weights with our AVX2 GEMM, on float32 copies of
     them (with a warning: twice the weight memory) with oneDNN.
     """
     if isinstance(dtype, torch.dtype):

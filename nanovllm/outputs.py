@@ -9,7 +9,7 @@ SampleLogprobs = list[dict[int, "Logprob"]]
 PromptLogprobs = list[dict[int, "Logprob"] | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int | None = None  # 1 = the most likely token

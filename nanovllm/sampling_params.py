@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+from nanovllm.quote import quote
 
 # As vLLM: how many top log-probabilities a request may ask for per token.
 MAX_LOGPROBS = 20
@@ -38,14 +43,15 @@ class StructuredOutputsParams:
         kind = given[0]
         value = getattr(self, kind)
         if kind == "json" and not isinstance(value, (dict, str)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), got {value!r}")
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or a JSON string), got "
+                             f"{quote(value)}")
         if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
-            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {quote(value)}")
         if kind == "choice" and not (isinstance(value, (list, tuple)) and value
                                      and all(isinstance(c, str) and _encodable(c) for c in value)):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {value!r}")
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {quote(value)}")
         if kind == "json_object" and value is not True:
-            raise ValueError(f"structured_outputs.json_object must be true, got {value!r}")
+            raise ValueError(f"structured_outputs.json_object must be true, got {quote(value)}")
         if kind == "choice":
             object.__setattr__(self, "choice", list(value))
 
@@ -53,14 +59,20 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(name for name in KINDS if getattr(self, name) not in (None, False))
 
-    @property
+    @cached_property
     def key(self) -> tuple[str, str]:
         """What identifies the compiled grammar: (kind, its text). A dict schema keeps its key order,
-        which is the order the properties are generated in."""
+        which is the order the properties are generated in. Computed once, by whoever compiles the
+        spec (a large schema's json.dumps is not free; it never runs on the engine thread)."""
         kind = self.kind
         value = getattr(self, kind)
         if kind == "json" and isinstance(value, dict):
-            return kind, json.dumps(value, ensure_ascii=False)
+            try:
+                return kind, json.dumps(value, ensure_ascii=False)
+            except RecursionError:
+                raise ValueError("structured_outputs.json nests too deeply") from None
+            except (TypeError, ValueError) as e:  # a dict built in Python may hold what JSON cannot
+                raise ValueError(f"structured_outputs.json is not JSON: {e}") from None
         if kind == "choice":
             return kind, json.dumps(value, ensure_ascii=False)
         return kind, "" if kind == "json_object" else value
@@ -92,20 +104,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {quote(self.stop_token_ids)}")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of strings, got {quote(self.stop)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a map of token id -> bias, got {self.logit_bias!r}")
+                raise ValueError(f"logit_bias must be a map of token id -> bias, got {quote(self.logit_bias)}")
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
         def fail(name: str, requirement: str) -> None:
-            raise ValueError(f"{name} must be {requirement}, got {getattr(self, name)!r}")
+            raise ValueError(f"{name} must be {requirement}, got {quote(getattr(self, name))}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -169,12 +181,18 @@ def _encodable(text: str) -> bool:
     return True
 
 
+# A token id written in JSON: plain ASCII decimal digits (int() would also take "1_0", " 10", "+10"
+# or other scripts' digits), at most 10 of them (no vocabulary is larger).
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
 def _token_key(key: object) -> int:
     """logit_bias keys may arrive as strings (JSON objects have string keys)."""
-    try:
-        return int(key)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key)  # (numpy integers too)
+    if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+        return int(key)
+    raise ValueError(f"logit_bias keys must be token ids (plain decimal integers), got {quote(key)}")
 
 
 @dataclass

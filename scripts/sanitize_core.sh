@@ -9,14 +9,14 @@ PY=$(command -v python3 || command -v python)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
   -DNANOVLLM_SANITIZE=ON -DNANOVLLM_WERROR=ON -DNANOVLLM_CUDA=OFF \
   -DPython_EXECUTABLE="$PY" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" >/dev/null
-# _core too: importing nanovllm imports the text side.
-cmake --build "$BUILD" --target _C _core -j 2
+# _core and _cpu too: importing nanovllm imports the text side and the CPU kernels.
+cmake --build "$BUILD" --target _C _cpu _core -j 2
 # A package tree holding the sanitized extensions, put first on the path for the tests.
 PKG="$BUILD/pkg"
 rm -rf "$PKG" && mkdir -p "$PKG"
 cp -r nanovllm "$PKG/"
 find "$PKG" -name '*.so' -delete
-cp "$BUILD"/_C*.so "$BUILD"/_core*.so "$PKG/nanovllm/"
+cp "$BUILD"/_C*.so "$BUILD"/_cpu*.so "$BUILD"/_core*.so "$PKG/nanovllm/"
 # Python is not instrumented, so the runtimes are preloaded; its allocator "leaks" by design.
 LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

@@ -58,3 +58,16 @@ def assert_greedy_matches(llm: LLM, path: Path, prompts: list[list[int]], max_ne
         assert out.outputs[0].token_ids == oracle(path, prompt, max_new, eos), f"prompt of {len(prompt)} diverged"
     stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
+
+
+def apply_pending_changes(llm: LLM) -> None:
+    """The runner drops finished sequences' sampling state with the next plan (docs/design.md, The
+    step): apply what the scheduler holds for it now, as the next step would, so a test can check
+    that nothing is left behind."""
+    from nanovllm.worker.step import SchedulerOutput
+
+    scheduler = llm.engine.scheduler
+    sampler = llm.engine.executor.runner.token_sampler
+    assert not scheduler._admitted, "requests admitted but never scheduled"
+    sampler.apply(SchedulerOutput(None, finished=scheduler._finished, forked=scheduler._forked))  # type: ignore[arg-type]
+    scheduler._finished, scheduler._forked = [], []

@@ -64,6 +64,27 @@ def test_max_num_seqs_caps_running() -> None:
     assert plan.num_seqs == 2 and s.num_running == 2 and s.num_waiting == 1
 
 
+def test_a_prompt_that_fans_out_takes_a_slot_per_sample() -> None:
+    """A prompt with num_samples=n is admitted only when n running slots are free (its first sample
+    forks n - 1 children): the sequences, and the rows a step samples, never exceed max_num_seqs."""
+    s = make_scheduler(num_blocks=64, max_num_seqs=4)
+    s.add(0, [1, 2, 3], max_tokens=5, num_samples=3)
+    s.add(1, [4, 5], max_tokens=1, num_samples=2)
+    plan = s.schedule()
+    assert plan.seq_ids.tolist() == [0] and s.num_waiting == 1  # 3 + 2 slots > 4
+    s.postprocess([7], forks=[(0, 10, 8), (0, 11, 9)])
+    assert s.num_running == 3
+    plan, _ = step(s)
+    assert sorted(plan.seq_ids.tolist()) == [0, 10, 11] and s.num_waiting == 1  # 3 slots + 2 > 4
+    s.abort(11)
+    plan, _ = step(s)
+    assert sorted(plan.seq_ids.tolist()) == [0, 1, 10]  # 2 + 2 slots: it fits now
+    with pytest.raises(ValueError, match="num_samples"):
+        s.add(2, [1], num_samples=5)
+    with pytest.raises(ValueError, match="num_samples"):
+        s.add(2, [1], num_samples=0)
+
+
 def test_preemption_of_most_recently_admitted() -> None:
     s = make_scheduler(num_blocks=4, block_size=2, max_model_len=16)
     s.add(0, [1, 2, 3], max_tokens=10)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul, cpu_ops
+from nanovllm.cpu import fused_ops
+from nanovllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 from nanovllm.model_config import RopeConfig
 
 # fp32: only the summation order differs. bf16: both round the same ops to bf16, so at most the
@@ -42,7 +43,7 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int) -> No
 def test_qk_norm_over_strided_head_views(dtype: torch.dtype) -> None:
     qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     q = qkv[:, :64].reshape(5, 4, 16)  # a view: rows 128 elements apart
-    assert not q.is_contiguous() and cpu_ops.can_rms_norm(q, _norm(16, dtype).weight)
+    assert not q.is_contiguous() and fused_ops.can_rms_norm(q, _norm(16, dtype).weight)
     norm = _norm(16, dtype, seed=2)
     torch.testing.assert_close(norm(q), norm._norm(q), **TOL[dtype])
 
@@ -58,14 +59,14 @@ def test_silu_and_mul(dtype: torch.dtype, rows: int) -> None:
 
 def test_layers_fall_back_to_torch_for_what_the_kernels_do_not_take() -> None:
     x = torch.randn(4, 32, dtype=torch.float64)
-    assert not cpu_ops.can_silu_and_mul(x)
+    assert not fused_ops.can_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     assert torch.equal(SiluAndMul()(x), F.silu(gate) * up)
     norm = _norm(32, torch.float32)
-    assert not cpu_ops.can_rms_norm(x, norm.weight)  # weight and input dtypes differ
+    assert not fused_ops.can_rms_norm(x, norm.weight)  # weight and input dtypes differ
     torch.testing.assert_close(norm(x), norm._norm(x))
     with pytest.raises(ValueError, match="unsupported"):
-        cpu_ops.silu_and_mul(x)
+        fused_ops.silu_and_mul(x)
 
 
 LLAMA3 = RopeConfig(theta=500000.0, rope_type="llama3", scaling={
@@ -80,7 +81,7 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, rope: RopeConfig, toke
     qkv = 3 * torch.randn(tokens, (8 + 2 + 2) * 64, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     q, k = qkv[:, :512].reshape(tokens, 8, 64), qkv[:, 512:640].reshape(tokens, 2, 64)
     positions = torch.randint(0, 40000, (tokens,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
-    assert cpu_ops.can_rotary(positions, q, k) and not cpu_ops.can_rotary(positions.long(), q, k)
+    assert fused_ops.can_rotary(positions, q, k) and not fused_ops.can_rotary(positions.long(), q, k)
     expected = layer(positions.long(), q.clone(), k.clone())  # int64 positions: the torch code
     v_before = qkv[:, 640:].clone()
     got = layer(positions, q, k)
@@ -95,7 +96,7 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, rope: RopeConfig, toke
 def test_rotary_rejects_what_it_cannot_take() -> None:
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
     positions = torch.arange(3, dtype=torch.int32)
-    assert not cpu_ops.can_rotary(positions, q.double(), k.double())
-    assert not cpu_ops.can_rotary(positions, q.transpose(0, 1).contiguous().transpose(0, 1), k)
+    assert not fused_ops.can_rotary(positions, q.double(), k.double())
+    assert not fused_ops.can_rotary(positions, q.transpose(0, 1).contiguous().transpose(0, 1), k)
     with pytest.raises(ValueError, match="unsupported"):
-        cpu_ops.rotary_(positions, q, k, torch.ones(7))  # inv_freq of the wrong size
+        fused_ops.rotary_(positions, q, k, torch.ones(7))  # inv_freq of the wrong size

@@ -1,4 +1,4 @@
-"""CPU GEMMs on prepacked weights (nanovllm/layers/cpu_gemm.py), both kernels: our AVX2 `gemm_cpu`
+"""CPU GEMMs on prepacked weights (nanovllm/cpu/gemm.py), both kernels: our AVX2 `gemm_cpu`
 and oneDNN's. The same products as `F.linear` up to summation order (register tiles, cache blocks
 and panels cut anywhere: ragged rows, columns and depths), the dense weight released (a tied LM
 head packs a copy, the embedding keeps its own); bad sizes are errors; and an engine whose layers
@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import assert_greedy_matches, random_prompts
 
-from nanovllm import _C, LLM, SamplingParams, cpu_features
+from nanovllm import LLM, SamplingParams, _cpu
 from nanovllm.builtin_model import BUILTIN_SPEC, create_model_dir
-from nanovllm.layers import cpu_gemm
+from nanovllm.cpu import features as cpu_features
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -32,7 +33,7 @@ def _filled(layer: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 KERNELS = [
-    pytest.param("avx2", marks=pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")),
+    pytest.param("avx2", marks=pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")),
     pytest.param("onednn", marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")),
 ]
 
@@ -56,7 +57,7 @@ def test_packed_gemm_matches_f_linear(kernel: cpu_features.GemmKernel, rows: int
     torch.testing.assert_close(cpu_gemm.linear(same, packed, b), F.linear(same, w, b), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+@pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 def test_avx2_gemm_keeps_bf16_weights_bf16() -> None:
     """A bf16 weight is packed as bf16 (half an fp32 copy) and widened exactly: the product equals
     the fp32 product with the widened weight, rounded to the activations' dtype."""
@@ -65,14 +66,14 @@ def test_avx2_gemm_keeps_bf16_weights_bf16() -> None:
     x = torch.randn(9, 520, generator=g)
     packed = cpu_gemm.prepack(w, "avx2")
     assert isinstance(packed, cpu_gemm.PackedWeight) and packed.data.dtype == torch.bfloat16
-    assert packed.data.numel() == _C.gemm_packed_elements(70, 520) == 5 * 16 * 520
+    assert packed.data.numel() == _cpu.gemm_packed_elements(70, 520) == 5 * 16 * 520
     torch.testing.assert_close(cpu_gemm.linear(x, packed, None), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
     y = cpu_gemm.linear(x.to(torch.bfloat16), packed, None)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, F.linear(x.to(torch.bfloat16).float(), w.float()).to(torch.bfloat16))
 
 
-@pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+@pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 def test_avx2_gemm_is_the_same_on_any_number_of_threads() -> None:
     """Threads split the output panels, never a sum: every thread count gives the same bits."""
     g = torch.Generator().manual_seed(11)
@@ -82,13 +83,13 @@ def test_avx2_gemm_is_the_same_on_any_number_of_threads() -> None:
     outs = []
     for threads in (1, 2, 3, 5):
         y = torch.empty(150, 200)
-        _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 150, 200, 300, 300, 200, 0, threads)
+        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 150, 200, 300, 300, 200, 0, threads)
         outs.append(y)
     assert all(torch.equal(outs[0], y) for y in outs[1:])
     torch.testing.assert_close(outs[0], F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not _C.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+@pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 def test_avx2_gemm_rejects_bad_sizes() -> None:
     w, x = torch.randn(32, 64), torch.randn(4, 64)
     packed = cpu_gemm.prepack(w, "avx2")
@@ -96,17 +97,17 @@ def test_avx2_gemm_rejects_bad_sizes() -> None:
         cpu_gemm.linear(torch.randn(4, 65), packed, None)
     y = torch.empty(4, 32)
     with pytest.raises(ValueError, match="bad sizes"):  # rows closer than k apart
-        _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 63, 32, 0)
+        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 63, 32, 0)
     with pytest.raises(ValueError, match="null pointer"):
-        _C.gemm_cpu(0, packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 64, 32, 0)
+        _cpu.gemm_cpu(0, packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 64, 32, 0)
     with pytest.raises(ValueError, match="bias of shape"):
         cpu_gemm.linear(x, packed, torch.randn(3))
     with pytest.raises(ValueError, match="bad sizes"):  # weight rows closer than k apart
-        _C.gemm_pack_cpu(w.data_ptr(), 0, 32, 64, 63, packed.data.data_ptr())
+        _cpu.gemm_pack_cpu(w.data_ptr(), 0, 32, 64, 63, packed.data.data_ptr())
     with pytest.raises(ValueError, match=">= 1"):
-        _C.gemm_packed_elements(0, 64)
+        _cpu.gemm_packed_elements(0, 64)
     with pytest.raises(ValueError, match="fit int64"):
-        _C.gemm_packed_elements(1 << 40, 1 << 40)
+        _cpu.gemm_packed_elements(1 << 40, 1 << 40)
     # A weight whose rows overlap (expand) is packed from a contiguous copy.
     row = torch.randn(1, 64)
     torch.testing.assert_close(cpu_gemm.linear(x, cpu_gemm.prepack(row.expand(32, 64), "avx2"), None),
@@ -198,12 +199,12 @@ def test_engine_with_prepacked_layers_matches_transformers(builtin_shaped: Path)
     llm = LLM(str(builtin_shaped), device="cpu", num_kvcache_blocks=64, block_size=16, max_model_len=512)
     # ours: every projection and the LM head; oneDNN: all but o_proj (below its threshold).
     per_layer = 4 if cpu_features.gemm_kernel() == "avx2" else 3
-    assert llm.engine.runner.num_prepacked == 2 * per_layer + 1
+    assert llm.engine.executor.runner.num_prepacked == 2 * per_layer + 1
     assert_greedy_matches(llm, builtin_shaped, random_prompts([1, 30, 100], 4096, seed=22), max_new=24)
 
 
 def test_one_openmp_runtime_shared_with_torch(builtin_shaped: Path) -> None:
-    """_C's kernels (attention, norms, sampler) and torch's GEMMs use the same libgomp, hence the
+    """_cpu's kernels (attention, norms, sampler) and torch's GEMMs use the same libgomp, hence the
     same team of threads."""
     llm = LLM(str(builtin_shaped), device="cpu", num_kvcache_blocks=64, block_size=16, max_model_len=512)
     llm.generate([[1, 2, 3] * 40], SamplingParams(temperature=0.8, max_tokens=4), use_tqdm=False)

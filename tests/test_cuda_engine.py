@@ -17,6 +17,7 @@ from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention import cuda_ops
+from nanovllm.attention.metadata import HostSeqLens
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -57,7 +58,7 @@ def make_llm(path: Path, **kwargs: object) -> LLM:
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda_graphs"])
 def test_greedy_matches_transformers(model_dir: Path, enforce_eager: bool) -> None:
     llm = make_llm(model_dir, enforce_eager=enforce_eager, max_num_seqs=8)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.attn_backend == "cuda"
     assert (runner.graphs is None) == enforce_eager
     assert_greedy_matches(llm, model_dir, random_prompts(LENGTHS, 512, seed=1), MAX_NEW, hf_greedy_cuda)
@@ -67,7 +68,7 @@ def test_graphs_with_chunked_prefill_mixed_steps_and_prefix_hits(model_dir: Path
     # A tiny token budget mixes decodes with prefill chunks (eager steps) between graph replays;
     # batch sizes vary step to step, so replays pad to buckets; shared prefixes hit the cache.
     llm = make_llm(model_dir, max_num_batched_tokens=24, max_num_seqs=5)
-    assert llm.engine.runner.graphs is not None
+    assert llm.engine.executor.runner.graphs is not None
     system = random_prompts([40], 512, seed=2)[0]
     prompts = [system + tail for tail in random_prompts([1, 9, 20, 3, 30, 12, 5], 512, seed=3)]
     assert_greedy_matches(llm, model_dir, prompts, MAX_NEW, hf_greedy_cuda)
@@ -81,7 +82,7 @@ def test_tensor_parallel_nccl_matches_transformers(model_dir: Path, enforce_eage
     llm = make_llm(model_dir, tensor_parallel_size=2, enforce_eager=enforce_eager, max_num_seqs=8,
                    max_num_batched_tokens=48)
     try:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         assert runner.tp is not None and runner.tp.backend == "nccl"
         assert (runner.graphs is None) == enforce_eager
         assert_greedy_matches(llm, model_dir, random_prompts(LENGTHS, 512, seed=6), MAX_NEW, hf_greedy_cuda)
@@ -92,7 +93,7 @@ def test_tensor_parallel_nccl_matches_transformers(model_dir: Path, enforce_eage
 def test_graph_replay_equals_eager_forward_across_buckets(model_dir: Path) -> None:
     """The runner's two decode paths on identical plans: padded graph replays versus eager."""
     llm = make_llm(model_dir, max_num_seqs=20)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8, 16, 20]
     prompts = random_prompts([3 + 5 * i for i in range(19)], 512, seed=4)
     engine = llm.engine
@@ -102,21 +103,21 @@ def test_graph_replay_equals_eager_forward_across_buckets(model_dir: Path) -> No
     sizes = set()
     checked = 0
     while engine.has_unfinished_requests():
-        plan = engine.core.schedule()
-        v = runner._views(plan)
+        plan = engine.scheduler.core.schedule()
+        v = runner.plan_views(plan)
+        host = HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens)
         if runner.graphs.can_run(v):
             graphs, runner.graphs = runner.graphs, None
-            _, eager = runner.forward(plan)  # same plan, same KV writes (idempotent)
-            eager = eager.clone()
+            eager = runner.forward(v, host).clone()  # same plan, same KV writes (idempotent)
             runner.graphs = graphs
-            _, replayed = runner.forward(plan)
+            replayed = runner.forward(v, host)
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
             sizes.add(v.num_seqs)
             checked += 1
         else:
-            runner.forward(plan)  # prefill steps: fill the cache the decodes read
-        engine.core.postprocess(torch.zeros(plan.num_samples, dtype=torch.int32).numpy())
-        if not engine.core.has_unfinished():
+            runner.forward(v, host)  # prefill steps: fill the cache the decodes read
+        engine.scheduler.core.postprocess(torch.zeros(plan.num_samples, dtype=torch.int32).numpy())
+        if not engine.scheduler.core.has_unfinished():
             break
     assert checked >= 3 and len({runner.graphs.bucket_of[n] for n in sizes}) >= 3, sizes
 
@@ -129,14 +130,14 @@ def test_profiled_kv_cache_and_bfloat16_run(model_dir: Path) -> None:
         free, total = torch.cuda.mem_get_info()
         blocks = llm.stats()["num_total_blocks"]
         assert blocks > 1000
-        assert llm.engine.runner.kv_cache.numel() * 2 < 0.3 * total
+        assert llm.engine.executor.runner.kv_cache.numel() * 2 < 0.3 * total
         outs = llm.generate(random_prompts([10, 50], 512, seed=5), SamplingParams(temperature=0, max_tokens=16),
                             use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
     finally:
         # A failure's traceback keeps this frame alive: release the ~0.3 x GPU cache now, or the next
         # parametrization profiles a GPU that still holds it and finds no room.
-        llm.engine.runner.release_kv_cache()
+        llm.engine.executor.runner.release_kv_cache()
         del llm
         gc.collect()
         torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (`nanovllm._core`, `nanovllm.detokenizer`).
+"""Incremental detokenization and stop strings (`nanovllm._core`, `nanovllm.token_table`).
 
 The oracle is `tokenizer.decode(all_tokens, skip_special_tokens=...)` of transformers' fast
 tokenizers: for any token stream, split into steps in any way and interleaved with other
@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from nanovllm._core import Detokenizer, TokenTable  # noqa: E402
 from nanovllm.builtin_model import build_tokenizer  # noqa: E402
-from nanovllm.detokenizer import build_token_table, bytes_to_unicode  # noqa: E402
+from nanovllm.token_table import build_token_table, bytes_to_unicode  # noqa: E402
 
 # Text with multi-byte characters (2, 3 and 4 bytes in UTF-8) that tokenizers split across tokens.
 MULTIBYTE = ["é", "ü", "日本", "語", "中文", "😀", "🎉", "ñ", "∑", "𝔘"]

@@ -72,6 +72,25 @@ def test_shared_system_prompt_hits_prefix_cache(qwen3_dir: Path) -> None:
     assert stats["prefix_cache_queries"] > stats["prefix_cache_hits"]
 
 
+def test_reset_prefix_cache_forgets_prefixes_only_when_idle(qwen3_dir: Path) -> None:
+    llm = make_llm(qwen3_dir)
+    prompt = random_prompts([70], VOCAB, seed=8)[0]
+    check_against_hf(llm, qwen3_dir, [prompt])
+    assert llm.stats()["num_cached_blocks"] > 0
+    # A running request holds blocks: no reset (the cache stays as it was).
+    llm.engine.add_request("running", prompt, SamplingParams(max_tokens=4))
+    llm.engine.step()
+    cached = llm.stats()["num_cached_blocks"]
+    assert llm.reset_prefix_cache() is False and llm.stats()["num_cached_blocks"] == cached
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() is True
+    assert llm.stats()["num_cached_blocks"] == 0
+    hits = llm.stats()["prefix_cache_hits"]
+    check_against_hf(llm, qwen3_dir, [prompt])  # computed again, still right
+    assert llm.stats()["prefix_cache_hits"] == hits
+
+
 def test_multi_turn_reuses_generated_history(qwen3_dir: Path) -> None:
     llm = make_llm(qwen3_dir)
     prompt = random_prompts([20], VOCAB, seed=8)[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_helpers import apply_pending_changes
 from tiny_models import make_tiny_model
 
 from nanovllm import LLM, BeamSearchParams, SamplingParams
@@ -30,10 +31,13 @@ def assert_idle(llm: LLM) -> None:
     assert len(llm.engine.detokenizer) == 0
     assert llm.engine.num_requests == 0
     engine = llm.engine
-    assert not engine._by_seq and not engine._prompt_logprobs_pending and (engine._seqs.fan_out == 1).all()
-    rows = engine.sampling.rows  # no sampling row, penalty / bias slot or generator left behind
-    assert not engine.sampling.generators and (rows.penalty_slot < 0).all() and (rows.bias_slot < 0).all()
-    assert (rows.stop_row < 0).all() and (rows.num_output == 0).all()
+    assert not engine._by_seq and not engine.scheduler._reserved and not engine.scheduler._admitted
+    apply_pending_changes(llm)  # then no sampling row, penalty / bias slot or generator may be left behind
+    sampler = engine.executor.runner.token_sampler
+    rows = sampler.state.rows
+    assert not sampler.state.generators and (rows.penalty_slot < 0).all() and (rows.bias_slot < 0).all()
+    assert (rows.stop_row < 0).all() and (rows.num_output == 0).all() and (rows.logprobs < 0).all()
+    assert not sampler._children and not sampler._prompt_logprobs and not sampler._logprob_scale
 
 
 def beams(outs) -> list:  # noqa: ANN001

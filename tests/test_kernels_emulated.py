@@ -231,7 +231,7 @@ def test_engine_greedy_with_emulated_cuda_backend_matches_transformers(
     path = make_tiny_model(tmp_path, "qwen3")
     llm = LLM(str(path), device="cpu", num_kvcache_blocks=32, block_size=16, max_model_len=256,
               max_num_batched_tokens=24, max_num_seqs=3)
-    llm.engine.runner.model.set_attention_backend("cuda")
+    llm.engine.executor.runner.model.set_attention_backend("cuda")
     prompts = random_prompts([5, 17, 40], 512, seed=1)
     eos = llm.get_tokenizer().eos_token_id
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
@@ -260,14 +260,14 @@ def test_engine_decode_graph_path_pads_batches_and_matches_transformers(
     from tiny_models import make_tiny_model
 
     from nanovllm import LLM, SamplingParams
-    from nanovllm.executor.cuda_graph import DecodeGraphs
+    from nanovllm.worker.cuda_graph import DecodeGraphs
 
     path = make_tiny_model(tmp_path, "llama")
     llm = LLM(str(path), device="cpu", num_kvcache_blocks=48, block_size=16, max_model_len=128, max_num_seqs=6)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.model.set_attention_backend("cuda")
     graphs = DecodeGraphs(runner.model, device=runner.device, dtype=runner.dtype,
-                          hidden_size=runner.config.hidden_size, max_num_seqs=runner.max_num_seqs,
+                          hidden_size=runner.model_config.hidden_size, max_num_seqs=runner.max_num_seqs,
                           max_model_len=runner.max_model_len, block_size=runner.block_size)
     assert graphs.buckets == [1, 2, 4, 6]
     graphs.graphs = {bs: EagerReplay(graphs, bs) for bs in graphs.buckets}

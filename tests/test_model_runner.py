@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from tiny_models import make_tiny_model
 
-from nanovllm.executor.model_runner import ModelRunner
+from nanovllm.config import EngineConfig
 from nanovllm.layers.attention import attention_layers
+from nanovllm.worker.model_runner import ModelRunner
 
 
 def test_profiling_forward_runs_at_the_full_budget_and_releases_its_cache(tmp_path: Path) -> None:
-    runner = ModelRunner(str(make_tiny_model(tmp_path, "qwen3")), "float32", torch.device("cpu"), 16,
-                         max_num_seqs=8, max_model_len=256)
+    runner = ModelRunner(EngineConfig(model=str(make_tiny_model(tmp_path, "qwen3")), dtype="float32", device="cpu",
+                                      block_size=16, max_num_seqs=8, max_model_len=256).resolve())
     scratch = runner._dummy_forward(100)  # 100 tokens: 7 blocks of 16, the last one partly used
     assert scratch == 7 * runner.kv_spec.bytes_per_block
     assert runner.kv_cache is None

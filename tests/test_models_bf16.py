@@ -74,7 +74,7 @@ def test_bf16_logits_match_transformers_bf16_and_fp32(name: str, tmp_path: Path)
 def test_llm_bfloat16_runs_bf16_throughout(tmp_path: Path) -> None:
     llm = LLM(str(make_tiny_model(tmp_path, "qwen3")), device="cpu", dtype="bfloat16", num_kvcache_blocks=32,
               block_size=16, max_model_len=512)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.dtype == torch.bfloat16 and runner.attn_backend == "cpu"
     assert runner.kv_cache is not None and runner.kv_cache.dtype == torch.bfloat16
     assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}

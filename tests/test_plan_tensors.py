@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanovllm import _C
-from nanovllm.executor.plan_tensors import PlanTensors, PlanViews
+from nanovllm.worker.plan_tensors import PlanTensors, PlanViews
 
 ARRAYS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens",
           "sample_indices", "block_copies", "block_tables")
@@ -148,7 +148,7 @@ def test_copy_path_takes_the_same_views_of_a_second_buffer(block_size: int | Non
     Registers a device entry by hand (private API): everything but the CUDA staging is shared
     with a real device. With the cache's block size, only the block-table columns of the step's
     longest context go over."""
-    from nanovllm.executor.plan_tensors import _DeviceCopy
+    from nanovllm.worker.plan_tensors import _DeviceCopy
 
     sched = make_scheduler()
     for i, n in enumerate((3, 9, 17)):

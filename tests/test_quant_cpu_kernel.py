@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from quant_helpers import random_quantized
 
-from nanovllm import _C
+from nanovllm import _cpu
 from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.weights import QuantizedWeight
 
@@ -64,7 +64,7 @@ def test_activation_order_and_strided_bf16_input(isa: str) -> None:
     torch.testing.assert_close(y, reference(xb.float(), w, None).to(torch.bfloat16), rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.skipif(not _C.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.skipif(not _cpu.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bf16_dot_product_path(bits: int) -> None:
     """bf16 activations on an AVX512-BF16 CPU: bf16 dot products on pairs of input columns (the
@@ -82,7 +82,7 @@ def test_bf16_dot_product_path(bits: int) -> None:
     x = torch.randn(20, 64).to(torch.bfloat16)
     p = cpu_kernel.pack(random_quantized(16, 63, 4, 63, True, seed=0))
     with pytest.raises(ValueError, match="even"):  # bf16 rows hold k rounded up to even
-        _C.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0, 0, torch.empty(20, 16).data_ptr(), 20, 16,
+        _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0, 0, torch.empty(20, 16).data_ptr(), 20, 16,
                           63, 63, 16, 63, 4, 8.0, 0, 1, x.data_ptr())
 
 
@@ -108,15 +108,15 @@ def test_odd_int4_groups_are_stored_as_bytes() -> None:
     x = torch.randn(3, 90)
     y = torch.empty(3, 16)
     with pytest.raises(ValueError, match="even group size"):
-        _C.quant_gemm_cpu(x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(),
+        _cpu.quant_gemm_cpu(x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(),
                           3, 16, 90, 90, 16, 45, 4, 8.0)
 
 
 def test_packed_sizes() -> None:
     """int8: a byte per weight; int4: half, K padded to even; rows padded to 16-column panels."""
-    assert _C.quant_gemm_packed_bytes(16, 256, 8) == 16 * 256
-    assert _C.quant_gemm_packed_bytes(17, 256, 8) == 32 * 256
-    assert _C.quant_gemm_packed_bytes(16, 255, 4) == 16 * 256 // 2
+    assert _cpu.quant_gemm_packed_bytes(16, 256, 8) == 16 * 256
+    assert _cpu.quant_gemm_packed_bytes(17, 256, 8) == 32 * 256
+    assert _cpu.quant_gemm_packed_bytes(16, 255, 4) == 16 * 256 // 2
     w = random_quantized(33, 333, 4, 112, symmetric=False, seed=1)
     p = cpu_kernel.pack(w)
     assert p.packed.numel() == 48 * 334 // 2 and tuple(p.scales.shape) == (3, 3, 16) == tuple(p.zeros.shape)
@@ -153,10 +153,10 @@ def test_bad_metadata_is_an_error() -> None:
     args = [x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(), 2, 32, 128,
             128, 32, 64, 4, 8.0]
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        _C.quant_gemm_cpu(*args[:12], 5, 8.0)
+        _cpu.quant_gemm_cpu(*args[:12], 5, 8.0)
     with pytest.raises(ValueError, match="bad sizes"):  # a group larger than k
-        _C.quant_gemm_cpu(*args[:11], 129, 4, 8.0)
+        _cpu.quant_gemm_cpu(*args[:11], 129, 4, 8.0)
     with pytest.raises(ValueError, match="null pointer"):
-        _C.quant_gemm_cpu(0, *args[1:])
+        _cpu.quant_gemm_cpu(0, *args[1:])
     with pytest.raises(ValueError, match="isa"):
-        _C.quant_gemm_cpu(*args, isa=7)
+        _cpu.quant_gemm_cpu(*args, isa=7)

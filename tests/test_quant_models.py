@@ -113,7 +113,7 @@ def test_quantize_command_loads_in_transformers_and_engine(case: str, dense: dic
     for module, w in ours.items():
         assert torch.equal(hf.get_submodule(module).weight, w), module
     llm = LLM(str(out), **ENGINE)
-    packed = [m.quant.cpu for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)]
+    packed = [m.quant.cpu for m in llm.engine.executor.runner.model.modules() if isinstance(m, LinearBase)]
     assert len(packed) == 2 * 4 and all(p is not None for p in packed)  # qkv, o, gate_up, down per layer
     assert_greedy_matches(llm, out, random_prompts([1, 9, 40], 512, seed=3), max_new=16, oracle=hf_quantized_greedy)
 

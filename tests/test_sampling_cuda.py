@@ -27,7 +27,7 @@ from test_models_sampler import reference_distribution
 from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 from nanovllm.sample import Sampler, make_sampling_batch
-from nanovllm.sample import cpu_kernels
+from nanovllm.cpu import sampler as cpu_sampler
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -50,7 +50,7 @@ def device_llm(model_dir: Path, device: str, **kwargs: object) -> LLM:
     """An engine on `device`; on the CPU its sampler takes the torch path (the one CUDA runs)."""
     llm = LLM(str(model_dir), device=device, **{**ENGINE, **kwargs})  # type: ignore[arg-type]
     if device == "cpu":
-        llm.engine.runner.sampler = Sampler("torch")
+        llm.engine.executor.runner.token_sampler.sampler = Sampler("torch")
     return llm
 
 
@@ -79,7 +79,7 @@ def random_logits(rows: int, vocab: int, seed: int, device: str) -> torch.Tensor
 def test_greedy_equals_the_cpu_kernels(device: str) -> None:
     logits = random_logits(64, 4099, seed=1, device=device)
     got = Sampler("torch")(logits, make_sampling_batch([0.0] * 64))
-    want = cpu_kernels.argmax(logits.cpu().contiguous())
+    want = cpu_sampler.argmax(logits.cpu().contiguous())
     np.testing.assert_array_equal(got.cpu().numpy(), want)
     assert got.device.type == device
 
@@ -254,7 +254,7 @@ def test_seeded_sampling_equal_eager_and_cuda_graphs(model_dir: Path) -> None:
     runs = []
     for eager in (True, False):
         llm = device_llm(model_dir, "cuda", enforce_eager=eager)
-        assert (llm.engine.runner.graphs is None) == eager
+        assert (llm.engine.executor.runner.graphs is None) == eager
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         del llm
     assert runs[0] == runs[1]
@@ -295,7 +295,7 @@ def test_sync_audit_decode_steps_wait_only_for_their_tokens(model_dir: Path) -> 
     pageable copy, `.item()`, `.cpu()`, `nonzero` or a size read back from the device raises."""
     llm = device_llm(model_dir, "cuda")
     engine = llm.engine
-    assert engine.runner.graphs is not None
+    assert engine.executor.runner.graphs is not None
     schema = StructuredOutputsParams(json=json.dumps(SCHEMA))
     mixes = [
         dict(temperature=0), dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, top_k=20),

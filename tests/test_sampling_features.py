@@ -98,7 +98,7 @@ def test_logit_bias_and_min_tokens(llm: LLM) -> None:
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=6,
                                                 logit_bias={eos: 100.0}), use_tqdm=False)[0]
     assert out.outputs[0].token_ids[-1] == eos and len(out.outputs[0].token_ids) == 7
-    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", eos)
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)  # EOS: None, as vLLM
     assert_pool_whole(llm)
 
 
@@ -184,7 +184,7 @@ def test_parallel_sampling_shares_the_prompt(model_dir: Path) -> None:
     prompt = random_prompts([200], VOCAB, seed=8)[0]
     greedy_one = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                               use_tqdm=False)[0].outputs[0].token_ids
-    llm.engine.core.stats()  # noqa: B018 - the pool is idle and whole here
+    llm.engine.scheduler.core.stats()  # noqa: B018 - the pool is idle and whole here
     many = llm.generate([prompt], SamplingParams(n=8, temperature=0, max_tokens=20, ignore_eos=True),
                         use_tqdm=False)[0]
     assert [c.index for c in many.outputs] == list(range(8))
@@ -270,15 +270,15 @@ def test_beam_memory_follows_live_beams(model_dir: Path) -> None:
     prompt = random_prompts([100], VOCAB, seed=12)[0]
     width, max_new = 4, 40
     peak = 0
-    original_step = engine.core.postprocess
+    original_step = engine.scheduler.core.postprocess
 
     def watching(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         nonlocal peak
         result = original_step(*args, **kwargs)
-        peak = max(peak, engine.core.stats()["num_used_blocks"])
+        peak = max(peak, engine.scheduler.core.stats()["num_used_blocks"])
         return result
 
-    engine.core = _Spy(engine.core, watching)
+    engine.scheduler.core = _Spy(engine.scheduler.core, watching)
     out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=width, max_tokens=max_new,
                                                                          ignore_eos=True))
     assert len(out[0].sequences) == width
@@ -307,10 +307,42 @@ def test_seeded_parallel_samples_do_not_depend_on_the_batch(model_dir: Path) -> 
     alone = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128, max_num_seqs=8)
     expected = [c.token_ids for c in alone.generate([prompt], params, use_tqdm=False)[0].outputs]
     assert len({tuple(t) for t in expected}) == 3
-    small = LLM(str(model_dir), device="cpu", num_kvcache_blocks=20, max_model_len=128, max_num_seqs=8)
+    # Room for all 9 samples at once (max_num_seqs), not for their blocks: preemption.
+    small = LLM(str(model_dir), device="cpu", num_kvcache_blocks=20, max_model_len=128, max_num_seqs=9)
     others = random_prompts([50, 55, 40], VOCAB, seed=32)
     outs = small.generate(others + [prompt], [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)] * 3
                           + [params], use_tqdm=False)
     assert small.stats()["num_preemptions"] > 0
     assert [c.token_ids for c in outs[-1].outputs] == expected
     assert_pool_whole(small)
+
+
+def test_fan_out_never_runs_or_samples_more_than_max_num_seqs(model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 prompts x n=8 on an engine of max_num_seqs=8: each prompt is admitted only when its 8
+    samples fit, so no step samples more rows than the memory profile reserved (max_num_seqs)
+    and no more sequences run; the seeded samples equal those of an engine with room for all."""
+    prompts = random_prompts([9, 14, 6, 11], VOCAB, seed=41)
+    params = SamplingParams(n=8, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    roomy = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128)
+    expected = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(str(model_dir), device="cpu", num_kvcache_blocks=256, max_model_len=128, max_num_seqs=8)
+    engine = tight.engine
+    rows: list[int] = []
+    running: list[int] = []
+    token_sampler = engine.executor.runner.token_sampler
+    sampler = token_sampler.sampler
+
+    def spy(logits, batch):  # noqa: ANN001, ANN202
+        rows.append(logits.shape[0])
+        running.append(engine.scheduler.core.num_running)
+        return sampler(logits, batch)
+
+    monkeypatch.setattr(token_sampler, "sampler", spy)
+    outs = tight.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == expected
+    assert max(rows) <= 8 and max(running) <= 8, (max(rows), max(running))
+    assert_pool_whole(tight)
+    with pytest.raises(ValueError, match=r"^n = 9 .*max_num_seqs = 8"):
+        tight.generate(prompts[0], SamplingParams(n=9), use_tqdm=False)
+    assert_pool_whole(tight)

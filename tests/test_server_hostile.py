@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from hostile_helpers import error_of, reference, server_stays_whole  # noqa: F401 (fixtures)
 from server_process import ServerProcess
 from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
@@ -30,7 +31,6 @@ HEADER_TIMEOUT_S = 1.0
 STALL_TIMEOUT_S = 1.0
 MAX_QUEUED = 4
 LIMIT_CONCURRENCY = 24
-REFERENCE = {"prompt": "The reference prompt", "max_tokens": 8, "temperature": 0}
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -49,37 +49,6 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(server: ServerProcess) -> str:
-    return _reference_text(server)
-
-
-@pytest.fixture(autouse=True)
-def server_stays_whole(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After each probe of the shared server: no KV block held, and the same greedy text."""
-    if "server" not in request.fixturenames:
-        yield
-        return
-    expected = request.getfixturevalue("reference")  # taken before the first probe
-    yield
-    srv: ServerProcess = request.getfixturevalue("server")
-    srv.wait_blocks_free(timeout=15)
-    assert _reference_text(srv) == expected
-
-
-def _reference_text(srv: ServerProcess) -> str:
-    r = httpx.post(f"{srv.base_url}/completions", json=REFERENCE, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def _error(r: httpx.Response, status: int) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["code"] == status and err["message"] and err["type"]
-    return err
 
 
 # Bodies -------------------------------------------------------------------------------------
@@ -116,7 +85,7 @@ def test_health_stays_fast_while_huge_bodies_are_refused(server: ServerProcess) 
         t.join()
     assert max(latencies) < 1.0, f"/health took {max(latencies):.2f} s"
     for name, _, _ in jobs[:-1]:
-        assert "--max-request-bytes" in _error(responses[name], 413)["message"], name
+        assert "--max-request-bytes" in error_of(responses[name], 413)["message"], name
     assert responses["large prompt"].status_code == 200
     assert responses["large prompt"].json()["count"] > 100_000
 
@@ -163,7 +132,7 @@ def test_half_open_sockets_are_closed_by_the_server(server: ServerProcess) -> No
 def test_connections_past_the_limit_get_503_then_serve_again(server: ServerProcess) -> None:
     sockets = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(LIMIT_CONCURRENCY)]
     try:
-        assert "--limit-concurrency" in _error(httpx.get(f"{server.url}/health", timeout=10), 503)["message"]
+        assert "--limit-concurrency" in error_of(httpx.get(f"{server.url}/health", timeout=10), 503)["message"]
         assert all(_closed_by_server(s, HEADER_TIMEOUT_S + 10) for s in sockets)
     finally:
         for s in sockets:
@@ -196,7 +165,7 @@ def test_lone_surrogates_and_non_utf8_get_4xx(server: ServerProcess, path: str, 
     if status == 200:
         assert r.status_code == 200, r.text
     else:
-        _error(r, status)
+        error_of(r, status)
 
 
 @pytest.mark.parametrize("kwargs", [{"return_tensors": "np"}, {"tokenize": True}, {"return_dict": True},
@@ -205,7 +174,7 @@ def test_lone_surrogates_and_non_utf8_get_4xx(server: ServerProcess, path: str, 
 def test_chat_template_kwargs_that_break_rendering_get_400(server: ServerProcess, kwargs: dict[str, Any]) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         r = httpx.post(f"{server.url}{path}", json={"messages": HI, "max_tokens": 2, "chat_template_kwargs": kwargs})
-        _error(r, 400)
+        error_of(r, 400)
     # Template variables the template does not use are harmless.
     r = httpx.post(f"{server.base_url}/chat/completions",
                    json={"messages": HI, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
@@ -215,23 +184,23 @@ def test_chat_template_kwargs_that_break_rendering_get_400(server: ServerProcess
 def test_request_chat_templates_are_refused_by_default(server: ServerProcess) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):
         r = httpx.post(f"{server.url}{path}", json={"messages": HI, "chat_template": "{{ messages }}"})
-        err = _error(r, 400)
+        err = error_of(r, 400)
         assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
 
 
 def test_more_prompts_than_the_queue_holds_is_a_400(server: ServerProcess) -> None:
     r = httpx.post(f"{server.base_url}/completions", json={"prompt": ["a"] * (MAX_QUEUED + 1), "max_tokens": 2})
-    err = _error(r, 400)
+    err = error_of(r, 400)
     assert err["param"] == "prompt" and str(MAX_QUEUED) in err["message"]
 
 
 def test_token_ids_and_seeds_past_64_bits(server: ServerProcess) -> None:
     r = httpx.post(f"{server.base_url}/completions", json={"prompt": [1, 2**63], "max_tokens": 2})
-    assert str(2**63) in _error(r, 400)["message"]
+    assert str(2**63) in error_of(r, 400)["message"]
     r = httpx.post(f"{server.url}/detokenize", json={"tokens": [1, 2**63]})
-    assert str(2**63) in _error(r, 400)["message"]
+    assert str(2**63) in error_of(r, 400)["message"]
     r = httpx.post(f"{server.base_url}/completions", json={"prompt": "hi", "seed": 2**64})
-    assert _error(r, 400)["param"] == "seed"
+    assert error_of(r, 400)["param"] == "seed"
 
 
 # Backpressure -------------------------------------------------------------------------------
@@ -311,7 +280,7 @@ def test_trusted_request_templates_render_sandboxed_and_time_limited(trusting: S
     assert r.status_code == 200 and r.json()["tokens"] == tokenizer.encode("[user] hi", add_special_tokens=False)
     # The sandbox refuses Python internals.
     escape = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    assert "cannot apply the chat template" in _error(
+    assert "cannot apply the chat template" in error_of(
         httpx.post(f"{trusting.url}/tokenize", json={"messages": HI, "chat_template": escape}), 400)["message"]
     # A template that would loop for hours ends at the time limit; the server keeps answering.
     endless = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
@@ -323,7 +292,7 @@ def test_trusted_request_templates_render_sandboxed_and_time_limited(trusting: S
     while t.is_alive():
         assert httpx.get(f"{trusting.url}/health", timeout=1.0).status_code == 200
         time.sleep(0.05)
-    assert "0.5 s" in _error(result["r"], 400)["message"]
+    assert "0.5 s" in error_of(result["r"], 400)["message"]
     assert time.monotonic() - start < 10
     trusting.wait_blocks_free()
 
@@ -383,6 +352,6 @@ def test_sigterm_drains_then_ends_requests_cleanly_and_exits_0(trusting: ServerP
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["error"]["code"] == 503
     assert all("error" not in json.loads(e[6:]) for e in events[:-2])
-    _error(results["long"], 503)
+    error_of(results["long"], 503)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{trusting.url}/health", timeout=2)

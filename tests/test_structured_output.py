@@ -5,18 +5,23 @@ same batch are untouched; bad specs are ValueErrors that leave the engine clean.
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import re
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
-from engine_helpers import random_prompts
+from engine_helpers import apply_pending_changes, random_prompts
 from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
-from nanovllm.sample.grammar import GrammarCompiler
+from nanovllm.sample import grammar as grammar_module
+from nanovllm.sample.grammar import GrammarCacheFull, GrammarCompiler, GrammarTooLarge
+from nanovllm.sample.utf8 import ACCEPT, NUM_STATES, REJECT, Utf8Tokens
 
 VOCAB = 512
 
@@ -50,7 +55,8 @@ def llm(model_dir: Path) -> LLM:
 def assert_clean(llm: LLM) -> None:
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_requests"] == 0
-    assert not llm.engine.sampling.grammars.matchers
+    apply_pending_changes(llm)
+    assert not llm.engine.executor.runner.token_sampler.state.grammars.matchers
 
 
 def params(so: StructuredOutputsParams, **kw: object) -> SamplingParams:
@@ -185,12 +191,136 @@ def test_lm_head_padding_is_never_allowed(tmp_path: Path) -> None:
     assert tokens and max(tokens) < len(padded.get_tokenizer())
 
 
-def test_compiled_once_per_spec_in_a_bounded_cache(llm: LLM) -> None:
+def test_compiled_once_per_spec_in_a_bounded_cache_that_evicts_only_unheld_grammars(llm: LLM) -> None:
     engine = llm.engine
     compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
-    a = StructuredOutputsParams(regex="[ab]+")
-    assert compiler.compile(a) is compiler.compile(StructuredOutputsParams(regex="[ab]+"))
-    compiler.cache_bytes = 1  # every new grammar evicts the least recently used ones
-    b = compiler.compile(StructuredOutputsParams(choice=["x", "y"]))
-    assert compiler.num_cached == 1 and compiler.compile(StructuredOutputsParams(choice=["x", "y"])) is b
-    assert compiler.compile(a) is not None and compiler.num_cached == 1
+    a_spec, b_spec = StructuredOutputsParams(regex="[ab]+"), StructuredOutputsParams(choice=["x", "y"])
+    a = compiler.compile(a_spec)
+    again = compiler.compile(StructuredOutputsParams(regex="[ab]+"))
+    assert again.compiled is a.compiled and compiler.num_cached == 1
+    again.release()
+    compiler.cache_bytes = a.nbytes + 1  # room for one grammar
+    with pytest.raises(GrammarCacheFull, match="retry"):
+        compiler.compile(b_spec)  # `a` is held: it stays, and `b` does not fit beside it
+    assert compiler.held_bytes == a.nbytes
+    a.release()
+    a.release()  # idempotent
+    b = compiler.compile(b_spec)  # `a` is held by nobody now: evicted
+    assert compiler.num_cached == 1 and compiler.held_bytes == b.nbytes
+    assert compiler.compile(b_spec).compiled is b.compiled
+    compiler.cache_bytes = 1
+    with pytest.raises(GrammarTooLarge, match="more than the whole grammar cache"):
+        compiler.compile(a_spec)
+
+
+def test_admission_never_compiles(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grammar is compiled before admission and handed to add_request; the engine (whose
+    thread steps every other request) never compiles, even when the cache evicted the spec, and
+    refuses a constrained request that comes without its grammar."""
+    engine = llm.engine
+    spec = StructuredOutputsParams(regex="[0-9]{4}")
+    held = engine.grammars.compile(spec)
+    monkeypatch.setattr(engine.grammars, "cache_bytes", held.nbytes)  # every other grammar is evicted
+
+    def no_compile(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a grammar was compiled at admission")
+
+    monkeypatch.setattr(grammar_module, "compile_spec", no_compile)
+    monkeypatch.setattr(engine.grammars, "compile", no_compile)
+    engine.add_request("held", "hi", params(spec, temperature=0), grammar=held)
+    with pytest.raises(ValueError, match="compiled before admission"):
+        engine.add_request("bare", "hi", params(spec, temperature=0))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["held"] and re.fullmatch("[0-9]{4}", outs[0].outputs[0].text)
+    assert engine.grammars.held_bytes == 0  # released when the request finished
+    assert_clean(llm)
+
+
+def _random_regex(rng: random.Random) -> str:
+    atoms = ["[a-z]", "[^a-c]", ".", "[0-9]", "(ab|c.)", "[^\\x00-\\x7f]", "[A-Z]", "x"]
+    return "".join(rng.choice(atoms) + rng.choice(["", "{1,3}", "{0,2}", "+", "?"]) for _ in range(rng.randint(1, 3)))
+
+
+def _random_schema(rng: random.Random, depth: int = 0) -> dict:
+    choice = rng.randrange(7 if depth < 2 else 4)
+    if choice == 0:
+        low = rng.randint(0, 3)
+        return {"type": "string", "minLength": low, "maxLength": low + rng.randint(0, 8)}
+    if choice == 1:
+        return {"type": "string", "pattern": f"^{_random_regex(rng)}$"}
+    if choice == 2:
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 100)}
+    if choice == 3:
+        return {"enum": rng.sample(["a", "b\"c", "\u00e9t\u00e9", "tab\t", "\U0001f600", "x" * 5], 3)}
+    if choice == 4:
+        return {"type": "array", "items": _random_schema(rng, depth + 1), "maxItems": rng.randint(0, 3)}
+    if choice == 5:
+        names = rng.sample(["a", "b", "c", "d"], rng.randint(1, 3))
+        return {"type": "object", "properties": {n: _random_schema(rng, depth + 1) for n in names},
+                "required": rng.sample(names, rng.randint(0, len(names))), "additionalProperties": False}
+    return {"anyOf": [{"type": "boolean"}, {"type": "null"}, _random_schema(rng, depth + 1)]}
+
+
+def test_fuzz_constrained_outputs_are_valid_text_that_validates(llm: LLM) -> None:
+    """Random schemas with length-bounded strings, patterns, enums with escapes and non-ASCII,
+    nested arrays and objects; random regexes. Sampled hot (temperature 1.5) so that the model,
+    random as it is, tries whatever the grammar lets through: every output that finished parses,
+    validates, holds only whole UTF-8 characters (no U+FFFD) and no raw control character."""
+    rng = random.Random(26)
+    checked = 0
+    for trial in range(24):
+        schema = _random_schema(rng)
+        so = StructuredOutputsParams(json=schema) if trial % 3 else StructuredOutputsParams(
+            regex=_random_regex(rng))
+        outs = llm.generate(["a", "b"], params(so, temperature=1.5, seed=trial, n=4, max_tokens=80), use_tqdm=False)
+        for c in (c for o in outs for c in o.outputs):
+            assert "\ufffd" not in c.text, (so, c.text)
+            if c.finish_reason != "stop":
+                assert c.finish_reason == "length", (so, c)
+                continue
+            checked += 1
+            if so.regex is not None:
+                assert re.fullmatch(so.regex, c.text, re.DOTALL), (so.regex, c.text)
+            else:
+                jsonschema.validate(json.loads(c.text), schema)
+    assert checked >= 100
+    assert_clean(llm)
+
+
+def test_utf8_tables_agree_with_pythons_decoder() -> None:
+    """A token is allowed after others exactly when Python's incremental UTF-8 decoder accepts
+    their bytes; a stop token only between characters; surrogates and overlong forms never."""
+    rng = random.Random(5)
+    tokens = [bytes(rng.randrange(256) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    tokens += [b"\xc3\xa9", b"\xe2\x82", b"\xac", b"\xed\xa0\x80", b"\xed\x9f\xbf", b"\xc0\x80", b"\xf4\x90\x80\x80",
+               b"\xf0\x9f\x98\x80", b"", b"stop"]
+    stop = len(tokens) - 1
+    tables = Utf8Tokens(tokens, len(tokens) + 3, [], [stop])  # 3 ids past the tokenizer: never allowed
+
+    def valid(data: bytes) -> bool:
+        """Some continuation bytes (none, or up to 3) make `data` whole UTF-8."""
+        for tail in completions:
+            try:
+                (data + tail).decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            return True
+        return False
+
+    continuation = [b"\x80", b"\x90", b"\xa0", b"\xbf"]
+    completions = [b""] + [b"".join(t) for k in (1, 2, 3) for t in itertools.product(continuation, repeat=k)]
+
+    for _ in range(4000):
+        first, second = rng.randrange(stop), rng.randrange(stop)
+        state = tables.advance(ACCEPT, first)
+        assert (state != REJECT) == valid(tokens[first]), tokens[first]
+        if state != REJECT:
+            assert (tables.advance(state, second) != REJECT) == valid(tokens[first] + tokens[second])
+            pending = not valid(tokens[first] + b"a")  # in the middle of a character
+            assert (tables.advance(state, stop) != REJECT) == (not pending)
+    allowed = np.unpackbits(tables.allowed_bitmask.view(np.uint8), bitorder="little").reshape(NUM_STATES, -1)
+    assert not allowed[:, stop + 1:len(tokens) + 3].any() and not allowed[REJECT].any()
+    assert (allowed[:, :len(tokens) + 3].astype(bool) == (tables.next_state != REJECT)).all()

@@ -33,8 +33,8 @@ def make_llm(path: Path, tp: int, **kwargs: object) -> LLM:
 def tp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, LLM]]:
     path = make_tp_model(tmp_path_factory.mktemp("tp"), request.param)
     llm = make_llm(path, 2)
-    assert llm.engine.runner.tp is not None and llm.engine.runner.tp.backend == "gloo"  # the CPU default
-    pids = llm.engine.runner.worker_pids
+    assert llm.engine.executor.runner.tp is not None and llm.engine.executor.runner.tp.backend == "gloo"  # the CPU default
+    pids = llm.engine.executor.worker_pids
     assert len(pids) == 1 and alive(pids[0])
     assert shm_segments() == []  # unlinked once attached (here: not yet created, before the first step)
     yield path, llm
@@ -107,7 +107,7 @@ def test_a_killed_worker_fails_the_engine_promptly_and_leaves_nothing(tmp_path: 
     path = make_tp_model(tmp_path, "qwen3")
     llm = make_llm(path, 2)
     engine = llm.engine
-    [pid] = engine.runner.worker_pids
+    [pid] = engine.executor.worker_pids
     engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     engine.step()
     engine.step()
@@ -128,7 +128,7 @@ def test_a_gloo_transport_error_counts_as_a_lost_peer() -> None:
     """gloo reports a peer that went away as a plain RuntimeError, not always a DistError; the
     runner must still fail the engine (WorkerDiedError), not treat it as one failed step (seen
     as a 500 and a server that kept running when a worker was killed)."""
-    from nanovllm.distributed.driver import _is_collective_failure
+    from nanovllm.executor.multiproc_executor import _is_collective_failure
 
     gone = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
             "[127.0.0.1]:36741. This is typically caused by a remote worker crashing.")

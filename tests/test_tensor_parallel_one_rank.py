@@ -19,8 +19,9 @@ from tiny_models import make_tiny_model
 from nanovllm import LLM
 from nanovllm.distributed.parallel_state import TPGroup, free_port
 from nanovllm.engine import llm_engine
-from nanovllm.executor.cuda_graph import CaptureAbandoned, capture_buckets
-from nanovllm.executor.model_runner import ModelRunner
+from nanovllm.executor import Executor
+from nanovllm.worker.cuda_graph import CaptureAbandoned, capture_buckets
+from nanovllm.worker.model_runner import ModelRunner
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                  reason="needs a CUDA GPU"))]
@@ -34,13 +35,15 @@ def test_one_rank_group_runs_the_tensor_parallel_model_path(device: str, tmp_pat
     group = TPGroup.connect(0, 1, "127.0.0.1", free_port(), "nccl" if device == "cuda" else "gloo", dev)
     built: list[ModelRunner] = []
 
-    def one_rank_runner(config, device, **kwargs):  # noqa: ANN001, ANN202  (make_model_runner's signature)
-        runner = ModelRunner(config.model, config.dtype, device, config.block_size, tp=group,
-                             max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager, **kwargs)
-        built.append(runner)
-        return runner
+    class OneRankExecutor(Executor):
+        """The one-device executor, its runner given the one-rank group."""
 
-    monkeypatch.setattr(llm_engine, "make_model_runner", one_rank_runner)
+        def __init__(self, config, eos_token_ids) -> None:  # noqa: ANN001  (make_executor's signature)
+            self.config = config
+            self.runner = ModelRunner(config, tp=group, eos_token_ids=eos_token_ids)
+            built.append(self.runner)
+
+    monkeypatch.setattr(llm_engine, "make_executor", OneRankExecutor)
     try:
         llm = LLM(str(path), device=device, dtype="float32", block_size=16, num_kvcache_blocks=64, max_model_len=512,
                   max_num_seqs=8, max_num_batched_tokens=48)

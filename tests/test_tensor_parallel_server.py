@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -122,21 +121,28 @@ def test_two_nodes_on_loopback_answer_like_one_rank(model_dir: Path, expected: l
             node1.wait()
 
 
-def test_a_worker_killed_under_the_server_gives_503_and_a_nonzero_exit(model_dir: Path, tmp_path: Path) -> None:
-    srv, [worker] = tp_server(model_dir, tmp_path)
-    result: dict[str, Any] = {}
+def start_long_request(srv: ServerProcess) -> tuple[threading.Thread, dict[str, httpx.Response]]:
+    """A request that runs for many steps, started in a thread; returns once it is running.
+    The response lands in the dict under "r"."""
+    result: dict[str, httpx.Response] = {}
 
     def long_request() -> None:
         result["r"] = httpx.post(f"{srv.base_url}/completions", timeout=60,
                                  json={"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True})
 
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while srv.metrics()["nanovllm:num_requests_running"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+    return t, result
+
+
+def test_a_worker_killed_under_the_server_gives_503_and_a_nonzero_exit(model_dir: Path, tmp_path: Path) -> None:
+    srv, [worker] = tp_server(model_dir, tmp_path)
     try:
-        t = threading.Thread(target=long_request)
-        t.start()
-        deadline = time.monotonic() + 30
-        while srv.metrics()["nanovllm:num_requests_running"] < 1:
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.02)
+        t, result = start_long_request(srv)
         os.kill(worker, signal.SIGKILL)
         t.join(timeout=30)
         r = result["r"]
@@ -146,6 +152,35 @@ def test_a_worker_killed_under_the_server_gives_503_and_a_nonzero_exit(model_dir
         assert "worker rank 1" in srv.log() and "exited with code -9" in srv.log(), srv.log()[-3000:]
         assert_nothing_left(srv.proc.pid, [worker])
     finally:
+        srv.stop()
+
+
+STEP_TIMEOUT_S = 2.0
+
+
+def test_a_hung_worker_fails_the_step_after_the_step_timeout(model_dir: Path, tmp_path: Path) -> None:
+    """A worker that stops (SIGSTOP) without dying: the step waiting for it makes no progress.
+    After --step-timeout the request in flight gets a 503, /health stops answering 200, and the
+    server exits non-zero on its own, leaving no worker behind."""
+    srv, [worker] = tp_server(model_dir, tmp_path, "--step-timeout", str(STEP_TIMEOUT_S))
+    try:
+        t, result = start_long_request(srv)
+        os.kill(worker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        t.join(timeout=30)
+        r = result["r"]
+        assert r.status_code == 503 and "no progress" in r.text, r.text
+        assert time.monotonic() - stopped < STEP_TIMEOUT_S + 8
+        try:
+            assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass  # already gone
+        assert srv.proc.wait(timeout=30) != 0, srv.log()[-3000:]
+        assert time.monotonic() - stopped < STEP_TIMEOUT_S + 30
+        assert_nothing_left(srv.proc.pid, [worker])
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
         srv.stop()
 
 

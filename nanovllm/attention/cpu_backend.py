@@ -1,4 +1,4 @@
-"""Fast CPU attention backend: one C++ call per layer per step (`nanovllm._C`) for the whole
+"""Fast CPU attention backend: one C++ call per layer per step (`nanovllm._cpu`) for the whole
 batch, decode rows and prefill chunks alike, reading the paged cache in place, each sequence only
 up to what its queries see; the KV write is one C++ scatter. fp32 and bf16 (fp32 accumulation);
 other dtypes use the torch reference, which stays the oracle this backend is tested against.
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm import _C
+from nanovllm import _cpu
 from nanovllm.attention import torch_backend
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.cpu import KERNEL_DTYPES
 
-# The kernel's dtype codes (csrc/cpu_attention.h, CpuDtype).
-KERNEL_DTYPES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
@@ -45,7 +44,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     if key.shape[0] < n or value.shape[0] < n or v_cache.shape != k_cache.shape:
         raise ValueError("key/value have fewer rows than slot_mapping, or the caches differ in shape")
     item = k_cache.element_size()
-    _C.write_kv_cache_cpu(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    _cpu.write_kv_cache_cpu(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                           slot_mapping.data_ptr(), n, k_cache.shape[2] * k_cache.shape[3] * item,
                           key.stride(0) * item, value.stride(0) * item, k_cache.shape[0] * k_cache.shape[1])
 
@@ -73,7 +72,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if n == 0:
         return torch.zeros_like(query)
     out = torch.empty_like(query)
-    _C.paged_attention_cpu(
+    _cpu.paged_attention_cpu(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
         meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), out.data_ptr(), tokens,
         meta.block_tables.shape[1], n, heads, kv_heads, dim, block_size, num_blocks, scale,

@@ -10,6 +10,11 @@ are batched by the scheduler rather than served one after another.
 
 Every request is added with `stream=True`, so each output carries only what is new (a delta);
 callers that want the whole completion accumulate the deltas.
+
+A request with structured output comes with its grammar compiled (`add_requests(..., grammars=)`):
+the engine thread never compiles. A step that makes no progress for `step_timeout` seconds (a
+hung tensor-parallel worker, say) stops the engine: a watchdog fails every request in flight with
+EngineDeadError, `crashed` turns true, and the runner is told to give up its step.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nanovllm.distributed import WorkerDiedError
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.engine.output_buffer import DEFAULT_ENTRIES_PER_REQUEST, OutputBuffer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the grammar module imports xgrammar: only structured output needs it)
+    from nanovllm.sample.grammar import HeldGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +72,15 @@ class _Add:
     """Requests admitted together: all of them between the same two steps, or none."""
 
     requests: list[tuple[str, PromptType, SamplingParams]]
+    grammars: list[HeldGrammar | None]  # one per request, held by it once admitted
     arrival_time: float
     future: asyncio.Future[None]
+
+    def release_grammars(self, start: int = 0) -> None:
+        """The grammars of requests[start:], which were not admitted."""
+        for grammar in self.grammars[start:]:
+            if grammar is not None:
+                grammar.release()
 
 
 @dataclass
@@ -118,10 +133,15 @@ class RequestGroup:
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None,
                  observer: RequestObserver | None = None, stall_timeout: float | None = None,
-                 buffer_entries_per_request: int = DEFAULT_ENTRIES_PER_REQUEST) -> None:
+                 buffer_entries_per_request: int = DEFAULT_ENTRIES_PER_REQUEST,
+                 step_timeout: float | None = None) -> None:
         """`stall_timeout` (seconds) and `buffer_entries_per_request` bound what waits for a slow
-        consumer: past either, its requests are aborted (see OutputBuffer)."""
+        consumer: past either, its requests are aborted (see OutputBuffer). A step running longer
+        than `step_timeout` seconds stops the engine (None: no limit)."""
+        if step_timeout is not None and not step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0, got {step_timeout}")
         self.engine = engine
+        self.step_timeout = step_timeout
         self.max_queued_requests = max_queued_requests
         self.observer = observer
         self.stall_timeout = stall_timeout
@@ -134,6 +154,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._crashed = False
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._hung = False
 
     # Lifecycle ---------------------------------------------------------------------------
 
@@ -144,12 +166,15 @@ class AsyncLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
         self._thread.start()
+        if self.step_timeout is not None:
+            threading.Thread(target=self._watch_steps, name="nanovllm-step-watchdog", daemon=True).start()
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread is None:
             return
         self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join, timeout)
+        # A hung step never returns: waiting for the engine thread would only delay the exit.
+        await asyncio.to_thread(self._thread.join, 0 if self._hung else timeout)
 
     @property
     def crashed(self) -> bool:
@@ -168,25 +193,36 @@ class AsyncLLMEngine:
     # Requests ----------------------------------------------------------------------------
 
     async def add_requests(self, requests: Sequence[tuple[str, PromptType, SamplingParams]],
-                           arrival_time: float | None = None) -> RequestGroup:
+                           arrival_time: float | None = None,
+                           grammars: Sequence[HeldGrammar | None] | None = None) -> RequestGroup:
         """Queues requests and waits until the engine admitted all of them, or none: the first
         rejection (ValueError for a bad prompt or parameter, QueueFullError) is raised. Admission
-        happens between two steps, so it waits at most one step."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running") from self._error
-        if self.max_queued_requests is not None and len(requests) > self.max_queued_requests:
-            # No wait would ever make room for them: the request itself is too big (not a 503).
-            raise ValueError(f"prompt holds {len(requests)} prompts, more than the {self.max_queued_requests} "
-                             "this server queues at once; send fewer per request")
-        arrival = arrival_time if arrival_time is not None else time.time()
-        ids = [rid for rid, _, _ in requests]
+        happens between two steps, so it waits at most one step. `grammars[i]` is request i's
+        compiled grammar (needed with structured output); each is held by its request, or
+        released if the requests are not admitted."""
+        add = _Add(list(requests), list(grammars) if grammars is not None else [None] * len(requests),
+                   arrival_time if arrival_time is not None else time.time(),
+                   asyncio.get_running_loop().create_future())
+        try:
+            if not self.is_running:
+                raise EngineDeadError("the engine is not running") from self._error
+            if self.max_queued_requests is not None and len(requests) > self.max_queued_requests:
+                # No wait would ever make room for them: the request itself is too big (not a 503).
+                raise ValueError(f"prompt holds {len(requests)} prompts, more than the {self.max_queued_requests} "
+                                 "this server queues at once; send fewer per request")
+            ids = [rid for rid, _, _ in requests]
+            if len(add.grammars) != len(ids):
+                raise ValueError(f"got {len(add.grammars)} grammars for {len(ids)} requests")
+            if len(set(ids)) != len(ids) or any(rid in self._sinks for rid in ids):
+                raise ValueError("request ids must be unique")
+        except BaseException:
+            add.release_grammars()
+            raise
         outputs = OutputBuffer(ids, self.buffer_entries_per_request * len(ids))
-        if len(set(ids)) != len(ids) or any(rid in self._sinks for rid in ids):
-            raise ValueError("request ids must be unique")
         for rid in ids:
             self._sinks[rid] = outputs
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._commands.put(_Add(list(requests), arrival, future))
+        future = add.future
+        self._commands.put(add)
         group = RequestGroup(self, ids, outputs)
         try:
             await future
@@ -276,13 +312,16 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         try:
-            self.engine.runner.make_device_current()  # the current CUDA device is per thread
+            self.engine.make_device_current()  # the current CUDA device is per thread
             while self._iterate():
                 pass
         except BaseException as e:  # a bug outside step(): stop serving rather than hang requests
-            logger.exception("engine thread crashed")
-            self._error = e
-            self._crashed = True
+            if self._hung:  # the watchdog gave up on this step already; this is how it ended
+                logger.warning("the abandoned step ended: %s", e)
+            else:
+                logger.exception("engine thread crashed")
+                self._error = e
+                self._crashed = True
             self._abort_live(EngineDeadError(f"the engine thread crashed: {e!r}"))
         finally:
             if self._error is None:
@@ -291,14 +330,48 @@ class AsyncLLMEngine:
                 self._abort_live(EngineDeadError("the engine was shut down"))
             except Exception:
                 logger.exception("could not abort the requests in flight")
-            # Adds still queued would otherwise wait forever.
-            while True:
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, _Add):
-                    self._post(self._settle, cmd.future, EngineDeadError("the engine was shut down"))
+            self._refuse_queued_adds(EngineDeadError("the engine was shut down"))
+
+    def _refuse_queued_adds(self, error: BaseException, taken: Sequence[_Command] = ()) -> None:
+        """Adds still queued (and those in `taken`, off the queue already) would otherwise wait
+        forever."""
+        commands = list(taken)
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                cmd.release_grammars()
+                self._post(self._settle, cmd.future, error)
+
+    def _watch_steps(self) -> None:
+        """Watchdog thread: a step past step_timeout stops the engine (see the module docstring)."""
+        assert self.step_timeout is not None
+        while self._thread is not None and self._thread.is_alive() and not self._crashed:
+            time.sleep(min(1.0, self.step_timeout / 4))
+            started = self._step_started
+            if started is None or time.monotonic() - started <= self.step_timeout:
+                continue
+            reason = (f"a step made no progress for {time.monotonic() - started:.0f} s (the step timeout is "
+                      f"{self.step_timeout:g} s): the engine is stopped")
+            logger.error("%s", reason)
+            error = EngineDeadError(reason)
+            self._hung = True
+            self._error = error
+            self._crashed = True
+            self._post(self._fail_all, error)
+            self._refuse_queued_adds(error)
+            try:
+                self.engine.abandon_step(reason)  # e.g. unblocks a collective waiting on a hung worker
+            except Exception:
+                logger.exception("could not abandon the hung step")
+            return
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Event loop: every request still delivering gets `error` (the engine thread is stuck)."""
+        self._fail(list(self._sinks), error)
 
     def _iterate(self) -> bool:
         """Applies the queued commands, runs one step if there is work; False once told to stop."""
@@ -311,8 +384,10 @@ class AsyncLLMEngine:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 break
-        for cmd in commands:
-            if cmd is _STOP:
+        for i, cmd in enumerate(commands):
+            if cmd is _STOP or self._crashed:
+                error = self._error or EngineDeadError("the engine was shut down")
+                self._refuse_queued_adds(error, commands[i:])
                 return False
             if isinstance(cmd, _Add):
                 self._apply_add(cmd)
@@ -321,6 +396,7 @@ class AsyncLLMEngine:
                 self._live.discard(cmd.request_id)
         outputs: list[RequestOutput] = []
         if engine.has_unfinished_requests():
+            self._step_started = time.monotonic()
             try:
                 outputs = engine.step()
             except WorkerDiedError:
@@ -330,6 +406,10 @@ class AsyncLLMEngine:
                 # flight (simplest sound choice: we cannot tell which requests were in the batch).
                 logger.exception("engine step failed")
                 self._abort_live(RequestFailedError(f"the engine step failed: {e!r}"))
+            finally:
+                self._step_started = None
+        if self._crashed:  # the watchdog gave up on this step: its outputs go nowhere
+            return False
         now = time.time()
         self._stats = engine.stats()
         for out in outputs:
@@ -341,17 +421,22 @@ class AsyncLLMEngine:
 
     def _apply_add(self, cmd: _Add) -> None:
         if cmd.future.cancelled():
+            cmd.release_grammars()
             return  # its caller is gone (and has dropped its outputs)
         added: list[str] = []
         error: BaseException | None = None
-        for rid, prompt, params in cmd.requests:
+        for i, (rid, prompt, params) in enumerate(cmd.requests):
             if self.max_queued_requests is not None and \
                     self.engine.stats()["num_waiting"] >= self.max_queued_requests:
                 error = QueueFullError(f"the server is at capacity: {self.max_queued_requests} sequences are "
                                        "already waiting to be scheduled; retry later")
+                cmd.release_grammars(i)
                 break
+            # add_request holds the grammar from here on (and releases it if it refuses).
+            grammar, cmd.grammars[i] = cmd.grammars[i], None
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=cmd.arrival_time, stream=True)
+                self.engine.add_request(rid, prompt, params, arrival_time=cmd.arrival_time, stream=True,
+                                        grammar=grammar)
             except ValueError as e:
                 error = e
                 break
@@ -361,6 +446,7 @@ class AsyncLLMEngine:
                 break
             added.append(rid)
         if error is not None:
+            cmd.release_grammars()
             for rid in added:  # all or nothing
                 self.engine.abort_request(rid)
         else:

@@ -1,23 +1,29 @@
-"""Beam search over the engine's core: beams are core sequences, so surviving beams fork
-(sharing every block, copying only on write) and dropped beams free theirs at once; memory
-follows the live beams.
+"""Beam search through the engine's public pieces: beams are scheduler sequences, so surviving
+beams fork (sharing every block, copying only on write) and dropped beams free theirs at once;
+memory follows the live beams.
 
-Each step, every live beam's top 2 * beam_width next tokens become candidates; per prompt the
-best beam_width candidates by cumulative log-probability survive. A candidate ending in EOS is
-complete (unless ignore_eos); the others continue. Completed beams are ranked by
-cum_logprob / len(tokens) ** length_penalty (EOS not counted), as vLLM does.
+Each step, every live beam's top 2 * beam_width next tokens (the runner's logprobs of logits /
+temperature) become candidates; per prompt the best beam_width candidates by cumulative
+log-probability survive. A candidate ending in EOS is complete (unless ignore_eos); the others
+continue. Completed beams are ranked by cum_logprob / len(tokens) ** length_penalty (EOS not
+counted), as vLLM does. The step is the engine's (schedule, execute, postprocess) with the
+choice of tokens and forks made here instead of by the sampler.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from nanovllm.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
-from nanovllm.sampling_params import BeamSearchParams
-from nanovllm.staging import to_host
+from nanovllm.sampling_params import BeamSearchParams, SamplingParams
+from nanovllm.worker.step import RunnerOutput
+
+if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import LLMEngine, PromptType
 
 
 @dataclass
@@ -46,39 +52,26 @@ def beam_score(beam: _Beam, eos: int | None, length_penalty: float) -> float:
     return beam.cum_logprob / (max(length, 1) ** length_penalty)
 
 
-def run_beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:  # noqa: ANN001
-    """`engine` is an idle LLMEngine (beam search owns the core while it runs)."""
+def run_beam_search(engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """`engine` is an idle LLMEngine (beam search owns its scheduler while it runs)."""
     if engine.has_unfinished_requests():
         raise ValueError("beam search needs an idle engine; finish or abort the running requests first")
-    core, runner = engine.core, engine.runner
-    eos = None if params.ignore_eos else engine.tokenizer.eos_token_id
-    groups: list[_Group] = []
-    owner: dict[int, _Group] = {}
+    search = _BeamSearch(engine, params)
     try:
         for prompt in prompts:
             _, ids = engine.tokenize_prompt(prompt)
-            sid = engine._seq_ids.acquire()
-            try:
-                # EOS is handled here (a beam ending in EOS is complete), so the core ignores it.
-                core.add(sid, ids, max_tokens=params.max_tokens, ignore_eos=True)
-            except ValueError:
-                engine._seq_ids.release(sid)
-                raise
+            engine.check_prompt(ids)
             group = _Group(len(ids))
-            group.live[sid] = _Beam(sid, list(ids), [], 0.0)
-            groups.append(group)
-            owner[sid] = group
-        while any(g.live or g.parked for g in groups):
-            _step(engine, core, runner, params, eos, owner)
+            search.add(group, _Beam(-1, list(ids), [], 0.0), params.max_tokens)
+            search.groups.append(group)
+        while any(g.live or g.parked for g in search.groups):
+            search.step()
     except BaseException:
-        for sid in list(owner):
-            core.abort(sid)
-            engine._seq_ids.release(sid)
-        if core.in_flight:  # interrupted mid-step: let the core release what it holds
-            core.postprocess(np.zeros(core.plan.num_samples, dtype=np.int32))
+        search.abort_all()
         raise
+    eos = search.eos
     outputs = []
-    for g in groups:
+    for g in search.groups:
         ranked = sorted(g.done, key=lambda b: beam_score(b, eos, params.length_penalty), reverse=True)
         seqs = [
             BeamSearchSequence(b.tokens, b.logprobs, b.cum_logprob,
@@ -90,105 +83,109 @@ def run_beam_search(engine, prompts: list, params: BeamSearchParams) -> list[Bea
     return outputs
 
 
-def _step(engine, core, runner, params: BeamSearchParams, eos: int | None,  # noqa: ANN001
-          owner: dict[int, _Group]) -> None:
-    plan = core.schedule()
-    sids = plan.sampled_seq_ids.tolist()
-    v, hidden = runner.forward(plan)
-    if not sids:  # only prefill chunks this step
-        core.postprocess(np.empty(0, dtype=np.int32))
-        return
-    logits = runner.logits(hidden, v.sample_indices)
-    if params.temperature > 0:
-        logits = logits / params.temperature
-    logprobs = torch.log_softmax(logits, dim=-1)
-    k = min(2 * params.beam_width, logprobs.shape[1])
-    top_lp, top_ids = (a.tolist() for a in to_host(*logprobs.topk(k, dim=-1)))
+class _BeamSearch:
+    def __init__(self, engine: LLMEngine, params: BeamSearchParams) -> None:
+        self.engine, self.params = engine, params
+        self.scheduler, self.executor = engine.scheduler, engine.executor
+        self.eos = None if params.ignore_eos else engine.tokenizer.eos_token_id
+        self.candidates = min(2 * params.beam_width, engine.vocab_size)
+        # Greedy rows that report their candidates; EOS is handled here (a beam ending in EOS is
+        # complete), so the core ignores it.
+        self.seq_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        self.groups: list[_Group] = []
+        self.owner: dict[int, _Group] = {}
 
-    for row, sid in enumerate(sids):
-        owner[sid].live[sid].cands = list(zip(top_ids[row], top_lp[row]))
-    sampled_groups = {id(owner[sid]): owner[sid] for sid in sids}
-    # Beams advance in lockstep: a group decides only once all its live beams have candidates.
-    # Sampled beams of a group still waiting on others leave the core with their candidates.
-    ready = {gid for gid, g in sampled_groups.items() if all(b.cands is not None for b in g.live.values())}
-    parked_sids: list[int] = []
-    for sid in sids:
-        group = owner[sid]
-        if id(group) not in ready:
-            core.abort(sid)
-            group.parked.append(group.live.pop(sid))
-            del owner[sid]
-            parked_sids.append(sid)
-
-    # Per parent beam: the tokens its surviving continuations take.
-    keep: dict[int, list[tuple[int, float]]] = {sid: [] for sid in sids if sid in owner}
-    readd: list[tuple[_Group, _Beam]] = []
-    for gid in ready:
-        group = sampled_groups[gid]
-        parents = list(group.live.values()) + group.parked
-        cands = [(b.cum_logprob + lp, i, tok, lp) for i, b in enumerate(parents) for tok, lp in b.cands]
-        cands.sort(key=lambda c: c[0], reverse=True)
-        for cum, i, tok, lp in cands[: params.beam_width]:
-            parent = parents[i]
-            child = _Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}], cum)
-            if eos is not None and tok == eos:
-                child.finish_reason = "stop"
-                group.done.append(child)
-            elif parent.sid in keep and i < len(group.live):
-                keep[parent.sid].append((tok, lp))
-            else:  # a parked parent: its continuation re-enters the core after postprocess
-                readd.append((group, child))
-        group.parked = []
-
-    first_tokens = np.zeros(len(sids), dtype=np.int32)
-    forks = []
-    dropped = []
-    new_beams: list[_Beam] = []
-    for row, sid in enumerate(sids):
-        if sid not in keep:
-            continue  # parked
-        group = owner[sid]
-        parent = group.live[sid]
-        choices = keep[sid]
-        if not choices:  # dropped: its blocks are freed by postprocess
-            core.abort(sid)
-            del group.live[sid]
-            del owner[sid]
-            dropped.append(sid)
-            continue
-        for i, (tok, lp) in enumerate(choices):
-            child_sid = sid if i == 0 else engine._seq_ids.acquire()
-            if i == 0:
-                first_tokens[row] = tok
-            else:
-                forks.append((sid, child_sid, tok))
-            new_beams.append(_Beam(child_sid, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}],
-                                   parent.cum_logprob + lp))
-            owner[child_sid] = group
-    for b in new_beams:
-        owner[b.sid].live[b.sid] = b
-    finished = core.postprocess(first_tokens, forks=forks)
-    # Ids are recycled only now: the core held the dropped sequences until postprocess.
-    for sid in dropped + parked_sids:
-        engine._seq_ids.release(sid)
-    for sid, reason, _ in finished:
-        group = owner.pop(sid)
-        beam = group.live.pop(sid)
-        beam.finish_reason = reason
-        group.done.append(beam)
-        engine._seq_ids.release(sid)
-    max_len = min(engine.max_model_len, core.num_total_blocks * engine.config.block_size)
-    for group, beam in readd:
-        generated = len(beam.tokens) - group.prompt_len
-        if generated >= params.max_tokens or len(beam.tokens) >= max_len:
-            beam.finish_reason = "length"
-            group.done.append(beam)
-            continue
-        beam.sid = engine._seq_ids.acquire()
-        try:
-            core.add(beam.sid, beam.tokens, max_tokens=params.max_tokens - generated, ignore_eos=True)
-        except BaseException:
-            engine._seq_ids.release(beam.sid)
-            raise
+    def add(self, group: _Group, beam: _Beam, max_tokens: int) -> None:
+        beam.sid = self.scheduler.add(beam.tokens, self.seq_params, max_tokens=max_tokens,
+                                      candidates=self.candidates, logprob_temperature=self.params.temperature)
         group.live[beam.sid] = beam
-        owner[beam.sid] = group
+        self.owner[beam.sid] = group
+
+    def abort_all(self) -> None:
+        for sid in list(self.owner):
+            self.scheduler.abort(sid)
+        self.scheduler.fail_step()  # interrupted mid-step: let the core release what it holds
+
+    def step(self) -> None:
+        params, owner, scheduler = self.params, self.owner, self.scheduler
+        so = scheduler.schedule()
+        out = self.executor.execute(so)
+        sids = out.seq_ids.tolist()
+        if not sids:  # only prefill chunks this step
+            scheduler.postprocess(out)
+            return
+        block = out.logprobs
+        assert block is not None and out.logprob_seq_ids.tolist() == sids
+        top_ids, top_lps = block.top_ids.tolist(), block.top_logprobs.tolist()
+        for row, sid in enumerate(sids):
+            owner[sid].live[sid].cands = list(zip(top_ids[row], top_lps[row]))
+        sampled_groups = {id(owner[sid]): owner[sid] for sid in sids}
+        # Beams advance in lockstep: a group decides only once all its live beams have candidates.
+        # Sampled beams of a group still waiting on others leave the scheduler with their candidates.
+        ready = {gid for gid, g in sampled_groups.items() if all(b.cands is not None for b in g.live.values())}
+        for sid in sids:
+            group = owner[sid]
+            if id(group) not in ready:
+                scheduler.abort(sid)
+                group.parked.append(group.live.pop(sid))
+                del owner[sid]
+
+        # Per parent beam: the tokens its surviving continuations take.
+        keep: dict[int, list[tuple[int, float]]] = {sid: [] for sid in sids if sid in owner}
+        readd: list[tuple[_Group, _Beam]] = []
+        for gid in ready:
+            group = sampled_groups[gid]
+            parents = list(group.live.values()) + group.parked
+            cands = [(b.cum_logprob + lp, i, tok, lp) for i, b in enumerate(parents) for tok, lp in b.cands]
+            cands.sort(key=lambda c: c[0], reverse=True)
+            for cum, i, tok, lp in cands[: params.beam_width]:
+                parent = parents[i]
+                child = _Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}], cum)
+                if self.eos is not None and tok == self.eos:
+                    child.finish_reason = "stop"
+                    group.done.append(child)
+                elif parent.sid in keep and i < len(group.live):
+                    keep[parent.sid].append((tok, lp))
+                else:  # a parked parent: its continuation re-enters the scheduler after postprocess
+                    readd.append((group, child))
+            group.parked = []
+
+        tokens = np.zeros(len(sids), dtype=np.int32)
+        forks = []
+        new_beams: list[_Beam] = []
+        for row, sid in enumerate(sids):
+            if sid not in keep:
+                continue  # parked
+            group = owner[sid]
+            parent = group.live[sid]
+            choices = keep[sid]
+            if not choices:  # dropped: its blocks are freed by postprocess
+                scheduler.abort(sid)
+                del group.live[sid]
+                del owner[sid]
+                continue
+            for i, (tok, lp) in enumerate(choices):
+                child_sid = sid if i == 0 else scheduler.new_id()
+                if i == 0:
+                    tokens[row] = tok
+                else:
+                    forks.append((sid, child_sid, tok))
+                new_beams.append(_Beam(child_sid, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}],
+                                       parent.cum_logprob + lp))
+                owner[child_sid] = group
+        for b in new_beams:
+            owner[b.sid].live[b.sid] = b
+        chosen = RunnerOutput(out.seq_ids, out.token_offsets, tokens)
+        for sid, reason, _ in scheduler.postprocess(chosen, forks=forks):
+            group = owner.pop(sid)
+            beam = group.live.pop(sid)
+            beam.finish_reason = reason
+            group.done.append(beam)
+        max_len = min(self.engine.max_model_len, scheduler.num_total_blocks * self.engine.config.block_size)
+        for group, beam in readd:
+            generated = len(beam.tokens) - group.prompt_len
+            if generated >= params.max_tokens or len(beam.tokens) >= max_len:
+                beam.finish_reason = "length"
+                group.done.append(beam)
+                continue
+            self.add(group, beam, params.max_tokens - generated)

@@ -1,13 +1,11 @@
 """LLMEngine: requests in, outputs out, one `step()` at a time.
 
-    plan = core.schedule()                          # C++: who runs, blocks, flat arrays
-    hidden = runner.forward(plan)                   # tensors, CoW copies, forward
-    out = runner.sample(hidden, ...)                # sampling package: penalties, bias, min_tokens,
-                                                    # the sampler, logprobs; n rows for a prompt
-                                                    # that fans out into n > 1 samples
-    finished = core.postprocess(out.tokens, forks)  # C++: append, fork samples, stop, free
-    events = detokenizer.process(seqs, tokens)      # Cython: text, stop strings; only streamed
-                                                    # sequences and stops come back to Python
+    so = scheduler.schedule()                 # C++ core: who runs, blocks, the flat arrays; plus
+                                              # the sampling-state changes since the last step
+    out = executor.execute(so)                # the model runner: forward, sample -> RunnerOutput
+    finished = scheduler.postprocess(out)     # C++ core: append, fork n samples, stop, free
+    outputs = self._outputs(out, finished)    # completions of forks, logprobs, text (Cython),
+                                              # stop strings, RequestOutputs
 
 Per-sequence bookkeeping is vectorized over numpy columns indexed by sequence id; Python touches a
 sequence only when it produces visible output (a streamed delta, a finish) or asked for logprobs.
@@ -16,10 +14,14 @@ See docs/design.md, "The step".
 
 from __future__ import annotations
 
+import atexit
+import gc
 import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
@@ -27,31 +29,26 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from nanovllm import _C
-from nanovllm.config import EngineConfig
-from nanovllm.detokenizer import build_token_table
 from nanovllm._core import Detokenizer
+from nanovllm.config import EngineConfig
 from nanovllm.engine.request_state import Completion, Request
-from nanovllm.distributed.driver import make_model_runner
-from nanovllm.executor.model_runner import SampleOutput
-from nanovllm.model_config import load_model_config
+from nanovllm.engine.scheduler import Finished, Scheduler
+from nanovllm.executor import make_executor
 from nanovllm.outputs import RequestMetrics, RequestOutput
-from nanovllm.sample import SequenceIds, build_entries, gather_logprobs
-from nanovllm.sample.rows import RowColumns
-from nanovllm.sample.state import GrammarEnds
+from nanovllm.quote import quote
+from nanovllm.row_columns import RowColumns
+from nanovllm.sample import build_entries
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.staging import to_device
+from nanovllm.token_table import build_token_table
+from nanovllm.worker.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    import xgrammar as xgr
-
-    from nanovllm.sample.grammar import GrammarCompiler
+    from nanovllm.sample.grammar import GrammarCompiler, HeldGrammar
 
 PromptType = str | list[int] | dict[str, Any]
 
-# Engine-side columns per sequence id (the sampling package keeps its own).
+# Engine-side columns per sequence id (the runner's sampling state keeps its own).
 SEQUENCE_COLUMNS = {
-    "fan_out": (np.int64, 1),  # rows its next sample takes: n for a prompt about to fan out
     "first_token_time": (np.float64, math.nan),
     "cum_logprob": (np.float64, 0.0),
     "lp_refs": (object, None),  # its Completion's lp_refs list, for the rows that asked for logprobs
@@ -69,58 +66,62 @@ def valid_text(text: str) -> str:
     return text
 
 
+def _freeze_startup_heap() -> None:
+    """Moves what exists after startup (torch's, transformers' and the model's ~400k objects) out of
+    the cyclic GC's reach. Every full collection traverses all tracked objects: 0.2-0.5 s each on
+    the dev machine, triggered every few steps once outputs allocate many objects (logprobs:
+    ~1,800 per step at 256 sequences), which cost more per step than building the outputs.
+    vLLM freezes its startup heap likewise. Unfrozen at exit, so that extension modules see
+    their objects freed at interpreter shutdown."""
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, options: EngineConfig) -> None:
         try:
-            self._build(config)
+            self._build(options)
         except BaseException:
-            # A tensor-parallel runner's workers run from its construction on: stop them now (a
+            # A tensor-parallel executor's workers run from its construction on: stop them now (a
             # failed startup check, say), not whenever the half-built engine is collected.
-            runner = getattr(self, "runner", None)
-            if runner is not None:
-                runner.shutdown()
+            executor = getattr(self, "executor", None)
+            if executor is not None:
+                executor.shutdown()
             raise
 
-    def _build(self, config: EngineConfig) -> None:
-        self.config = config
-        model_config = load_model_config(config.model)
+    def _build(self, options: EngineConfig) -> None:
+        self.config = config = options.resolve()
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
-        self.device = config.resolve_device()
-        torch.manual_seed(config.seed)
-        self.max_model_len, budget = config.resolve_lengths(model_config.max_position_embeddings)
+        torch.manual_seed(options.seed)
+        model_config = config.model_config
+        self.max_model_len = config.max_model_len
         self.vocab_size = model_config.vocab_size
         eos = set(model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
         # The loader checks every weight file before the model takes any memory.
-        self.runner = make_model_runner(config, self.device, max_model_len=self.max_model_len,
-                                        eos_token_ids=self.eos_token_ids)
-        num_blocks = self.runner.num_kv_blocks(config, budget)
-        self._check_pool_holds_one_sequence(num_blocks)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.core = _C.Scheduler(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=self.max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-        )
+        self.executor = make_executor(config, self.eos_token_ids)
+        self.scheduler = Scheduler(config, self.executor.initialize_kv_cache(), self.eos_token_ids)
         self.token_table = build_token_table(self.tokenizer, vocab_size=self.vocab_size)
         self.detokenizer = Detokenizer(self.token_table)
-        self.sampling = self.runner.sampling
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()  # the server's text workers compile concurrently
-        self._seq_ids = SequenceIds()
         self._seqs = RowColumns(SEQUENCE_COLUMNS)
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Completion]] = {}
-        self._prompt_logprobs_pending: dict[str, Request] = {}
         self._request_counter = 0
-        self._num_fanning = 0  # queued prompts whose first sample fans out into n > 1
+        _freeze_startup_heap()
+
+    @property
+    def device(self) -> torch.device:
+        return self.executor.device
+
+    def make_device_current(self) -> None:
+        """For a thread that drives the engine (the server's engine thread): its CUDA device."""
+        self.executor.make_device_current()
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -134,18 +135,6 @@ class LLMEngine:
                     raise ValueError(f"structured output needs the xgrammar package ({e})") from None
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
-
-    def _check_pool_holds_one_sequence(self, num_blocks: int) -> None:
-        """A pool smaller than max_model_len would cut every long enough request at the pool's size
-        (reported as finish_reason "length"): refuse it at startup, as vLLM does."""
-        block_size = self.config.block_size
-        need = -(-self.max_model_len // block_size)
-        if num_blocks < need:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {block_size} tokens = {num_blocks * block_size} tokens, "
-                f"but one sequence of max_model_len={self.max_model_len} tokens needs {need} blocks; lower "
-                f"max_model_len to at most {num_blocks * block_size}, or give the KV cache more room "
-                "(num_kvcache_blocks, kv_cache_memory_bytes or gpu_memory_utilization)")
 
     # Requests -----------------------------------------------------------------------------
 
@@ -167,56 +156,71 @@ class LLMEngine:
         return str(self._request_counter - 1)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, stream: bool = False) -> None:
-        """Queues a request. A streamed request's outputs carry only what is new since the last."""
+                    arrival_time: float | None = None, stream: bool = False,
+                    grammar: HeldGrammar | None = None) -> None:
+        """Queues a request. A streamed request's outputs carry only what is new since the last.
+
+        A request with `params.structured_outputs` comes with its grammar compiled (the engine
+        never compiles: `grammar=engine.grammars.compile(params.structured_outputs)`, or the
+        server's compile pool); the request holds it until it finishes, and it is released here
+        if the request is refused."""
+        try:
+            self._admit(request_id, prompt, params, arrival_time, stream, grammar)
+        except BaseException:
+            if grammar is not None:
+                grammar.release()
+            raise
+
+    def _admit(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
+               stream: bool, grammar: HeldGrammar | None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        self._check_prompt(token_ids)
+        self.check_prompt(token_ids)
         self._check_params(params)
-        # Compiled before admission (a cache hit when the server compiled it in a worker thread).
-        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("structured_outputs needs its grammar compiled before admission (the engine never "
+                             "compiles): pass grammar=engine.grammars.compile(params.structured_outputs)")
+        if grammar is not None and params.structured_outputs is None:
+            raise ValueError("a grammar was given for a request without structured_outputs")
         metrics = RequestMetrics(time.time() if arrival_time is None else arrival_time)
         req = Request(request_id, text, token_ids, params, metrics, stream,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                       fanned_out=params.n == 1)
-        sid = self._seq_ids.acquire()
-        # The Python side first, then the core: whatever fails, nothing is left behind.
+        # Prompt logprobs need every prompt position computed: no prefix-cache reads. The grammar's
+        # compiler hands its vocabulary's UTF-8 tables along, built where it compiles.
+        sid = self.scheduler.add(token_ids, params, grammar=None if grammar is None else grammar.compiled,
+                                 grammar_utf8=None if grammar is None else self.grammars.utf8,
+                                 num_samples=params.n, use_prefix_cache=params.prompt_logprobs is None)
         try:
-            comp = self._add_completion(req, sid, grammar=grammar)
+            self._add_completion(req, sid)
         except BaseException:
-            self._seq_ids.release(sid)
+            self.scheduler.abort(sid)  # whatever fails, nothing is left behind
             raise
-        try:
-            self.core.add(sid, token_ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-                          ignore_eos=params.ignore_eos, stop_token_ids=params.stop_token_ids,
-                          use_prefix_cache=params.prompt_logprobs is None)
-        except BaseException:
-            self._release(comp)
-            raise
-        self._seqs.fan_out[sid] = params.n
-        self._num_fanning += params.n > 1
+        req.grammar = grammar
         self._requests[request_id] = req
-        if req.prompt_logprobs_pending:
-            self._prompt_logprobs_pending[request_id] = req
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int]) -> None:
         """Prompt ids index device rows (penalties) before the core sees them: check them first."""
         for i, t in enumerate(token_ids):
             if isinstance(t, int) and not 0 <= t < self.vocab_size:  # other types: the core names them
                 raise ValueError(f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
 
     def _check_params(self, params: SamplingParams) -> None:
+        max_num_seqs = self.config.max_num_seqs
+        if params.n > max_num_seqs:
+            # A prompt's samples fan out together (they share its KV blocks) and each is a sequence.
+            raise ValueError(f"n = {params.n} samples of one prompt can never run at once: this engine runs at "
+                             f"most max_num_seqs = {max_num_seqs} sequences, and each sample is one; lower n")
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{name} holds token id {quote(bad[0])}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
 
-    def _add_completion(self, req: Request, sid: int, parent: int | None = None,
-                        grammar: xgr.CompiledGrammar | None = None) -> Completion:
-        """Registers sequence `sid` as the request's next completion: a new prompt (constrained by
-        `grammar`, if any), or (with `parent`) one of its n samples, which continues from the
-        parent's sampling state."""
+    def _add_completion(self, req: Request, sid: int, parent: int | None = None) -> Completion:
+        """Registers sequence `sid` as the request's next completion: its prompt, or (with `parent`)
+        one of its n samples, which continues from the parent's columns."""
         params = req.params
         comp = Completion(len(req.completions), sid)
         if params.logprobs is not None:
@@ -224,17 +228,10 @@ class LLMEngine:
         self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                              include_stop_str_in_output=params.include_stop_str_in_output,
                              min_tokens=params.min_tokens, deltas=req.stream)
-        try:
-            if parent is None:
-                self._seqs.reset(sid)
-                self.sampling.add(sid, params, req.prompt_token_ids, grammar)
-            else:
-                self._seqs.copy_row(parent, sid)
-                self.sampling.fork(parent, sid, index=comp.index)
-        except BaseException:
-            self.detokenizer.remove(sid)
-            self.sampling.remove(sid)  # whatever part of the row was taken
-            raise
+        if parent is None:
+            self._seqs.reset(sid)
+        else:
+            self._seqs.copy_row(parent, sid)
         self._seqs.lp_refs[sid] = comp.lp_refs
         req.completions.append(comp)
         self._by_seq[sid] = (req, comp)
@@ -244,21 +241,19 @@ class LLMEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return
-        self._prompt_logprobs_pending.pop(request_id, None)
         for comp in req.completions:
             if not comp.finished:
                 comp.finish_reason = "abort"
-                self.core.abort(comp.seq_id)
+                self.scheduler.abort(comp.seq_id)
                 self._release(comp)
+        req.release_grammar()
 
     def _release(self, comp: Completion) -> None:
+        """The engine's side of a sequence that ended (the scheduler's side is done already)."""
         sid = comp.seq_id
-        self._num_fanning -= bool(self._seqs.fan_out[sid] > 1)
         self._by_seq.pop(sid, None)
         self.detokenizer.remove(sid)
-        self.sampling.remove(sid)
         self._seqs.reset(sid)
-        self._seq_ids.release(sid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -270,102 +265,96 @@ class LLMEngine:
     # The step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, sample, postprocess, detokenize. Returns an output for every streamed
-        request that gained something and for every other request that finished."""
-        plan = self.core.schedule()
-        sids = plan.sampled_seq_ids.copy()
-        repeats = self._seqs.fan_out[sids] if self._num_fanning else None
-        fanning = repeats is not None and bool((repeats > 1).any())
+        """Schedule, execute, postprocess, then the outputs: one for every streamed request that
+        gained something and for every other request that finished."""
+        so = self.scheduler.schedule()
+        with self._failing_batch_dropped(so):
+            out = self.executor.execute(so)
+        finished = self.scheduler.postprocess(out)
+        return self._outputs(out, finished)
+
+    @contextmanager
+    def _failing_batch_dropped(self, so: SchedulerOutput) -> Iterator[None]:
+        """If the step raises, the batch's KV state is unknown: its requests are dropped, the engine
+        stays consistent, and the error goes on to the caller."""
         try:
-            v, hidden = self.runner.forward(plan)
-            if self._prompt_logprobs_pending:
-                self._collect_prompt_logprobs(plan, hidden)
-            rows = np.repeat(sids, repeats) if fanning else sids
-            out = self.runner.sample(hidden, v.sample_indices, rows, repeats if fanning else None)
+            yield
         except BaseException:
-            # The batch's KV state is unknown now: drop its requests, keep the engine consistent.
-            doomed = {self._by_seq[sid][0].request_id for sid in plan.seq_ids.tolist() if sid in self._by_seq}
+            doomed = {self._by_seq[sid][0].request_id for sid in so.plan.seq_ids.tolist() if sid in self._by_seq}
             for request_id in doomed:
                 self.abort_request(request_id)
-            self.core.postprocess(np.zeros(plan.num_samples, dtype=np.int32))
+            self.scheduler.fail_step()
             raise
-        forks: list[tuple[int, int, int]] = []
-        first_tokens = out.tokens
-        if fanning:
-            first_rows = np.cumsum(repeats) - repeats
-            first_tokens = out.tokens[first_rows]
-            forks = self._fan_out(sids, repeats, first_rows, rows, out.tokens)
-        finished = self.core.postprocess(first_tokens, forks=forks)
-        grammar_ends = self.sampling.record(rows, out.token_tensor, out.tokens)
-        self._record(rows, out)
-        return self._finish_step(rows, out.tokens, finished, grammar_ends)
 
-    def _fan_out(self, sids: np.ndarray, repeats: np.ndarray, first_rows: np.ndarray, rows: np.ndarray,
-                 tokens: np.ndarray) -> list[tuple[int, int, int]]:
-        """A prompt's first sample fans out into its n completions: rows after the first of each
-        such prompt become new sequences (in `rows`, in place), forked from the prompt's."""
-        forks = []
-        for i in np.flatnonzero(repeats > 1).tolist():
-            parent = int(sids[i])
-            req = self._by_seq[parent][0]
-            req.fanned_out = True
-            self._seqs.fan_out[parent] = 1  # before the children copy the parent's row
-            self._num_fanning -= 1
-            for r in range(first_rows[i] + 1, first_rows[i] + repeats[i]):
-                child = self._seq_ids.acquire()
+    def _outputs(self, out: RunnerOutput, finished: list[Finished]) -> list[RequestOutput]:
+        sids, tokens = out.seq_ids, out.last_tokens()
+        if out.forks:
+            # A prompt's first sample fanned out: its other samples join as completions.
+            for parent, child, _ in out.forks:
+                req = self._by_seq[parent][0]
+                req.fanned_out = True
                 self._add_completion(req, child, parent=parent)
-                forks.append((parent, child, int(tokens[r])))
-                rows[r] = child
-        return forks
+            sids = np.concatenate([sids, np.array([f[1] for f in out.forks], dtype=sids.dtype)])
+            tokens = np.concatenate([tokens, np.array([f[2] for f in out.forks], dtype=tokens.dtype)])
+        self._record(sids, out)
+        if out.prompt_logprobs is not None:
+            rows = out.prompt_logprobs
+            for sid, entry in zip(rows.seq_ids.tolist(), build_entries(rows.refs, self.token_table)):
+                self._by_seq[sid][0].prompt_logprobs.append(entry)
+        return self._finish_step(sids, tokens, finished, out)
 
-    def _record(self, rows: np.ndarray, out: SampleOutput) -> None:
+    def _record(self, sids: np.ndarray, out: RunnerOutput) -> None:
         """First-token times and logprobs of the tokens just sampled."""
         first = self._seqs.first_token_time
-        new = rows[np.isnan(first[rows])]
+        new = sids[np.isnan(first[sids])]
         if len(new):
             first[new] = time.time()
         block = out.logprobs
         if block is None:
             return
-        lp_sids = rows[out.logprob_rows]
+        lp_sids = out.logprob_seq_ids
         self._seqs.cum_logprob[lp_sids] += block.chosen_logprob
         # Each row's (block, row) onto its completion's list; map() keeps the loop in C.
         deque(map(list.append, self._seqs.lp_refs[lp_sids], zip(repeat(block), range(len(lp_sids)))), maxlen=0)
 
-    def _finish_step(self, rows: np.ndarray, tokens: np.ndarray, finished: list[tuple[int, str, int | None]],
-                     grammar_ends: GrammarEnds) -> list[RequestOutput]:
+    def _finish_step(self, sids: np.ndarray, tokens: np.ndarray, finished: list[Finished],
+                     out: RunnerOutput) -> list[RequestOutput]:
         """Text deltas and stop strings (one Cython call; only streamed sequences and stop-string
         matches come back), then the finishes: a stop string, like a grammar that terminated,
-        aborts the sequence in the core at once (its blocks are freed); the core's own finishes
+        ends the sequence in the scheduler at once (its blocks are freed); the core's own finishes
         (EOS, stop ids, length) are recorded unless a stop string or a grammar's end in the same
         token wins, as in vLLM. A sequence whose grammar rejected its token is aborted."""
         core_done = {sid: (reason, stop) for sid, reason, stop in finished}
         by_seq = self._by_seq
         streamed: dict[str, Request] = {}
         done_reqs: list[Request] = []
-        for sid, delta, stop_str in self.detokenizer.process(rows, tokens):
+        for sid, delta, stop_str in self.detokenizer.process(sids, tokens):
             req, comp = by_seq[sid]
             comp.text += delta
             if req.stream:
                 streamed[req.request_id] = req
             if stop_str is not None:
                 if core_done.pop(sid, None) is None:
-                    self.core.abort(sid)
+                    self.scheduler.abort(sid)
                 self._finish(req, comp, "stop", stop_str, done_reqs)
-        for sids, reason in ((grammar_ends.terminated, "stop"), (grammar_ends.rejected, "abort")):
-            for sid in sids:
+        ends = out.grammar_ends
+        for grammar_sids, reason in ((ends.terminated, "stop"), (ends.rejected, "abort")):
+            for sid in grammar_sids:
                 if sid not in by_seq:  # a stop string ended it first
                     continue
                 if core_done.pop(sid, None) is None:
-                    self.core.abort(sid)
+                    self.scheduler.abort(sid)
                 req, comp = by_seq[sid]
                 if req.stream:
                     streamed[req.request_id] = req
                 self._finish(req, comp, reason, None, done_reqs)
+        eos = self.eos_token_ids
         for sid, (reason, stop) in core_done.items():
             req, comp = by_seq[sid]
             if req.stream:
                 streamed[req.request_id] = req
+            if stop in eos and not req.params.ignore_eos:
+                stop = None  # as vLLM: stop_reason names a stop token id or string, never EOS
             self._finish(req, comp, reason, stop, done_reqs)
         outputs = []
         for req in streamed.values():
@@ -377,9 +366,9 @@ class LLMEngine:
         now = time.time()
         for req in done_reqs:
             req.metrics.finished_time = now
+            req.release_grammar()
             outputs.append(req.output(self.token_table))
             self._requests.pop(req.request_id, None)
-            self._prompt_logprobs_pending.pop(req.request_id, None)
         return outputs
 
     def _collect(self, req: Request, comp: Completion) -> None:
@@ -402,46 +391,22 @@ class LLMEngine:
         if req.finished:
             done_reqs.append(req)
 
-    def _collect_prompt_logprobs(self, plan: _C.StepPlan, hidden: torch.Tensor) -> None:
-        """Logprobs of each prompt token given the ones before it, as its chunk is computed."""
-        seq_ids = plan.seq_ids
-        cu_q = plan.cu_seqlens_q
-        positions = plan.positions
-        flat: list[int] = []
-        owners: list[tuple[Request, int]] = []
-        for req in self._prompt_logprobs_pending.values():
-            match = np.flatnonzero(seq_ids == req.completions[0].seq_id)
-            if not len(match):
-                continue
-            row = int(match[0])
-            for i in range(int(cu_q[row]), int(cu_q[row + 1])):
-                target = int(positions[i]) + 1
-                # Positions already collected (a recompute after preemption) are skipped.
-                if len(req.prompt_logprobs) <= target < len(req.prompt_token_ids):
-                    flat.append(i)
-                    owners.append((req, target))
-        # A step may hold thousands of prompt tokens: full-vocab logits for all of them at once would
-        # far exceed what the memory profile reserved (logits for max_num_seqs rows), so go in
-        # slices of that many rows.
-        chunk = self.config.max_num_seqs
-        for lo in range(0, len(flat), chunk):
-            part = owners[lo:lo + chunk]
-            idx = to_device(flat[lo:lo + chunk], hidden.device, np.int64)
-            targets = to_device([req.prompt_token_ids[t] for req, t in part], hidden.device, np.int64)
-            wanted = np.array([req.params.prompt_logprobs for req, _ in part], dtype=np.int64)
-            block = gather_logprobs(self.runner.logits(hidden, idx), targets, wanted)
-            entries = build_entries([(block, i) for i in range(len(part))], self.token_table)
-            for (req, _), entry in zip(part, entries):
-                req.prompt_logprobs.append(entry)
-        for rid in [rid for rid, req in self._prompt_logprobs_pending.items() if not req.prompt_logprobs_pending]:
-            del self._prompt_logprobs_pending[rid]
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name), e.g. after changing what a prefix
+        means to the model; only while no request runs. Returns whether it did."""
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Release what outlives a dropped engine otherwise until exit: tensor-parallel workers."""
-        self.runner.shutdown()
+        self.executor.shutdown()
+
+    def abandon_step(self, reason: str) -> None:
+        """The step running on another thread is hung: the runner fails it if it can (the engine
+        cannot run again). Thread-safe; called by a watchdog."""
+        self.executor.abandon(reason)
 
     def stats(self) -> dict[str, int]:
-        s = dict(self.core.stats())
+        s = self.scheduler.stats()
         s["num_requests"] = len(self._requests)
         s["block_size"] = self.config.block_size
         s["max_model_len"] = self.max_model_len

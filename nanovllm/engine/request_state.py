@@ -11,11 +11,15 @@ work for a sequence that produces no visible output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanovllm._core import TokenTable
 from nanovllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from nanovllm.sample import LogprobBlock, build_entries
 from nanovllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the grammar module imports xgrammar: only structured output needs it)
+    from nanovllm.sample.grammar import HeldGrammar
 
 
 @dataclass
@@ -63,6 +67,12 @@ class Request:
     prompt_logprobs: PromptLogprobs | None = None
     # Set once the first sample has fanned out into n completions (n > 1).
     fanned_out: bool = True
+    grammar: HeldGrammar | None = None  # its structured output's grammar, held until it finishes
+
+    def release_grammar(self) -> None:
+        if self.grammar is not None:
+            self.grammar.release()
+            self.grammar = None
 
     @property
     def finished(self) -> bool:

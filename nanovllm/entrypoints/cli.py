@@ -7,50 +7,41 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from collections.abc import Sequence
+
+from nanovllm.config import EngineConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options as flags, derived from EngineConfig's fields (name, type, default, help)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--num-kvcache-blocks", type=int, default=None)
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--quantization", "-q", default=None,
-                   help="int8 or int4: quantize the linear layers while loading (a quantized checkpoint "
-                        "needs nothing)")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many GPUs (processes on CPU)")
-    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl on CUDA, gloo on CPU")
-    g.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
-    g.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 runs the engine)")
-    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, reachable from every node")
-    g.add_argument("--master-port", type=int, default=None, help="node 0's rendezvous port (default: a free one; "
-                   "required with --nnodes > 1)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in EngineConfig.options():
+        if f.name == "model":
+            continue
+        meta = f.metadata
+        flag = "--" + f.name.replace("_", "-")
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        if kind is bool and f.default:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=True,
+                           help=f"{meta['help']} (default: on)")
+            for alias in meta["aliases"]:  # a default-on switch's aliases turn it off
+                g.add_argument(alias, dest=f.name, action="store_false", help=f"same as --no-{flag[2:]}")
+        elif kind is bool:
+            g.add_argument(flag, *meta["aliases"], dest=f.name, action="store_true", help=meta["help"])
+        else:
+            g.add_argument(flag, *meta["aliases"], dest=f.name, type=kind if kind in (int, float) else str,
+                           default=f.default, choices=meta["choices"], metavar=meta["metavar"],
+                           help=f"{meta['help']} (default: %(default)s)")
+    # How to run, not an engine option.
     g.add_argument("--headless", action="store_true",
                    help="run only this node's tensor-parallel workers (a node other than 0)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The engine options of the command line: LLM's keyword arguments, EngineConfig's fields."""
-    return dict(
-        dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kvcache_blocks=args.num_kvcache_blocks,
-        enforce_eager=args.enforce_eager, seed=args.seed, quantization=args.quantization, device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size, distributed_backend=args.distributed_backend,
-        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-    )
+    return {f.name: getattr(args, f.name) for f in EngineConfig.options() if f.name != "model"}
 
 
 def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM imported lazily
@@ -62,10 +53,9 @@ def _make_llm(args: argparse.Namespace, model: str):  # noqa: ANN202 - LLM impor
 def _run_headless(args: argparse.Namespace, model: str) -> int:
     """A node other than 0: start this node's workers and wait for them (they end when the engine
     on node 0 stops, or fail when it dies)."""
-    from nanovllm.config import EngineConfig
-    from nanovllm.distributed.launcher import WorkerProcesses
+    from nanovllm.executor.launcher import WorkerProcesses
 
-    config = EngineConfig(model=model, **_engine_kwargs(args))  # type: ignore[arg-type]
+    config = EngineConfig(model=model, **_engine_kwargs(args))
     parallel = config.parallel
     if parallel.node_rank == 0:
         raise ValueError("--headless is for nodes other than 0 (--node-rank >= 1): node 0 runs the engine")
@@ -143,7 +133,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
                           timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
-                          shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout)
+                          shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout,
+                          grammar_compile_timeout=args.grammar_compile_timeout, step_timeout=args.step_timeout)
     engine = _make_llm(args, model).engine
     try:
         code = run_server(engine, config)
@@ -205,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "(streams with an error event, others with a 503)")
     serve.add_argument("--stream-stall-timeout", type=float, default=60.0,
                        help="abort a request whose client has read none of its output for this many seconds")
+    serve.add_argument("--grammar-compile-timeout", type=float, default=30.0,
+                       help="a structured-output grammar (JSON schema, regex, grammar) that takes longer to compile "
+                            "gets a 400; compiles run in their own worker processes, and end when their client leaves")
+    serve.add_argument("--step-timeout", type=float, default=300.0,
+                       help="a step that makes no progress for this many seconds (a hung tensor-parallel worker) "
+                            "fails the requests in flight with 503, marks /health unhealthy and exits non-zero")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--disable-access-log", action="store_true")
     _engine_args(serve)

@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers import cpu_ops
+from nanovllm.cpu import fused_ops
 
 
 class SiluAndMul(nn.Module):
     """`[..., 2*I]` (gate | up) -> silu(gate) * up `[..., I]`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_ops.can_silu_and_mul(x):
-            return cpu_ops.silu_and_mul(x)  # one C++ pass on CPU instead of three ops
+        if fused_ops.can_silu_and_mul(x):
+            return fused_ops.silu_and_mul(x)  # one C++ pass on CPU instead of three ops
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers import cpu_gemm
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.linear import Loaded, check_shape, loaded_shape, read_part, set_weight_loader, tp_rank_size
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Numerics follow Hugging Face exactly: the residual add happens in the model dtype, the
 normalization in fp32, and the result is cast back before multiplying by the weight. On CPU (fp32,
-bf16) one fused C++ pass does the same (nanovllm.layers.cpu_ops); elsewhere the torch code below.
+bf16) one fused C++ pass does the same (nanovllm.cpu.fused_ops); elsewhere the torch code below.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import overload
 import torch
 from torch import nn
 
-from nanovllm.layers import cpu_ops
+from nanovllm.cpu import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +39,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if cpu_ops.can_rms_norm(x, self.weight, residual):
-            return cpu_ops.rms_norm(x, self.weight, self.eps, residual)
+        if fused_ops.can_rms_norm(x, self.weight, residual):
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

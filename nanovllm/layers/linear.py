@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from nanovllm.layers import cpu_gemm
+from nanovllm.cpu import gemm as cpu_gemm
 
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup

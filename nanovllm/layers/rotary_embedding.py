@@ -3,7 +3,7 @@
 cos/sin are computed from the positions on the fly in fp32 (a [T, head_dim/2] outer product is
 cheap next to the matmuls) so there is no maximum-length cache to size, and the angles are
 bit-identical to transformers' which computes them the same way. On CPU a fused C++ pass
-(nanovllm.layers.cpu_ops) replaces the ~10 torch ops; its cos/sin come from libm, which may differ
+(nanovllm.cpu.fused_ops) replaces the ~10 torch ops; its cos/sin come from libm, which may differ
 from torch's vectorized ones in the last bit.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanovllm.layers import cpu_ops
+from nanovllm.cpu import fused_ops
 from nanovllm.model_config import RopeConfig
 
 
@@ -83,8 +83,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]`; q `[T, Hq, D]`, k `[T, Hkv, D]` -> rotated (q, k), same dtypes. On CPU
         (fp32, bf16) one C++ pass rotates q and k in place and returns them."""
-        if cpu_ops.can_rotary(positions, q, k):
-            cpu_ops.rotary_(positions, q, k, self.inv_freq)
+        if fused_ops.can_rotary(positions, q, k):
+            fused_ops.rotary_(positions, q, k, self.inv_freq)
             return q, k
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)

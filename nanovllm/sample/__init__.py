@@ -1,10 +1,9 @@
 """Sampling, as one package: the persistent per-sequence state (`SamplingState`), the logits
 processors it applies (penalties, logit bias, min_tokens, grammars for structured output), the
-sampler and logprobs. The model runner owns an instance: `runner.sample(...)` returns a step's
-tokens and logprobs."""
+sampler and logprobs. Rank 0's model runner owns the state, through its token sampler
+(worker/token_sampler.py)."""
 
 from nanovllm.sample.logprobs import LogprobBlock, build_entries, gather_logprobs
-from nanovllm.sample.rows import SequenceIds
 from nanovllm.sample.sampler import GREEDY_EPS, Sampler, SamplingBatch, make_sampling_batch
 from nanovllm.sample.state import SamplingState
 
@@ -14,7 +13,6 @@ __all__ = [
     "Sampler",
     "SamplingBatch",
     "SamplingState",
-    "SequenceIds",
     "build_entries",
     "gather_logprobs",
     "make_sampling_batch",

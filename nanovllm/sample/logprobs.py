@@ -11,14 +11,14 @@ decoded in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from nanovllm._core import TokenTable
 from nanovllm.outputs import Logprob
-from nanovllm.sample import cpu_kernels
+from nanovllm.cpu import sampler as cpu_sampler
 from nanovllm.staging import to_host
 
 
@@ -33,6 +33,18 @@ class LogprobBlock:
     top_logprobs: np.ndarray  # float64 [R, k]
     chosen_ids: np.ndarray  # int64 [R]
     wanted: np.ndarray  # int64 [R]
+    # The `{token id: Logprob}` of every row, made at the block's first output (build_entries): a
+    # block is one step's rows of many requests, and converting it whole is cheaper than row by row.
+    _entries: list[dict[int, Logprob]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def entries(self, table: TokenTable) -> list[dict[int, Logprob]]:
+        """Each row's top-k alternatives (most likely first) plus the chosen token, whose Logprob
+        serves its top-k place too (TokenTable.logprob_entries: one C loop, strings remembered)."""
+        if self._entries is None:
+            self._entries = table.logprob_entries(
+                np.ascontiguousarray(self.top_ids, dtype=np.int64), np.ascontiguousarray(self.top_logprobs),
+                self.chosen_ids, np.ascontiguousarray(self.chosen_logprob), self.chosen_rank, self.wanted, Logprob)
+        return self._entries
 
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
@@ -40,9 +52,9 @@ def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarr
     wanted = np.asarray(wanted, dtype=np.int64)
     k = int(wanted.max()) if len(wanted) else 0
     logits = logits.float()
-    if cpu_kernels.runs_on(logits):
+    if cpu_sampler.runs_on(logits):
         ids = to_host(chosen)[0].astype(np.int64, copy=False).reshape(-1)
-        return LogprobBlock(*cpu_kernels.logprobs(logits, ids, k), ids, wanted)
+        return LogprobBlock(*cpu_sampler.logprobs(logits, ids, k), ids, wanted)
     return unpack_logprobs(to_host(logprob_columns(logits, chosen, k))[0], wanted)
 
 
@@ -67,20 +79,5 @@ def unpack_logprobs(a: np.ndarray, wanted: np.ndarray) -> LogprobBlock:
 
 
 def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:
-    """The `{token id: Logprob}` of each (block, row): the row's top-k alternatives plus the chosen
-    token itself, with every token string decoded in one batched call."""
-    ids: list[int] = []
-    for block, row in refs:
-        ids.extend(block.top_ids[row, : block.wanted[row]].tolist())
-        ids.append(int(block.chosen_ids[row]))
-    strings = iter(table.decode_tokens(np.asarray(ids, dtype=np.int32)))
-    entries = []
-    for block, row in refs:
-        k = int(block.wanted[row])
-        entry = {tid: Logprob(lp, rank + 1, next(strings))
-                 for rank, (tid, lp) in enumerate(zip(block.top_ids[row, :k].tolist(),
-                                                      block.top_logprobs[row, :k].tolist()))}
-        entry[int(block.chosen_ids[row])] = Logprob(float(block.chosen_logprob[row]), int(block.chosen_rank[row]),
-                                                    next(strings))
-        entries.append(entry)
-    return entries
+    """The `{token id: Logprob}` of each (block, row) (LogprobBlock.entries)."""
+    return [block.entries(table)[row] for block, row in refs]

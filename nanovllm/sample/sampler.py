@@ -11,7 +11,7 @@ in one batched pass:
 
 Two implementations of these semantics, chosen per call by where the logits are:
 
-* fp32 logits on the CPU: the C++ kernels (csrc/cpu_sampler.cpp, `cpu_kernels`), a row at a time
+* fp32 logits on the CPU: the C++ kernels (csrc/cpu_sampler.cpp, `nanovllm.cpu.sampler`), a row at a time
   in one or two passes: torch's CPU primitives cost a full-vocabulary pass each (argmax alone
   ~150 us for 256 x 512), which made sampling, not the model, the price of a small step. A row
   draws one uniform and walks its kept probabilities, best first, to where their running sum
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.sample import cpu_kernels
+from nanovllm.cpu import sampler as cpu_sampler
 from nanovllm.staging import to_device
 
 # Temperatures at or below this are treated as greedy (dividing by ~0 would overflow).
@@ -90,9 +90,9 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
         """logits `[S, V]` -> sampled token ids, int64 `[S]`. `batch` None: every row greedy."""
         logits = logits.float()
-        if self.backend == "cpu" or (self.backend is None and cpu_kernels.runs_on(logits)):
+        if self.backend == "cpu" or (self.backend is None and cpu_sampler.runs_on(logits)):
             logits = logits.contiguous()
-            out = cpu_kernels.argmax(logits) if batch is None else _sample_cpu(logits, batch)
+            out = cpu_sampler.argmax(logits) if batch is None else _sample_cpu(logits, batch)
             return torch.from_numpy(out)
         greedy = logits.argmax(dim=-1)
         if batch is None:
@@ -116,11 +116,11 @@ class Sampler(nn.Module):
 
 def _sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     if not (batch.temperatures > GREEDY_EPS).any():
-        return cpu_kernels.argmax(logits)
+        return cpu_sampler.argmax(logits)
     uniform = torch.rand(batch.num_rows, dtype=torch.float64).numpy()
     for row, gen in batch.generators.items():
         uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64).item()
-    return cpu_kernels.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, uniform)
+    return cpu_sampler.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, uniform)
 
 
 def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: SamplingBatch,

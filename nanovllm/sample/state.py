@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from nanovllm.sample import cpu_kernels
-from nanovllm.sample.rows import DenseRows, RowColumns
+from nanovllm.cpu import sampler as cpu_sampler
+from nanovllm.row_columns import RowColumns
+from nanovllm.sample.rows import DenseRows
 from nanovllm.sample.sampler import GREEDY_EPS, SamplingBatch
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.staging import to_device
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
     from nanovllm.sample.structured import GrammarRows
+    from nanovllm.sample.utf8 import Utf8Tokens
 
 COLUMNS = {
     "temperature": (np.float32, 1.0),
@@ -83,16 +85,20 @@ class SamplingState:
     # Lifecycle ----------------------------------------------------------------------------------
 
     def add(self, sid: int, params: SamplingParams, prompt_token_ids: list[int],
-            grammar: xgr.CompiledGrammar | None = None) -> None:
+            grammar: xgr.CompiledGrammar | None = None, logprobs: int | None = None,
+            grammar_utf8: Utf8Tokens | None = None) -> None:
         """Admit a sequence: its parameters, its seeded generator, the rows its filters read and
-        its grammar (`params.structured_outputs` compiled)."""
+        its grammar (`params.structured_outputs` compiled; `grammar_utf8`: its vocabulary's UTF-8
+        tables where the compiler built them already). `logprobs` overrides the params'."""
         r = self.rows
         r.reset(sid)
         r.temperature[sid] = params.temperature
         r.top_k[sid] = params.top_k if 0 < params.top_k < self.vocab_size else 0
         r.top_p[sid] = params.top_p
         r.min_p[sid] = params.min_p
-        r.logprobs[sid] = -1 if params.logprobs is None else params.logprobs
+        if logprobs is None:
+            logprobs = params.logprobs
+        r.logprobs[sid] = -1 if logprobs is None else logprobs
         r.min_tokens[sid] = params.min_tokens
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -120,6 +126,8 @@ class SamplingState:
                 from nanovllm.sample.structured import GrammarRows
 
                 self.grammars = GrammarRows(self.vocab_size, self.device)
+            if grammar_utf8 is not None:
+                self.grammars.use_utf8(grammar_utf8)
             self.grammars.add(sid, grammar)
             r.constrained[sid] = True
         self._count(sid, 1)
@@ -227,8 +235,8 @@ class SamplingState:
         dev = logits.device
         if len(pen_rows):
             s = sids[pen_rows]
-            if cpu_kernels.runs_on(logits):
-                cpu_kernels.apply_penalties(logits, pen_rows, self._penalties.data, pen_slots[pen_rows],
+            if cpu_sampler.runs_on(logits):
+                cpu_sampler.apply_penalties(logits, pen_rows, self._penalties.data, pen_slots[pen_rows],
                                             r.repetition[s], r.frequency[s], r.presence[s])
             else:
                 rows = to_device(pen_rows, dev)

@@ -46,6 +46,7 @@ from nanovllm.entrypoints.openai.serving_chat import ChatServing
 from nanovllm.entrypoints.openai.serving_completion import CompletionServing
 from nanovllm.entrypoints.openai.serving_tokenize import TokenizeServing
 from nanovllm.entrypoints.openai.text_workers import TextWorkers
+from nanovllm.sample.grammar_pool import GrammarPool
 
 logger = logging.getLogger("nanovllm.server")
 
@@ -70,9 +71,12 @@ class ServerConfig:
     header_timeout: float = 10.0  # for a request's headers, and for each piece of its body
     shutdown_timeout: float = 30.0  # requests in flight get this long to finish on SIGTERM
     stream_stall_timeout: float = 60.0  # a stream whose client reads nothing for this long is aborted
+    grammar_compile_timeout: float = 30.0  # a structured-output grammar that compiles longer is a 400
+    step_timeout: float = 300.0  # a step that makes no progress for this long stops the engine
 
     def __post_init__(self) -> None:
-        for name in ("chat_template_timeout", "timeout_keep_alive", "header_timeout", "stream_stall_timeout"):
+        for name in ("chat_template_timeout", "timeout_keep_alive", "header_timeout", "stream_stall_timeout",
+                     "grammar_compile_timeout", "step_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:
@@ -106,18 +110,24 @@ class APIKeyMiddleware:
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     names = config.served_model_names or [config.model_path]
     async_engine = AsyncLLMEngine(engine, max_queued_requests=config.max_queued_requests,
-                                  stall_timeout=config.stream_stall_timeout)
+                                  stall_timeout=config.stream_stall_timeout, step_timeout=config.step_timeout)
     metrics = ServerMetrics(async_engine.stats, names[0])
     async_engine.observer = metrics
     workers = TextWorkers()
+    grammar_pool = GrammarPool(engine.grammars, config.grammar_compile_timeout)
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_names=names,
                          model_path=config.model_path, max_model_len=engine.max_model_len, workers=workers,
-                         trust_request_chat_template=config.trust_request_chat_template,
+                         grammar_pool=grammar_pool, trust_request_chat_template=config.trust_request_chat_template,
                          render_timeout=config.chat_template_timeout)
     max_request_bytes = config.max_request_bytes or default_max_request_bytes(engine.max_model_len)
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
     tokenize = TokenizeServing(ctx, engine.vocab_size)
+
+    async def stop() -> None:
+        """Ends what is in flight: compiles (their requests get 503) and the engine's requests."""
+        grammar_pool.close()
+        await async_engine.shutdown()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,7 +144,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
-            await async_engine.shutdown()
+            await stop()
             workers.shutdown()
 
     app = FastAPI(title="nanovllm OpenAI-compatible server", version=VERSION, lifespan=lifespan,
@@ -146,6 +156,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.stop = stop
 
     @app.get("/health")
     async def health() -> Response:
@@ -185,7 +196,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def run_server(engine: LLMEngine, config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine dies (1)."""
+    """Serve until SIGTERM/SIGINT (exit status 0) or until the engine dies (1; also when it died
+    during a shutdown)."""
     app = build_app(engine, config)
     fd_limit = raise_fd_limit()
     limit_concurrency = config.limit_concurrency or default_limit_concurrency(fd_limit)
@@ -194,6 +206,6 @@ def run_server(engine: LLMEngine, config: ServerConfig) -> int:
                         access_log=config.access_log, http=guarded_protocol(config.header_timeout, limit_concurrency),
                         timeout_keep_alive=config.timeout_keep_alive)  # type: ignore[arg-type]
     async_engine = app.state.async_engine
-    server = GracefulServer(uv, async_engine.shutdown, config.shutdown_timeout, lambda: async_engine.crashed)
+    server = GracefulServer(uv, app.state.stop, config.shutdown_timeout, lambda: async_engine.crashed)
     server.run()
-    return 1 if server.engine_died else 0
+    return 1 if server.engine_died or async_engine.crashed else 0

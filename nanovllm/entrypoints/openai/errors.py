@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from nanovllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from nanovllm.quote import shorten
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             return f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", None
         if not loc and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
             return "the request body must be a JSON object (sent with Content-Type: application/json)", None
-        field = ".".join(loc)
+        field = shorten(".".join(loc), 80)
         param = param or (loc[0] if loc else None)
         parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
     return "invalid request: " + "; ".join(parts[:5]), param

@@ -3,14 +3,16 @@
 On SIGTERM or SIGINT uvicorn stops accepting connections, closes the idle ones and waits for the
 requests in flight. Once `drain_timeout` seconds have passed, this server stops the engine, which
 ends every request still running cleanly (AsyncLLMEngine fails them with EngineDeadError): a stream
-gets an error event and `[DONE]`, a non-streamed request a JSON 503. uvicorn's own limit, which
-cancels the request tasks mid-response, stays only as a backstop for writes that cannot finish
-(a client that does not read).
+gets an error event and `[DONE]`, a non-streamed request a JSON 503; so does a request whose
+grammar is still compiling (the compile is abandoned: its worker process is killed). uvicorn's own
+limit, which cancels the request tasks mid-response, stays only as a backstop for writes that
+cannot finish (a client that does not read).
 
 The process then exits 0: uvicorn re-raises the signal it caught once it has shut down, so the
 process would die by it even after a clean drain. When the engine itself dies (`engine_crashed()`,
-e.g. a tensor-parallel worker was lost) the server shuts down the same way and `run` says so, so
-that the process exits non-zero; requests meanwhile get 503.
+e.g. a tensor-parallel worker was lost or a step hung) the server shuts down the same way and
+`run_server` exits non-zero, also when the engine died while a signal's shutdown was under way;
+requests meanwhile get 503.
 """
 
 from __future__ import annotations

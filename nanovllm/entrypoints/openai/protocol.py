@@ -1,9 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API, with vLLM's extra fields.
 
 Requests validate types strictly (a string where a number belongs is a 400, not a silent
-coercion) but ignore unknown fields, as vLLM does, so clients that send fields we do not use
-(`user`, `tools`, ...) keep working. Value ranges are checked by `SamplingParams`, whose messages
-name the field.
+coercion) but ignore unknown fields, as vLLM does, so clients that send fields that change nothing
+(`user`, `metadata`, ...) keep working. Fields that would change the output and that this server
+does not implement (tools, functions, audio, `echo` on chat) are refused by name (`refused_field`),
+never ignored. Value ranges are checked by `SamplingParams`, whose messages name the field.
+
+An output constraint comes from exactly one of `structured_outputs`, `response_format` or vLLM's
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
 
+from nanovllm.quote import quote
 from nanovllm.sampling_params import KINDS, SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 Int = Annotated[int, Strict()]
@@ -36,6 +41,32 @@ class OpenAIBaseModel(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: Bool | None = False
     continuous_usage_stats: Bool | None = False  # vLLM: usage on every chunk
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: Str | None = None
+    description: Str | None = None
+    # "schema" would shadow a (deprecated) BaseModel method: the field takes it as its alias.
+    json_schema: dict[Str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
+
+
+# vLLM's older names for structured_outputs' kinds.
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class SamplingRequest(OpenAIBaseModel):
@@ -64,14 +95,30 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: Bool | None = None
     # vLLM's structured outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}.
     structured_outputs: dict[Str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[Str, Any] | Str | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
 
     def structured(self) -> StructuredOutputsParams | None:
-        """The output constraint the request asks for; ValueError naming the field if malformed."""
-        if self.structured_outputs is None:
+        """The output constraint the request asks for (from whichever field gives it); ValueError
+        naming the fields if malformed or given twice."""
+        given = [name for name in ("structured_outputs", "response_format", *GUIDED)
+                 if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} cannot both constrain the output; give one")
+        if not given:
             return None
+        name = given[0]
+        if name in GUIDED:
+            return StructuredOutputsParams(**{GUIDED[name]: getattr(self, name)})
+        if name == "response_format":
+            return self.response_format.structured()
         unknown = sorted(set(self.structured_outputs) - set(KINDS))
         if unknown:
-            raise ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; "
+            raise ValueError(f"structured_outputs has unknown field(s) {', '.join(quote(u) for u in unknown[:5])}; "
                              f"it takes one of {', '.join(KINDS)}")
         return StructuredOutputsParams(**self.structured_outputs)
 
@@ -87,7 +134,7 @@ class SamplingRequest(OpenAIBaseModel):
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError(f"stop must hold valid Unicode strings, got {s!r}") from None
+                raise ValueError(f"stop must hold valid Unicode strings, got {quote(s)}") from None
 
         return SamplingParams(
             n=self.n,
@@ -131,6 +178,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Int | None = 16
     echo: Bool | None = False
     logprobs: Int | None = None
+    prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and its top alternatives
     best_of: Int | None = None
     suffix: Str | None = None
 
@@ -146,19 +194,6 @@ class ChatMessage(OpenAIBaseModel):
     name: Str | None = None
 
 
-class JsonSchemaFormat(OpenAIBaseModel):
-    name: Str | None = None
-    description: Str | None = None
-    # "schema" would shadow a (deprecated) BaseModel method: the field takes it as its alias.
-    json_schema: dict[Str, Any] | None = Field(default=None, alias="schema")
-    strict: Bool | None = None
-
-
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -171,20 +206,24 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: Bool = False
     chat_template: Str | None = None
     chat_template_kwargs: dict[Str, Any] | None = None
-    response_format: ResponseFormat | None = None
 
-    def structured(self) -> StructuredOutputsParams | None:
-        """OpenAI's response_format, or vLLM's structured_outputs (not both)."""
-        fmt = self.response_format
-        if fmt is None or fmt.type == "text":
-            return super().structured()
-        if self.structured_outputs is not None:
-            raise ValueError("response_format and structured_outputs cannot both constrain the output; give one")
-        if fmt.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-            raise ValueError("response_format of type json_schema needs json_schema.schema")
-        return StructuredOutputsParams(json=fmt.json_schema.json_schema)
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first field that asks for what this server does not do."""
+        extra = self.model_extra or {}
+        checks = [
+            ("tools", bool(extra.get("tools")), "tool calling is not supported"),
+            ("tool_choice", extra.get("tool_choice") not in (None, "none"), "tool calling is not supported"),
+            ("functions", bool(extra.get("functions")), "function calling is not supported"),
+            ("function_call", extra.get("function_call") not in (None, "none"), "function calling is not supported"),
+            ("audio", extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()),
+             "audio output is not supported"),
+            ("modalities", any(m != "text" for m in extra.get("modalities") or ()), "only text output is supported"),
+            ("echo", bool(extra.get("echo")), "echo is a /v1/completions option"),
+            ("prompt_logprobs", extra.get("prompt_logprobs") is not None, "prompt logprobs are a /v1/completions "
+                                                                          "option here"),
+            ("web_search_options", extra.get("web_search_options") is not None, "web search is not supported"),
+        ]
+        return next(((name, why) for name, asked, why in checks if asked), None)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -226,12 +265,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its prompt_logprobs carry it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Per prompt token (None for the first): {token id: its logprob}, the prompt's token and the
+    # top `prompt_logprobs` others.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -34,7 +34,10 @@ from nanovllm.entrypoints.openai.protocol import (
 )
 from nanovllm.entrypoints.openai.text_workers import RenderTimeoutError, TextWorkers, run_with_deadline
 from nanovllm.outputs import CompletionOutput, Logprob
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.quote import quote, shorten
+from nanovllm.sample.grammar import GrammarCacheFull, HeldGrammar
+from nanovllm.sample.grammar_pool import GrammarPool, PoolClosed
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ class ServingContext:
     model_path: str
     max_model_len: int
     workers: TextWorkers
+    grammar_pool: GrammarPool
     render_timeout: float  # seconds a chat template may take to render
     trust_request_chat_template: bool = False
 
@@ -100,7 +104,7 @@ class ServingContext:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves "
+            raise OpenAIError(404, f"The model {quote(name)} does not exist; this server serves "
                                    f"{', '.join(repr(n) for n in self.model_names)}.", param="model")
 
     def warn_ignored(self, request: OpenAIBaseModel) -> None:
@@ -175,7 +179,8 @@ class ServingContext:
         except RenderTimeoutError as e:
             raise OpenAIError(400, str(e), param="messages") from None
         except Exception as e:  # jinja errors, bad roles, bad template variables: the request's fault
-            raise OpenAIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+            raise OpenAIError(400, f"cannot apply the chat template: {shorten(str(e), 300)}",
+                              param="messages") from None
         if not isinstance(text, str):
             raise OpenAIError(400, f"the chat template rendered {type(text).__name__}, not text", param="messages")
         return self._encode(text, False, "messages")
@@ -184,7 +189,7 @@ class ServingContext:
         try:
             return list(self.tokenizer.encode(valid_text(text), add_special_tokens=add_special_tokens))
         except Exception as e:  # a lone surrogate ("\ud800"), or anything else the tokenizer refuses
-            raise OpenAIError(400, f"cannot tokenize the {param}: {e}", param=param) from None
+            raise OpenAIError(400, f"cannot tokenize the {param}: {shorten(str(e), 300)}", param=param) from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.workers.run(self._encode, text, add_special_tokens, "prompt")
@@ -199,25 +204,60 @@ class ServingContext:
     async def prompt_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else await self.decode(prompt.token_ids)
 
-    async def compile_grammars(self, params: Sequence[SamplingParams]) -> None:
-        """Compiles the requests' output grammars in a text worker, so that compiling never holds
-        up the engine's steps: only this request waits. The engine, admitting the request, finds
-        them in its grammar cache. An invalid schema, regex or grammar is a 400."""
-        specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs}
-        for spec in specs.values():
+    async def compile_grammars(self, params: Sequence[SamplingParams]) -> list[HeldGrammar | None]:
+        """Each request's output grammar, compiled before admission in the grammar pool (its own
+        processes, under its time limit), so that a compile never holds up the engine's steps nor
+        another request's tokenization, and ends when its client leaves (this task is cancelled).
+        A spec shared by several prompts is compiled once and held once per prompt. An invalid or
+        unenforceable spec, or one past the time limit, is a 400."""
+        held: dict[tuple[str, int], HeldGrammar] = {}
+        out: list[HeldGrammar | None] = []
+        try:
+            for p in params:
+                spec = p.structured_outputs
+                if spec is None:
+                    out.append(None)
+                    continue
+                same = (spec.kind, id(getattr(spec, spec.kind)))  # the prompts of one request share it
+                if same in held:
+                    out.append(held[same].share())
+                else:
+                    held[same] = await self._compile(spec)
+                    out.append(held[same])
+        except BaseException:
+            for grammar in out:
+                if grammar is not None:
+                    grammar.release()
+            raise
+        return out
+
+    async def _compile(self, spec: StructuredOutputsParams) -> HeldGrammar:
+        try:
+            # A cached grammar never waits behind compiles. The key (a schema's json.dumps, kept by
+            # the spec) is computed in a text worker, off the event loop.
+            await self.workers.run(lambda: spec.key)
+            cached = self.grammar_pool.compiler.lookup(spec.key)
+            if cached is not None:
+                return cached
+            job = self.grammar_pool.submit(spec)
             try:
-                await self.workers.run(self.engine.engine.grammars.compile, spec)
-            except ValueError as e:
-                raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
+                return await asyncio.wrap_future(job.future)
+            except asyncio.CancelledError:
+                job.cancel()
+                raise
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
+        except (GrammarCacheFull, PoolClosed) as e:
+            raise OpenAIError(503, str(e)) from None
 
     async def submit(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                      arrival_time: float) -> RequestGroup:
-        """Compiles the requests' grammars, then admits them into the engine; a rejected prompt,
-        parameter or grammar is a 400."""
-        await self.compile_grammars([params for _, _, params in requests])
+        """Compiles the requests' grammars, then admits them into the engine (which holds the
+        grammars until they finish); a rejected prompt, parameter or grammar is a 400."""
+        grammars = await self.compile_grammars([params for _, _, params in requests])
         try:
             return await self.engine.add_requests(
-                [(rid, prompt.for_engine(), params) for rid, prompt, params in requests], arrival_time)
+                [(rid, prompt.for_engine(), params) for rid, prompt, params in requests], arrival_time, grammars)
         except ValueError as e:
             raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
 
@@ -249,7 +289,7 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         texts = []
         for part in content:
             if part.type != "text" or part.text is None:
-                raise OpenAIError(400, f"only text content parts are supported, got type {part.type!r}",
+                raise OpenAIError(400, f"only text content parts are supported, got type {quote(part.type)}",
                                   param="messages")
             texts.append(part.text)
         content = "\n".join(texts)

@@ -47,6 +47,10 @@ class ChatServing:
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
+        refused = req.refused_field()
+        if refused is not None:
+            field, why = refused
+            raise OpenAIError(400, f"{field} is not supported by this server ({why}); leave it out", param=field)
         ctx.warn_ignored(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -56,7 +60,7 @@ class ChatServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await ctx.submit([(request_id, prompt, params)], arrival)
+        group = await until_disconnected(raw, ctx.submit([(request_id, prompt, params)], arrival))
         if req.stream:
             return event_stream(self._stream(req, request_id, group, prompt), group)
         response = await until_disconnected(raw, self._collect(req, request_id, group, prompt))

@@ -17,6 +17,7 @@ from nanovllm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from nanovllm.entrypoints.openai.serving_base import (
@@ -52,12 +53,13 @@ class CompletionServing:
             raise OpenAIError(400, "best_of must be unset or equal n (no best-of selection)", param="best_of")
         prompts = await self._prompts(req)
         k = req.logprobs
-        echo = bool(req.echo)
+        # Prompt logprobs serve both an echo with logprobs and vLLM's prompt_logprobs.
+        wanted = [w for w in (k if req.echo else None, req.prompt_logprobs) if w is not None]
         params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, req.max_tokens), k,
-                                      k if echo and k is not None else None) for p in prompts]
+                                      max(wanted, default=None)) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = await ctx.submit(list(zip(rids, prompts, params)), arrival)
+        group = await until_disconnected(raw, ctx.submit(list(zip(rids, prompts, params)), arrival))
         if req.stream:
             return event_stream(self._stream(req, request_id, group, prompts), group)
         response = await until_disconnected(raw, self._collect(req, request_id, group, prompts))
@@ -97,6 +99,19 @@ class CompletionServing:
             })
         return out, offset
 
+    def _prompt_logprobs(self, req: CompletionRequest, prompt: Prompt,
+                         entries: LogprobEntries | None) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's prompt_logprobs of a choice: each prompt token's entry cut to the token itself
+        and the top `prompt_logprobs`."""
+        k = req.prompt_logprobs
+        if k is None or entries is None:
+            return None
+        return [None if entry is None else {
+            t: PromptLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
+                             decoded_token=lp.decoded_token or self.ctx.decode_token(t))
+            for t, lp in entry.items() if t == tid or (lp.rank is not None and lp.rank <= k)}
+            for tid, entry in zip(prompt.token_ids, entries)]
+
     async def _echo(self, prompt: Prompt,
                     prompt_logprobs: LogprobEntries | None) -> tuple[str, list[int], LogprobEntries]:
         entries: LogprobEntries = [None] * len(prompt.token_ids)
@@ -129,7 +144,8 @@ class CompletionServing:
                     text, ids, entries = head + text, head_ids + ids, head_entries + entries
                 logprobs = self._logprobs(ids, entries, req.logprobs, 0)[0] if req.logprobs is not None else None
                 choices.append(CompletionChoice(index=i * n + j, text=text, logprobs=logprobs,
-                                                finish_reason=st.finish_reason, stop_reason=st.stop_reason))
+                                                finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                                                prompt_logprobs=self._prompt_logprobs(req, prompt, prompt_logprobs[i])))
         return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
                                   usage=_usage(prompts, sum(len(st.token_ids) for row in states for st in row)))
 
@@ -149,11 +165,13 @@ class CompletionServing:
                     completion_tokens += len(c.token_ids)
                     text, ids = c.text, list(c.token_ids)
                     entries: LogprobEntries = list(c.logprobs or [])
-                    if req.echo and choice not in offsets:  # the first chunk of a choice repeats the prompt
+                    first = choice not in offsets
+                    if req.echo and first:  # the first chunk of a choice repeats the prompt
                         head, head_ids, head_entries = await self._echo(prompts[i], out.prompt_logprobs)
                         text, ids, entries = head + text, head_ids + ids, head_entries + entries
                     offsets.setdefault(choice, 0)
-                    if not text and c.finish_reason is None and not (k is not None and ids):
+                    prompt_logprobs = self._prompt_logprobs(req, prompts[i], out.prompt_logprobs) if first else None
+                    if not text and c.finish_reason is None and not (k is not None and ids) and prompt_logprobs is None:
                         continue  # a stop string may hold text back; nothing to say yet
                     logprobs = None
                     if k is not None:
@@ -161,7 +179,8 @@ class CompletionServing:
                     chunk = CompletionResponse(
                         id=request_id, created=created, model=model,
                         choices=[CompletionChoice(index=choice, text=text, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                  prompt_logprobs=prompt_logprobs)],
                         usage=_usage(prompts, completion_tokens) if req.continuous_usage else None,
                     )
                     yield sse(chunk)

@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from nanovllm import _C
-from nanovllm.layers import cpu_gemm
+from nanovllm import _cpu
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.quantization.weights import QuantizedWeight
 
 PANEL = 16  # csrc/cpu_gemm.h kGemmPanel
@@ -23,20 +23,20 @@ SLICE = 256  # csrc/cpu_gemm_quant.cpp kQuantKc
 BF16_MIN_ROWS = {4: 1, 8: 2}
 Isa = Literal["auto", "portable", "avx2", "avx512"]
 ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
-HAS_BF16 = _C.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
+HAS_BF16 = _cpu.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
 
 
 def isa_supported(isa: Isa) -> bool:
-    return bool(_C.quant_isa_supported(ISA_CODES[isa]))
+    return bool(_cpu.quant_isa_supported(ISA_CODES[isa]))
 
 
 def best_isa() -> Isa:
-    return next(name for name, code in ISA_CODES.items() if code == _C.quant_isa_best())
+    return next(name for name, code in ISA_CODES.items() if code == _cpu.quant_isa_best())
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedQuantWeight:
-    packed: torch.Tensor  # uint8, _C.quant_gemm_packed_bytes(out, in, bits)
+    packed: torch.Tensor  # uint8, _cpu.quant_gemm_packed_bytes(out, in, bits)
     scales: torch.Tensor  # float32 [panels, groups, 16]
     zeros: torch.Tensor | None  # int8 [panels, groups, 16]
     out_features: int
@@ -84,7 +84,7 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
             block = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
         slices.append(block.reshape(-1))
     packed = torch.cat(slices).contiguous()
-    if packed.numel() != _C.quant_gemm_packed_bytes(n, k, bits):
+    if packed.numel() != _cpu.quant_gemm_packed_bytes(n, k, bits):
         raise AssertionError("packed size disagrees with the kernel's layout")
     scales = _panels(w.scales).transpose(1, 2).contiguous()
     zeros = None if w.zeros is None else _panels(w.zeros).transpose(1, 2).contiguous()
@@ -100,7 +100,7 @@ def check(p: PackedQuantWeight) -> None:
     """The sizes the kernel will read, checked once when the packed weight is made (it trusts them)."""
     _check_groups(p)
     panels, groups = -(-p.out_features // PANEL), -(-p.in_features // p.group_size)
-    if p.packed.dtype != torch.uint8 or p.packed.numel() != _C.quant_gemm_packed_bytes(p.out_features, p.in_features,
+    if p.packed.dtype != torch.uint8 or p.packed.numel() != _cpu.quant_gemm_packed_bytes(p.out_features, p.in_features,
                                                                                        p.bits):
         raise ValueError(f"packed weight of {p.packed.numel()} {p.packed.dtype} elements for a {p.bits}-bit "
                          f"[{p.out_features}, {p.in_features}] weight")
@@ -144,7 +144,7 @@ def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, p.out_features), dtype=torch.float32)
     if m:
-        _C.quant_gemm_cpu(0 if bf16 else xs.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
+        _cpu.quant_gemm_cpu(0 if bf16 else xs.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
                           0 if p.zeros is None else p.zeros.data_ptr(), 0 if b is None else b.data_ptr(),
                           y.data_ptr(), m, p.out_features, p.in_features, stride, p.out_features, p.group_size,
                           p.bits, p.zero_offset, ISA_CODES[isa],

@@ -16,8 +16,6 @@ before packing) `F.linear` on the dequantized weight, the reference.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,9 +32,6 @@ from nanovllm.layers.linear import (
 from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.config import QuantConfig, WeightScheme
 from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn
-
-if TYPE_CHECKING:
-    from nanovllm.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +100,13 @@ class QuantizedLinear:
         return self.triton.nbytes()  # type: ignore[union-attr]
 
 
-def _checkpoint_shards(model: DecoderForCausalLM, name: str, layer: LinearBase) -> list[tuple[ShardId, int, str]]:
+def _checkpoint_shards(model: nn.Module, name: str, layer: LinearBase) -> list[tuple[ShardId, int, str]]:
     """(shard id, rows, checkpoint module name) of each checkpoint module fused into `layer`."""
     prefix, _, ours = name.rpartition(".")
-    ckpt = {(our, sid): theirs for theirs, (our, sid) in model.packed_modules_mapping.items()}
+    # The model's checkpoint module -> (fused module, shard id) map (models/decoder.py), read by
+    # name: layers sit below models and do not import them.
+    mapping: dict[str, tuple[str, ShardId]] = getattr(model, "packed_modules_mapping", {})
+    ckpt = {(our, sid): theirs for theirs, (our, sid) in mapping.items()}
     if isinstance(layer, QKVParallelLinear):
         d = layer.head_dim
         sizes: list[tuple[ShardId, int]] = [("q", layer.total_num_heads * d), ("k", layer.total_num_kv_heads * d),
@@ -136,7 +134,7 @@ def _drop_dense_weight(layer: LinearBase) -> None:
     layer.weight = None  # type: ignore[assignment]  (nn.Module keeps the name registered, as None)
 
 
-def prepare_model(model: DecoderForCausalLM, config: QuantConfig) -> int:
+def prepare_model(model: nn.Module, config: QuantConfig) -> int:
     """Before loading a quantized checkpoint: each quantized linear layer gets its format's tensors
     in place of its dense weight. Returns how many layers are quantized."""
     if config.method == "rtn":
@@ -159,7 +157,7 @@ def prepare_model(model: DecoderForCausalLM, config: QuantConfig) -> int:
     return count
 
 
-def finish_model(model: DecoderForCausalLM, config: QuantConfig, device: torch.device) -> int:
+def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) -> int:
     """After loading: every quantized layer's weight unpacked (or, for a load-time scheme,
     quantized from the dense weight just loaded). Returns how many layers are quantized."""
     count = 0

@@ -1,4 +1,4 @@
-"""The fused CPU layers of `nanovllm._C` (csrc/cpu_fused_ops.cpp) behind torch-tensor signatures.
+"""The fused CPU layers of `nanovllm._cpu` (csrc/cpu_fused_ops.cpp) behind torch-tensor signatures.
 
 `can_*(...)` says whether a call can take the fused path: CPU tensors of a kernel dtype (fp32, bf16)
 laid out as the kernels read them. The layers fall back to their torch code otherwise.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm import _C
-from nanovllm.attention.cpu_backend import KERNEL_DTYPES
+from nanovllm import _cpu
+from nanovllm.cpu import KERNEL_DTYPES
 
 
 def _kernel_layout(x: torch.Tensor) -> bool:
@@ -53,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x.shape, dtype=x.dtype)
     residual_out = None if residual is None else torch.empty_like(out)
     if x.shape[0]:
-        _C.rms_norm_cpu(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+        _cpu.rms_norm_cpu(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
                         out.data_ptr(), 0 if residual_out is None else residual_out.data_ptr(),
                         x.shape[0] * heads, hidden, heads, x.stride(0), eps, KERNEL_DTYPES[x.dtype],
                         torch.get_num_threads())
@@ -67,7 +67,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inner = x.shape[1] // 2
     out = torch.empty((x.shape[0], inner), dtype=x.dtype)
     if x.shape[0]:
-        _C.silu_and_mul_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], inner, x.stride(0), KERNEL_DTYPES[x.dtype],
+        _cpu.silu_and_mul_cpu(x.data_ptr(), out.data_ptr(), x.shape[0], inner, x.stride(0), KERNEL_DTYPES[x.dtype],
                             torch.get_num_threads())
     return out
 
@@ -79,6 +79,6 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inv_freq:
         raise ValueError(f"rotary_: unsupported input q {tuple(q.shape)} {q.dtype} strides {q.stride()}, "
                          f"k {tuple(k.shape)}, positions {positions.dtype}")
     if q.shape[0]:
-        _C.rotary_cpu(q.data_ptr(), k.data_ptr(), positions.data_ptr(), inv_freq.data_ptr(), q.shape[0], q.shape[1],
+        _cpu.rotary_cpu(q.data_ptr(), k.data_ptr(), positions.data_ptr(), inv_freq.data_ptr(), q.shape[0], q.shape[1],
                       k.shape[1], q.shape[2], q.stride(0), k.stride(0), KERNEL_DTYPES[q.dtype],
                       torch.get_num_threads())

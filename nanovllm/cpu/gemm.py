@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm import _C
-from nanovllm.attention.cpu_backend import KERNEL_DTYPES
-from nanovllm.cpu_features import GemmKernel, gemm_kernel, native_bf16
+from nanovllm import _cpu
+from nanovllm.cpu import KERNEL_DTYPES
+from nanovllm.cpu.features import GemmKernel, gemm_kernel, native_bf16
 
 PREPACK_MIN_WEIGHTS = 1 << 17
 BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
@@ -38,7 +38,7 @@ BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """`gemm_cpu`'s copy of an `[out_features, in_features]` weight: fp32, or bf16 from a bf16 one."""
-    data: torch.Tensor  # flat, _C.gemm_packed_elements(out_features, in_features) elements
+    data: torch.Tensor  # flat, _cpu.gemm_packed_elements(out_features, in_features) elements
     out_features: int
     in_features: int
 
@@ -62,18 +62,18 @@ def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
 
 
 def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
-    """The packed copy of an `[out, in]` weight for `kernel` (default: this CPU's, cpu_features.gemm_kernel)."""
+    """The packed copy of an `[out, in]` weight for `kernel` (default: this CPU's, features.gemm_kernel)."""
     w = weight.detach()
     if (kernel or gemm_kernel()) == "avx2":
-        if not _C.has_avx2_fma():
+        if not _cpu.has_avx2_fma():
             raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
         n, k = w.shape
-        data = torch.empty(_C.gemm_packed_elements(n, k), dtype=w.dtype)
+        data = torch.empty(_cpu.gemm_packed_elements(n, k), dtype=w.dtype)
         stride = _row_stride(w)
         if stride is None:
             w = w.contiguous()
             stride = k
-        _C.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, stride, data.data_ptr())
+        _cpu.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, stride, data.data_ptr())
         return PackedWeight(data, n, k)
     if emulated_bf16(weight):
         w = w.float()
@@ -110,7 +110,7 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, packed.out_features), dtype=torch.float32)
     if m:
-        _C.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
+        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
                     packed.out_features, k, stride, packed.out_features,
                     KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads())
     return y if rows.dtype == torch.float32 else y.to(rows.dtype)

@@ -1,6 +1,6 @@
 """Starting, watching and stopping the worker processes of one node.
 
-Workers are separate interpreters (`python -m nanovllm.distributed`), not multiprocessing
+Workers are separate interpreters (`python -m nanovllm.worker`), not multiprocessing
 children: nothing of the caller's `__main__` is re-imported, and a worker's whole input is its
 WorkerSpec. A watcher thread per worker waits for its exit; one that exits while the engine runs
 is recorded (and `on_death` called), so the engine can fail the step at once instead of waiting
@@ -23,7 +23,7 @@ import nanovllm
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import WorkerDiedError
 from nanovllm.distributed.parallel_state import ParallelConfig
-from nanovllm.distributed.worker import WorkerSpec
+from nanovllm.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class WorkerProcesses:
                 # directory first on sys.path, so the worker imports the very same package (not,
                 # say, a source tree that happens to be the caller's working directory).
                 self._procs[rank] = subprocess.Popen(
-                    [sys.executable, "-m", "nanovllm.distributed", spec.to_json()], stdin=subprocess.DEVNULL,
+                    [sys.executable, "-m", "nanovllm.worker", spec.to_json()], stdin=subprocess.DEVNULL,
                     cwd=PACKAGE_ROOT)
         except BaseException:
             self.stop()

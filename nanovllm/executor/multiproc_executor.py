@@ -1,9 +1,10 @@
-"""Rank 0's model runner under tensor parallelism, and the factory the engine builds its runner with.
+"""MultiprocExecutor: tensor parallelism over N ranks, rank 0 in this process.
 
-`TensorParallelRunner` is a ModelRunner for rank 0's shard that also drives the workers: before
-its own forward it publishes the step (the StepPlan's buffer, see shm_ring / broadcast_channel),
-before its own LM-head shard the rows to compute logits for. Everything else the engine does
-(scheduling, sampling, detokenizing) stays on rank 0 and never involves the workers.
+Rank 0's ModelRunner holds its shard and samples; before its forward the executor publishes the
+step (the StepPlan's buffer, see shm_ring / broadcast_channel) to the worker processes, and before
+each logits call the rows to compute them for (the runner's `before_logits` hook), so every rank
+runs the same collectives. Everything else the engine does (scheduling, sampling, detokenizing)
+stays on rank 0 and never involves the workers.
 
 Faults: a worker that exits is noticed by its watcher thread (launcher), which also aborts the
 group so that a collective waiting for it (NCCL would wait forever) fails; a broken connection
@@ -24,34 +25,21 @@ import numpy as np
 import torch
 
 from nanovllm import _C
-from nanovllm.config import EngineConfig
+from nanovllm.config import ResolvedConfig
 from nanovllm.distributed import WorkerDiedError
 from nanovllm.distributed.broadcast_channel import BroadcastChannel
-from nanovllm.distributed.launcher import WorkerProcesses
-from nanovllm.distributed.parallel_state import ParallelConfig, TPGroup, check_model_divides, free_port
+from nanovllm.distributed.parallel_state import TPGroup, check_model_divides, free_port
 from nanovllm.distributed.shm_ring import ShmRing
 from nanovllm.distributed.step_message import PlanLayout
-from nanovllm.distributed.worker import ATTACHED_KEY, RING_KEY, Channel, layout_json
-from nanovllm.executor.model_runner import ModelRunner
-from nanovllm.executor.plan_tensors import PlanViews
-from nanovllm.model_config import load_model_config
-from nanovllm.staging import to_host
+from nanovllm.executor.executor import Executor
+from nanovllm.executor.launcher import WorkerProcesses
+from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.step import RunnerOutput, SchedulerOutput
+from nanovllm.worker.worker import ATTACHED_KEY, RING_KEY, Channel, layout_json
 
 logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 120.0
-
-
-def make_model_runner(config: EngineConfig, device: torch.device, *, max_model_len: int,
-                      eos_token_ids: Sequence[int]) -> ModelRunner:
-    """The engine's runner: a plain ModelRunner on one device, else rank 0 of a tensor-parallel
-    group (which starts the workers of this node)."""
-    kwargs = dict(max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                  enforce_eager=config.enforce_eager, eos_token_ids=eos_token_ids, quantization=config.quantization)
-    parallel = config.parallel
-    if parallel.tensor_parallel_size == 1:
-        return ModelRunner(config.model, config.dtype, device, config.block_size, **kwargs)
-    return TensorParallelRunner(config, parallel, device, **kwargs)
 
 
 # How gloo and NCCL word a peer that went away when they raise a plain RuntimeError (gloo's
@@ -94,25 +82,29 @@ class _Resources:
             group.close()
 
 
-class TensorParallelRunner(ModelRunner):
-    def __init__(self, config: EngineConfig, parallel: ParallelConfig, device: torch.device, **kwargs: object) -> None:
+class MultiprocExecutor(Executor):
+    def __init__(self, config: ResolvedConfig, eos_token_ids: Sequence[int]) -> None:
+        parallel = config.parallel
+        device = config.device
         if parallel.node_rank != 0:
             raise ValueError("node_rank > 0 only runs workers: start that node with `nanovllm serve ... --headless`")
-        check_model_divides(load_model_config(config.model), parallel.tensor_parallel_size)
+        check_model_divides(config.model_config, parallel.tensor_parallel_size)
         if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + parallel.ranks_per_node:
             raise ValueError(f"tensor_parallel_size={parallel.tensor_parallel_size} over {parallel.nnodes} node(s) "
                              f"needs {parallel.ranks_per_node} GPUs from {device} on, this node has "
                              f"{torch.cuda.device_count()}")
         if parallel.master_port is None:
             parallel = replace(parallel, master_port=free_port(parallel.master_addr))
+        self.config = config
         self.parallel = parallel
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.release)
         self._broken: str | None = None
         try:
-            res.workers = WorkerProcesses(config, parallel, range(1, parallel.ranks_per_node), self._on_worker_death)
+            res.workers = WorkerProcesses(config.options, parallel, range(1, parallel.ranks_per_node),
+                                          self._on_worker_death)
             res.group = self._connect(device)
-            super().__init__(config.model, config.dtype, device, config.block_size, tp=res.group, **kwargs)
+            self.runner = ModelRunner(config, tp=res.group, eos_token_ids=eos_token_ids)
         except WorkerDiedError:
             self.shutdown()
             raise
@@ -120,8 +112,7 @@ class TensorParallelRunner(ModelRunner):
             self._raise_if_worker_died(e)
             self.shutdown()
             raise
-        self._plan: _C.StepPlan | None = None
-        self._step_samples: torch.Tensor | None = None
+        self.runner.before_logits = self._publish_logits
 
     def _connect(self, device: torch.device) -> TPGroup:
         """Join the group while watching the local workers: one that fails at startup ends the
@@ -151,6 +142,13 @@ class TensorParallelRunner(ModelRunner):
         group = self._res.group
         if group is not None:
             group.abort()
+
+    def abandon(self, reason: str) -> None:
+        """A step is hung (a stopped worker, say): fail the collective or ring wait it is in, and
+        every later step; shutting down then kills the workers instead of asking them to stop."""
+        self._broken = f"tensor parallelism failed: {reason}; the engine cannot continue"
+        self._res.healthy = False
+        self._on_worker_death()
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -190,7 +188,7 @@ class TensorParallelRunner(ModelRunner):
         if res.channel is not None:
             return res.channel
         assert res.group is not None and res.workers is not None
-        layout = PlanLayout.of(plan, self.block_size)
+        layout = PlanLayout.of(plan, self.config.block_size)
         store = res.group.store
         if self.parallel.nnodes > 1:
             res.channel = BroadcastChannel(res.group, layout)
@@ -208,36 +206,30 @@ class TensorParallelRunner(ModelRunner):
         ring.unlink()
         return ring
 
-    @torch.inference_mode()
-    def forward(self, plan: _C.StepPlan) -> tuple[PlanViews, torch.Tensor]:
-        self._check()
+    def initialize_kv_cache(self) -> int:
         try:
-            self._channel(plan).publish_step(plan, self._check)
-            self._plan = plan
-            v, hidden = super().forward(plan)
+            return super().initialize_kv_cache()
         except WorkerDiedError:
             raise
         except Exception as e:
             self._raise_if_worker_died(e)
             raise
-        self._step_samples = v.sample_indices
-        return v, hidden
 
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self._check()
-        assert self._plan is not None and self._res.channel is not None
-        # The step's sample indices are on the host already (no device sync); other rows (prompt
-        # logprobs) come from wherever the caller made them.
-        host = self._plan.sample_indices if rows is self._step_samples else to_host(rows)[0]
         try:
-            self._res.channel.publish_logits(host.astype(np.int32, copy=False), self._check)
-            return super().logits(hidden, rows)
+            self._channel(so.plan).publish_step(so.plan, self._check)
+            return self.runner.execute(so)
         except WorkerDiedError:
             raise
         except Exception as e:
             self._raise_if_worker_died(e)
             raise
+
+    def _publish_logits(self, rows: np.ndarray) -> None:
+        self._check()
+        assert self._res.channel is not None
+        self._res.channel.publish_logits(rows.astype(np.int32, copy=False), self._check)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -245,5 +237,5 @@ class TensorParallelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         """Stop the workers (STOP through the channel, kill if they do not leave) and release the
-        group. Also runs when the runner is garbage collected and at interpreter exit."""
+        group. Also runs when the executor is garbage collected and at interpreter exit."""
         self._finalizer()

@@ -1,4 +1,4 @@
-"""The sampler's CPU kernels of `nanovllm._C` (csrc/cpu_sampler.cpp) behind array signatures.
+"""The sampler's CPU kernels of `nanovllm._cpu` (csrc/cpu_sampler.cpp) behind array signatures.
 
 On the CPU torch spends a full-vocabulary pass per primitive (argmax, a uniform per entry, topk or
 sort, cumsum, log_softmax), each far slower than the arithmetic it does; these kernels do a row in
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanovllm import _C
+from nanovllm import _cpu
 
 
 def runs_on(logits: torch.Tensor) -> bool:
@@ -37,7 +37,7 @@ def argmax(logits: torch.Tensor) -> np.ndarray:
     """The first maximum of each row (int64), as torch.argmax."""
     x = _rows(logits)
     out = np.empty(x.shape[0], dtype=np.int64)
-    _C.argmax_cpu(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.ctypes.data, torch.get_num_threads())
+    _cpu.argmax_cpu(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.ctypes.data, torch.get_num_threads())
     return out
 
 
@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray, top
             _array(top_p, np.float32, n, "top_p"), _array(min_p, np.float32, n, "min_p"),
             _array(uniform, np.float64, n, "uniform")]
     out = np.empty(n, dtype=np.int64)
-    _C.sample_cpu(x.data_ptr(), n, x.shape[1], x.stride(0), *(a.ctypes.data for a in args), out.ctypes.data,
+    _cpu.sample_cpu(x.data_ptr(), n, x.shape[1], x.stride(0), *(a.ctypes.data for a in args), out.ctypes.data,
                   torch.get_num_threads())
     return out
 
@@ -69,7 +69,7 @@ def logprobs(logits: torch.Tensor, chosen: np.ndarray, k: int) -> tuple[np.ndarr
         raise ValueError(f"chosen token ids must be in [0, {vocab})")
     chosen_lp, rank = np.empty(n, dtype=np.float64), np.empty(n, dtype=np.int64)
     top_ids, top_lp = np.empty((n, k), dtype=np.int64), np.empty((n, k), dtype=np.float64)
-    _C.logprobs_cpu(x.data_ptr(), n, vocab, x.stride(0), ids.ctypes.data, k, chosen_lp.ctypes.data,
+    _cpu.logprobs_cpu(x.data_ptr(), n, vocab, x.stride(0), ids.ctypes.data, k, chosen_lp.ctypes.data,
                     rank.ctypes.data, top_ids.ctypes.data, top_lp.ctypes.data, torch.get_num_threads())
     return chosen_lp, rank, top_ids, top_lp
 
@@ -88,5 +88,5 @@ def apply_penalties(logits: torch.Tensor, rows: np.ndarray, seen: torch.Tensor, 
         raise ValueError("penalty rows or slots out of range")
     params = [_array(p, np.float32, n, name) for p, name in
               ((repetition, "repetition"), (frequency, "frequency"), (presence, "presence"))]
-    _C.apply_penalties_cpu(x.data_ptr(), x.shape[1], x.stride(0), n, r.ctypes.data, seen.data_ptr(), s.ctypes.data,
+    _cpu.apply_penalties_cpu(x.data_ptr(), x.shape[1], x.stride(0), n, r.ctypes.data, seen.data_ptr(), s.ctypes.data,
                            *(p.ctypes.data for p in params), torch.get_num_threads())

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from nanovllm import _C
+from nanovllm import _cpu
 
 
 def _probe(name: str) -> bool:
@@ -32,6 +32,6 @@ GemmKernel = Literal["avx2", "onednn"]
 
 @functools.cache
 def gemm_kernel() -> GemmKernel:
-    """The CPU linear layers' kernel (layers/cpu_gemm.py): ours where AVX2 + FMA are the CPU's widest
+    """The CPU linear layers' kernel (cpu/gemm.py): ours where AVX2 + FMA are the CPU's widest
     vectors (torch's CPU capability "AVX2"), oneDNN elsewhere (AVX-512: its kernels use the full width)."""
-    return "avx2" if _C.has_avx2_fma() and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    return "avx2" if _cpu.has_avx2_fma() and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.metadata import AttentionMetadata
-from nanovllm.executor.plan_tensors import PlanViews
+from nanovllm.worker.plan_tensors import PlanViews
 
 logger = logging.getLogger(__name__)
 

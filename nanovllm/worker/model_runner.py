@@ -1,19 +1,20 @@
-"""ModelRunner: owns the model and the paged KV cache, and turns one StepPlan into sampled tokens.
+"""ModelRunner: the model and its paged KV cache on one device, one class for every rank.
 
-Per step: the plan's arrays become tensors (one copy of the plan buffer), copy-on-write block
-copies run before the forward, the model runs over the flattened batch (`forward`), logits are
-computed only at the sampled positions and the sampling package picks one token per sampled row
-(`sample`), from the persistent per-sequence state the runner owns (`sampling`).
+`execute(scheduler_output)` is rank 0's step: apply the plan's sampling-state changes, copy the
+plan to the device (one copy), run copy-on-write block copies and the model over the flattened
+batch (`forward`), then the token sampler (worker/token_sampler.py) turns the hidden states into a
+RunnerOutput. A tensor-parallel worker (rank > 0) holds its shard of the model and of the KV cache
+and runs only `forward` and its share of the LM head (worker/worker.py); it has no token sampler.
 
 On CUDA the attention backend is "cuda" (our kernels, nanovllm._kernels) where it is built and
 supports the model's head_dim, else "torch" with a warning; decode-only steps replay CUDA graphs
-captured when the KV cache is allocated (see executor/cuda_graph.py), unless enforce_eager.
+captured when the KV cache is allocated (see worker/cuda_graph.py), unless enforce_eager.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,25 +22,22 @@ import numpy as np
 import torch
 
 from nanovllm import _C
-from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
-from nanovllm.executor.plan_tensors import PlanTensors, PlanViews
-from nanovllm.executor.cuda_graph import DecodeGraphs
-from nanovllm.layers import cpu_gemm
+from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, ResolvedConfig
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
-from nanovllm.model_config import ModelConfig, load_model_config
-from nanovllm.models.loader import load_model
-from nanovllm.sample import LogprobBlock, Sampler, SamplingState, gather_logprobs, make_sampling_batch
-from nanovllm.sample.logprobs import logprob_columns, unpack_logprobs
-from nanovllm.staging import to_device, to_host
+from nanovllm.models.loader import load_model_from_config
+from nanovllm.sample import make_sampling_batch
+from nanovllm.staging import to_device
+from nanovllm.worker.cuda_graph import DecodeGraphs
+from nanovllm.worker.plan_tensors import PlanTensors, PlanViews
+from nanovllm.worker.step import RunnerOutput, SchedulerOutput
+from nanovllm.worker.token_sampler import TokenSampler
 
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger(__name__)
-
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
-def choose_attention_backend(model_dir: str, device: torch.device) -> str:
+def choose_attention_backend(head_dim: int, device: torch.device) -> str:
     """On CPU the fast backend (C++ decode kernel). On CUDA "cuda" (our kernels) where they are
     built and fit the model, else the torch reference, with a warning saying why."""
     if device.type == "cpu":
@@ -66,7 +64,6 @@ def choose_attention_backend(model_dir: str, device: torch.device) -> str:
     from nanovllm.attention import cuda_ops
     from nanovllm.attention.backend import get_attention_backend
 
-    head_dim = load_model_config(model_dir).head_dim
     reason = None
     if head_dim not in cuda_ops.SUPPORTED_HEAD_DIMS:
         reason = f"head_dim {head_dim} is not one the decode kernel is built for {cuda_ops.SUPPORTED_HEAD_DIMS}"
@@ -86,41 +83,41 @@ def choose_attention_backend(model_dir: str, device: torch.device) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, dtype: str | torch.dtype, device: torch.device, block_size: int, *,
-                 max_num_seqs: int = 256, max_model_len: int | None = None, enforce_eager: bool = False,
-                 attn_backend: str | None = None, eos_token_ids: Sequence[int] = (), tp: TPGroup | None = None,
-                 quantization: str | None = None) -> None:
-        """`max_num_seqs` and `max_model_len` (default: the model's max_position_embeddings) size the
-        CUDA graphs' static buffers; `enforce_eager` turns graphs off; `attn_backend` overrides the
-        automatic choice (see choose_attention_backend); `eos_token_ids` are what min_tokens masks
-        (besides a request's stop ids); `tp` makes this runner one rank of a tensor-parallel group
-        (it holds that rank's shard of the model and of the KV cache); `quantization` as
-        EngineConfig's."""
-        self.device = device
+    def __init__(self, config: ResolvedConfig, *, device: torch.device | None = None, tp: TPGroup | None = None,
+                 eos_token_ids: Sequence[int] = (), attn_backend: str | None = None) -> None:
+        """`device`: this rank's (default: the configuration's); `tp` makes this runner one rank of
+        a tensor-parallel group (it holds that rank's shard of the model and of the KV cache; only
+        rank 0 samples); `eos_token_ids` are what min_tokens masks (besides a request's stop ids);
+        `attn_backend` overrides the automatic choice (see choose_attention_backend)."""
+        self.config = config
+        self.model_config = config.model_config
+        self.device = device = config.device if device is None else device
         self.tp = tp
         self.make_device_current()
-        backend = attn_backend or choose_attention_backend(model_dir, device)
-        self.model, self.config = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, tp=tp,
-                                             quantization=quantization)
+        backend = attn_backend or choose_attention_backend(self.model_config.head_dim, device)
+        self.model = load_model_from_config(self.model_config, config.dtype, device, backend, tp,
+                                            config.options.quantization)
         self.attn_backend = backend
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.num_prepacked = cpu_gemm.prepack_model(self.model) if device.type == "cpu" else 0
-        self.block_size = block_size
-        self.sampler = Sampler()
-        self.sampling = SamplingState(device, self.config.vocab_size, list(eos_token_ids))
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.token_sampler: TokenSampler | None = None
+        if tp is None or tp.rank == 0:
+            self.token_sampler = TokenSampler(self.logits, device, self.model_config.vocab_size, eos_token_ids,
+                                              self.max_num_seqs)
+        # Under tensor parallelism every rank computes its share of the LM head for the same rows:
+        # rank 0's executor tells the workers which, before each logits call (host row indices).
+        self.before_logits: Callable[[np.ndarray], None] | None = None
         self.kv_cache: torch.Tensor | None = None
         self._plan_tensors: PlanTensors | None = None
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
-        self.enforce_eager = enforce_eager
         self.graphs: DecodeGraphs | None = None
-        self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "cuda"
-        if device.type == "cuda" and not enforce_eager and not self.use_cuda_graphs:
+        eager = config.options.enforce_eager
+        self.use_cuda_graphs = device.type == "cuda" and not eager and backend == "cuda"
+        if device.type == "cuda" and not eager and not self.use_cuda_graphs:
             logger.warning("CUDA graphs need the cuda attention backend (have %r): decoding eagerly", backend)
-
-    def shutdown(self) -> None:
-        """Release processes this runner started (none on one device; see TensorParallelRunner)."""
 
     def make_device_current(self) -> None:
         """Make this runner's GPU the calling thread's current CUDA device. Our kernels launch on the
@@ -133,21 +130,22 @@ class ModelRunner:
     @property
     def kv_spec(self) -> KVCacheSpec:
         """This rank's cache: its KV heads only under tensor parallelism."""
-        c: ModelConfig = self.config
+        c = self.model_config
         kv_heads = c.num_key_value_heads if self.tp is None else max(1, c.num_key_value_heads // self.tp.world_size)
         return KVCacheSpec(c.num_hidden_layers, kv_heads, c.head_dim, self.block_size, self.dtype)
 
-    def num_kv_blocks(self, config: EngineConfig, budget: int) -> int:
-        """KV blocks for `config` (num_kvcache_blocks, kv_cache_memory_bytes, or on CUDA the profiled
-        memory left); under tensor parallelism the minimum over ranks, so that every rank holds the
-        same pool (each rank calls this at the same point of its startup)."""
+    def num_kv_blocks(self) -> int:
+        """KV blocks for the configuration (num_kvcache_blocks, kv_cache_memory_bytes, or on CUDA the
+        profiled memory left); under tensor parallelism the minimum over ranks, so that every rank
+        holds the same pool (each rank calls this at the same point of its startup)."""
         per_block = self.kv_spec.bytes_per_block
-        if config.num_kvcache_blocks is not None:
-            blocks = config.num_kvcache_blocks
-        elif self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
-            blocks = self.profile_num_blocks(config.gpu_memory_utilization, budget)
+        options = self.config.options
+        if options.num_kvcache_blocks is not None:
+            blocks = options.num_kvcache_blocks
+        elif self.device.type == "cuda" and options.kv_cache_memory_bytes is None:
+            blocks = self.profile_num_blocks(options.gpu_memory_utilization, self.config.max_num_batched_tokens)
         else:
-            blocks = (config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+            blocks = (options.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
         if self.tp is not None:
             blocks = self.tp.all_reduce_min(blocks)
         if blocks < 1:
@@ -202,12 +200,12 @@ class ModelRunner:
         rows = min(num_tokens, self.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:])
         del hidden
-        if logits is not None:  # only rank 0 of a tensor-parallel group gets logits and samples
+        if self.token_sampler is not None:  # only rank 0 of a tensor-parallel group samples
             # The real sampler on its most memory-hungry path (top-p without top-k: a full sort,
-            # masks, the race); on a copy, as the engine samples processed logits while keeping the
+            # masks, the race); on a copy, as a step samples processed logits while keeping the
             # raw ones.
             batch = make_sampling_batch([1.0] * rows, top_p=[0.9] * rows, min_p=[0.05] * rows)
-            self.sampler(logits.clone(), batch)
+            self.token_sampler.sampler(logits.clone(), batch)
             del logits
         self.release_kv_cache()
         return scratch
@@ -245,7 +243,7 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("allocate the KV cache before capturing CUDA graphs")
         self.graphs = None
-        graphs = DecodeGraphs(self.model, device=self.device, dtype=self.dtype, hidden_size=self.config.hidden_size,
+        graphs = DecodeGraphs(self.model, device=self.device, dtype=self.dtype, hidden_size=self.model_config.hidden_size,
                               max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
                               block_size=self.block_size)
         tp = self.tp
@@ -258,7 +256,18 @@ class ModelRunner:
             return
         self.graphs = graphs
 
-    def _views(self, plan: _C.StepPlan) -> PlanViews:
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """Rank 0's step: the plan's sampling-state changes, the forward, the tokens."""
+        assert self.token_sampler is not None, "only rank 0 samples"
+        self.token_sampler.apply(so)
+        plan = so.plan
+        v = self.plan_views(plan)
+        hidden = self.forward(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
+        return self.token_sampler.sample(plan, hidden, v.sample_indices)
+
+    def plan_views(self, plan: _C.StepPlan) -> PlanViews:
+        """The plan as tensors on this runner's device (one copy; views on CPU)."""
         if self._plan_tensors is None:
             self._plan_tensors = PlanTensors(plan, block_size=self.block_size)
         if self.device.type == "cpu":
@@ -270,15 +279,9 @@ class ModelRunner:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     @torch.inference_mode()
-    def forward(self, plan: _C.StepPlan) -> tuple[PlanViews, torch.Tensor]:
-        """Copy-on-write copies, then the model over the flattened batch: (views, hidden states)."""
-        v = self._views(plan)
-        return v, self.execute(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
-
-    @torch.inference_mode()
-    def execute(self, v: PlanViews, host: HostSeqLens) -> torch.Tensor:
-        """`forward` from the plan's tensors and host lengths (a tensor-parallel worker's entry: its
-        plan arrives through the step channel). Returns the hidden states."""
+    def forward(self, v: PlanViews, host: HostSeqLens) -> torch.Tensor:
+        """Copy-on-write block copies, then the model over the flattened batch: the hidden states.
+        `host`: the lengths on the host, so a backend that needs them as ints never syncs."""
         if v.num_copies:
             self._copy_blocks(v.block_copies)
         if self.graphs is not None and self.graphs.can_run(v):
@@ -287,61 +290,16 @@ class ModelRunner:
             slot_mapping=v.slot_mapping, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
             context_lens=v.context_lens, block_tables=v.block_tables, max_seqlen_q=v.max_seqlen_q,
             max_seqlen_k=v.max_seqlen_k, num_prefill_tokens=v.num_prefill_tokens,
-            num_decode_tokens=v.num_decode_tokens, block_size=self.block_size,
-            # Host copies, so a backend that needs lengths as ints never syncs with the device.
-            host=host,
+            num_decode_tokens=v.num_decode_tokens, block_size=self.block_size, host=host,
         )
         return self.model(v.input_ids, v.positions, meta)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the hidden-state rows `rows` (indices into this step's hidden states),
-        [rows, vocab]."""
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor, host_rows: np.ndarray) -> torch.Tensor:
+        """fp32 logits of the hidden-state rows `rows` (`host_rows` on the host), [rows, vocab]."""
+        if self.before_logits is not None:
+            self.before_logits(host_rows)
         # Every row (a decode-only step samples every token: rows are 0..n-1): skip the gather.
-        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
+        logits = self.model.compute_logits(hidden if len(host_rows) == hidden.shape[0] else hidden[rows])
         assert logits is not None, "logits are gathered on rank 0 only"
         return logits
-
-    @torch.inference_mode()
-    def sample(self, hidden: torch.Tensor, sample_indices: torch.Tensor, row_sids: np.ndarray,
-               repeats: np.ndarray | None = None) -> SampleOutput:
-        """One token per row: row i samples sequence row_sids[i] from the logits at its sampled
-        position. `repeats[j]` rows come from sample position j (a prompt fanning out into n
-        samples); without it, one row per position. Penalties, bias and min_tokens apply where the
-        rows' sequences ask; logprobs are computed from the raw logits of the rows that ask."""
-        raw = self.logits(hidden, sample_indices)
-        if repeats is not None:
-            # Row i of the fan-out is sample position fan_rows[i]; an index gather with a host-built
-            # index (repeat_interleave would read the repeats' sum back from the device).
-            fan_rows = np.repeat(np.arange(len(repeats)), repeats)
-            raw = raw.index_select(0, to_device(fan_rows, raw.device))
-        lp_rows = _NO_ROWS
-        if self.sampling.users.logprobs:
-            wanted = self.sampling.rows.logprobs[row_sids]
-            lp_rows = np.flatnonzero(wanted >= 0)
-        processed = self.sampling.process(raw, row_sids, keep_input=len(lp_rows) > 0)
-        tokens = self.sampler(processed, self.sampling.batch(row_sids))
-        if not len(lp_rows):
-            host, = to_host(tokens)
-            return SampleOutput(host.astype(np.int32), tokens, None, lp_rows)
-        lp_raw, lp_tokens = raw, tokens
-        if len(lp_rows) < len(row_sids):  # gather only when some rows did not ask
-            idx = to_device(lp_rows, raw.device)
-            lp_raw, lp_tokens, wanted = raw[idx], tokens[idx], wanted[lp_rows]
-        if lp_raw.device.type == "cpu":
-            logprobs = gather_logprobs(lp_raw, lp_tokens, wanted)
-            host, = to_host(tokens)
-        else:  # the step's one wait, for the tokens and their logprobs together
-            k = int(wanted.max())
-            host, columns = to_host(tokens, logprob_columns(lp_raw, lp_tokens, k))
-            logprobs = unpack_logprobs(columns, wanted)
-        return SampleOutput(host.astype(np.int32), tokens, logprobs, lp_rows)
-
-
-@dataclass
-class SampleOutput:
-    tokens: np.ndarray  # int32 [rows], on the host
-    token_tensor: torch.Tensor  # int64 [rows], on the device
-    logprobs: LogprobBlock | None  # for the rows in logprob_rows, in that order
-    logprob_rows: np.ndarray  # int64
-

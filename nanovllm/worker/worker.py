@@ -1,7 +1,7 @@
 """A tensor-parallel worker process: ranks 1..N-1, each running its shard of the model.
 
 Started by rank 0 for the ranks on its node, or by `nanovllm serve --headless` on another node,
-as `python -m nanovllm.distributed SPEC_JSON`. Its startup mirrors the engine's step for
+as `python -m nanovllm.worker SPEC_JSON`. Its startup mirrors the engine's step for
 step (the collectives in it must meet): join the group, load its shard, agree on the KV pool
 (minimum over ranks), allocate the cache (capturing CUDA graphs, whose all-reduces are captured
 too), open the step channel. Then it runs what rank 0 sends: a STEP is the forward of the plan
@@ -32,10 +32,9 @@ from nanovllm.distributed.broadcast_channel import BroadcastChannel
 from nanovllm.distributed.parallel_state import ParallelConfig, TPGroup
 from nanovllm.distributed.shm_ring import ShmRing
 from nanovllm.distributed.step_message import Kind, PlanLayout
-from nanovllm.executor.model_runner import ModelRunner
-from nanovllm.executor.plan_tensors import PlanTensors
-from nanovllm.model_config import load_model_config
 from nanovllm.staging import to_device
+from nanovllm.worker.model_runner import ModelRunner
+from nanovllm.worker.plan_tensors import PlanTensors
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class WorkerSpec:
     parent_pid: int
 
     def to_json(self) -> str:
-        config = asdict(self.config)
+        config = self.config.as_options()
         config["dtype"] = str(config["dtype"]).removeprefix("torch.")
         return json.dumps({"config": config, "parallel": asdict(self.parallel), "rank": self.rank,
                            "parent_pid": self.parent_pid})
@@ -134,7 +133,7 @@ def serve(runner: ModelRunner, channel: Channel, alive: Callable[[], None]) -> N
                 if pt is None:
                     pt = tensors[msg.slot] = PlanTensors(plan, block_size=runner.block_size)  # type: ignore[arg-type]
                 v = pt.to(device, plan)  # type: ignore[arg-type]
-                hidden = runner.execute(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
+                hidden = runner.forward(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
             else:
                 assert hidden is not None and msg.rows is not None
                 runner.model.compute_logits(hidden[to_device(msg.rows, device, np.int64)])
@@ -153,11 +152,8 @@ def run_worker(spec: WorkerSpec) -> None:
                             parallel.backend_for(device), device)
     channel: Channel | None = None
     try:
-        model_config = load_model_config(config.model)
-        max_model_len, budget = config.resolve_lengths(model_config.max_position_embeddings)
-        runner = ModelRunner(config.model, config.dtype, device, config.block_size, max_num_seqs=config.max_num_seqs,
-                             max_model_len=max_model_len, enforce_eager=config.enforce_eager, tp=group)
-        runner.allocate_kv_cache(runner.num_kv_blocks(config, budget))
+        runner = ModelRunner(config.resolve(), device=device, tp=group)
+        runner.allocate_kv_cache(runner.num_kv_blocks())
         channel = open_worker_channel(group, parallel, spec.parent_pid)
         serve(runner, channel, lambda: parent_alive(spec.parent_pid))
     finally:

@@ -1,0 +1,81 @@
+"""Type stubs for the CPU kernels (`csrc/cpu_*.cpp`, built as `nanovllm._cpu`).
+
+Every kernel takes raw addresses (`tensor.data_ptr()`, `array.ctypes.data`) of host memory laid
+out as its wrapper in nanovllm/cpu/ (or attention/cpu_backend.py) checks, sizes and strides in
+elements (bytes where the name says so), a dtype code (0 fp32, 1 bf16) and the threads to use.
+Sizes, strides, codes and null addresses are checked here and raise ValueError; the extent of
+the memory behind an address cannot be, which is why only the wrappers call these."""
+
+def paged_attention_cpu(query: int, k_cache: int, v_cache: int, block_tables: int, context_lens: int,
+                        cu_seqlens_q: int, out: int, num_tokens: int, block_table_stride: int, num_seqs: int,
+                        num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                        scale: float, dtype: int, num_threads: int = 1) -> None:
+    """Attention of every query row (decode rows first, then prefill chunks over their cached
+    prefix) over the paged cache into `out` [num_tokens, num_heads, head_dim]."""
+
+def write_kv_cache_cpu(key: int, value: int, k_cache: int, v_cache: int, slot_mapping: int, num_tokens: int,
+                       row_bytes: int, key_stride: int, value_stride: int, num_slots: int) -> None:
+    """Scatter `num_tokens` K/V rows into their cache slots (-1 skips a row)."""
+
+def rms_norm_cpu(x: int, residual: int, weight: int, out: int, residual_out: int, rows: int, hidden: int,
+                 heads: int, x_stride: int, eps: float, dtype: int, num_threads: int = 1) -> None:
+    """RMSNorm of [rows, heads, hidden] (heads > 1: q/k norm over head views), with the residual
+    added first and written to `residual_out` when `residual` is not 0."""
+
+def silu_and_mul_cpu(x: int, out: int, rows: int, inner: int, x_stride: int, dtype: int,
+                     num_threads: int = 1) -> None:
+    """out [rows, inner] = silu(x[:, :inner]) * x[:, inner:]."""
+
+def rotary_cpu(q: int, k: int, positions: int, inv_freq: int, tokens: int, q_heads: int, k_heads: int,
+               head_dim: int, q_stride: int, k_stride: int, dtype: int, num_threads: int = 1) -> None:
+    """Rotary embedding in place on q [tokens, q_heads, head_dim] and k rows (neox layout)."""
+
+def sample_cpu(logits: int, rows: int, vocab: int, stride: int, temperature: int, top_k: int, top_p: int,
+               min_p: int, uniform: int, out: int, num_threads: int = 1) -> None:
+    """One token per row of fp32 logits (temperature -> top-k -> top-p -> min-p -> the row's
+    uniform draw, inverse CDF) into `out` (int64)."""
+
+def argmax_cpu(logits: int, rows: int, vocab: int, stride: int, out: int, num_threads: int = 1) -> None:
+    """The first maximum of each row into `out` (int64)."""
+
+def logprobs_cpu(logits: int, rows: int, vocab: int, stride: int, chosen: int, k: int, chosen_logprob: int,
+                 chosen_rank: int, top_ids: int, top_logprobs: int, num_threads: int = 1) -> None:
+    """Each row's log_softmax at its chosen token (float64) and that token's rank (1 = most
+    likely), and the k most likely ids and logprobs, most likely first."""
+
+def apply_penalties_cpu(logits: int, vocab: int, stride: int, rows: int, logit_rows: int, seen: int, slots: int,
+                        repetition: int, frequency: int, presence: int, num_threads: int = 1) -> None:
+    """Repetition, frequency and presence penalties in place on logits[logit_rows[i]], from the
+    dense [2, vocab] row seen[slots[i]] (prompt presence, output counts)."""
+
+def has_avx2_fma() -> bool:
+    """Whether this CPU runs the AVX2 + FMA kernels (gemm_cpu, the attention score tiles)."""
+
+def gemm_packed_elements(n: int, k: int) -> int:
+    """Elements of gemm_pack_cpu's copy of an [n, k] weight."""
+
+def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int) -> None:
+    """Pack an [n, k] weight (rows `w_stride` apart) into gemm_packed_elements(n, k) elements of
+    its dtype at `packed`."""
+
+def gemm_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
+             packed_dtype: int, num_threads: int = 1) -> None:
+    """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu."""
+
+def quant_isa_supported(isa: int) -> bool:
+    """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512)."""
+
+def quant_isa_best() -> int:
+    """The isa quant_gemm_cpu takes by default here."""
+
+def quant_has_bf16() -> bool:
+    """Whether quant_gemm_cpu takes bf16 activations (`x_bf16`: AVX512-BF16)."""
+
+def quant_gemm_packed_bytes(n: int, k: int, bits: int) -> int:
+    """Bytes of quant_gemm_cpu's packed int4 / int8 [n, k] weight (csrc/cpu_gemm_quant.h's layout)."""
+
+def quant_gemm_cpu(x: int, packed: int, scales: int, zeros: int, bias: int, y: int, m: int, n: int, k: int,
+                   x_stride: int, y_stride: int, group_size: int, bits: int, zero_offset: float, isa: int = 0,
+                   num_threads: int = 1, x_bf16: int = 0) -> None:
+    """y [m, n] = x [m, k] dequant(W)^T (+ bias, when not 0) in fp32 on a packed int4 / int8 weight with
+    per-group scales and zero points (0: none); bf16 activations at `x_bf16` instead of fp32 at `x`."""
