@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def install_labels() -> None:
+    """Wrap each of WRAPPED's methods in its profiler label (once per process)."""
+    for name, (cls, method) in WRAPPED.items():
+        setattr(cls, method, _label(name, getattr(cls, method)))
+
+
 def _label(name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -66,8 +72,7 @@ def _label(name: str, fn: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    for name, (cls, method) in WRAPPED.items():
-        setattr(cls, method, _label(name, getattr(cls, method)))
+    install_labels()
     model = args.model or str(ensure_default_model())
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.num_seqs, max_model_len=args.max_model_len)
     engine = llm.engine

@@ -11,6 +11,7 @@
 #include "cpu_attention.h"
 #include "cpu_fused_ops.h"
 #include "cpu_gemm.h"
+#include "cpu_gemm_quant.h"
 #include "cpu_isa.h"
 #include "cpu_sampler.h"
 
@@ -280,12 +281,57 @@ void bind_cpu_gemm(py::module_& m) {
       "(nanovllm.cpu.gemm checks the tensors).");
 }
 
+
+void bind_cpu_gemm_quant(py::module_& m) {
+  m.def("quant_isa_supported", [](int64_t isa) { return quant_isa_supported(static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3))); },
+        py::arg("isa"), "Whether this CPU runs quant_gemm_cpu with isa (0 auto, 1 portable, 2 AVX2, 3 AVX-512).");
+  m.def("quant_isa_best", [] { return static_cast<int>(quant_isa_best()); }, "The isa quant_gemm_cpu picks by default.");
+  m.def("quant_has_bf16", &quant_has_bf16, "Whether quant_gemm_cpu takes bf16 activations (AVX512-BF16).");
+  m.def("quant_gemm_packed_bytes", [](int64_t n, int64_t k, int64_t bits) {
+        if (n < 1 || k < 1 || (bits != 4 && bits != 8)) value_error("quant_gemm_packed_bytes: n, k >= 1 and bits 4 or 8");
+        if (gemm_panels(n) > std::numeric_limits<int64_t>::max() / kGemmPanel / (k + 1)) {
+          value_error("quant_gemm_packed_bytes: the packed weight would not fit int64");
+        }
+        return quant_gemm_packed_bytes(n, k, static_cast<int>(bits));
+      }, py::arg("n"), py::arg("k"), py::arg("bits"), "Bytes of quant_gemm_cpu's packed int4 / int8 [n, k] weight.");
+  m.def(
+      "quant_gemm_cpu",
+      [](uintptr_t x, uintptr_t packed, uintptr_t scales, uintptr_t zeros, uintptr_t bias, uintptr_t y, int64_t m,
+         int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int64_t group_size, int64_t bits, double zero_offset,
+         int64_t isa, int64_t num_threads, uintptr_t x_bf16) {
+        const auto which = static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3));
+        if (!quant_isa_supported(which)) value_error("quant_gemm_cpu: this CPU does not run isa " + std::to_string(isa));
+        if (bits != 4 && bits != 8) value_error("quant_gemm_cpu: bits must be 4 or 8, got " + std::to_string(bits));
+        if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n || group_size < 1 || group_size > k) {
+          value_error("quant_gemm_cpu: bad sizes");
+        }
+        // int4 values come in pairs of input columns: a group may not start inside a pair.
+        if (bits == 4 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: int4 needs an even group size");
+        if (x_bf16 && !quant_has_bf16()) value_error("quant_gemm_cpu: bf16 activations need AVX512-BF16");
+        if (x_bf16 && x_stride < k + k % 2) value_error("quant_gemm_cpu: bf16 rows must hold k rounded up to even");
+        if (x_bf16 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: bf16 activations need even groups");
+        if (m > 0 && (!(x || x_bf16) || !packed || !scales || !y)) value_error("null pointer passed to quant_gemm_cpu");
+        const QuantGemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(x_bf16),
+                              reinterpret_cast<const uint8_t*>(packed),
+                              reinterpret_cast<const float*>(scales), reinterpret_cast<const int8_t*>(zeros),
+                              reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
+                              y_stride, group_size, static_cast<int>(bits), static_cast<float>(zero_offset)};
+        py::gil_scoped_release release;
+        quant_gemm(a, which, clamp_threads(num_threads));
+      },
+      py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bias"), py::arg("y"), py::arg("m"),
+      py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("y_stride"), py::arg("group_size"), py::arg("bits"),
+      py::arg("zero_offset"), py::arg("isa") = 0, py::arg("num_threads") = 1, py::arg("x_bf16") = 0,
+      "y [m, n] = x [m, k] dequant(W)^T (+ bias) in fp32 on a packed int4 / int8 weight, from raw pointers "
+      "(nanovllm.layers.quantization.cpu_kernel checks the tensors).");
+}
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
-  m.doc() = "nanovllm's CPU kernels: paged attention, fused layers, sampler, GEMM.";
+  m.doc() = "nanovllm's CPU kernels: paged attention, fused layers, sampler, GEMMs (dense and int8 / int4).";
   bind_cpu_attention(m);
   bind_cpu_fused_ops(m);
   bind_cpu_gemm(m);
+  bind_cpu_gemm_quant(m);
   bind_cpu_sampler(m);
 }

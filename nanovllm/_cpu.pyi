@@ -61,3 +61,21 @@ def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int
 def gemm_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
              packed_dtype: int, num_threads: int = 1) -> None:
     """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu."""
+
+def quant_isa_supported(isa: int) -> bool:
+    """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512)."""
+
+def quant_isa_best() -> int:
+    """The isa quant_gemm_cpu takes by default here."""
+
+def quant_has_bf16() -> bool:
+    """Whether quant_gemm_cpu takes bf16 activations (`x_bf16`: AVX512-BF16)."""
+
+def quant_gemm_packed_bytes(n: int, k: int, bits: int) -> int:
+    """Bytes of quant_gemm_cpu's packed int4 / int8 [n, k] weight (csrc/cpu_gemm_quant.h's layout)."""
+
+def quant_gemm_cpu(x: int, packed: int, scales: int, zeros: int, bias: int, y: int, m: int, n: int, k: int,
+                   x_stride: int, y_stride: int, group_size: int, bits: int, zero_offset: float, isa: int = 0,
+                   num_threads: int = 1, x_bf16: int = 0) -> None:
+    """y [m, n] = x [m, k] dequant(W)^T (+ bias, when not 0) in fp32 on a packed int4 / int8 weight with
+    per-group scales and zero points (0: none); bf16 activations at `x_bf16` instead of fp32 at `x`."""

@@ -53,6 +53,10 @@ class EngineConfig:
     num_kvcache_blocks: int | None = option(None, "KV cache size in blocks (overrides the two above)")
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")
     seed: int = option(0, "seed of the sampling generator for requests without their own seed")
+    quantization: str | None = option(
+        None, "int8 or int4: quantize the linear layers while loading (weight-only, round to nearest: int8 per "
+        "output channel, int4 in groups of 128, as `nanovllm quantize`); a quantized checkpoint (compressed-tensors, "
+        "AWQ, GPTQ) needs nothing", aliases=("-q",))
     device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     # Tensor parallelism (docs/design.md, "Tensor parallelism"); see ParallelConfig.
     tensor_parallel_size: int = option(1, "split the model over this many GPUs (processes on CPU)", aliases=("-tp",))

@@ -90,6 +90,15 @@ def _row_stride(t: torch.Tensor) -> int | None:
     return t.stride(0) if rows > 1 else k
 
 
+def fp32_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """2-D rows as fp32 the C++ GEMMs read in place, and their stride: the rows themselves when they
+    are fp32 with contiguous, non-overlapping rows, else a contiguous fp32 copy."""
+    stride = _row_stride(rows) if rows.dtype == torch.float32 else None
+    if stride is None:
+        return rows.float().contiguous(), rows.shape[1]
+    return rows, stride
+
+
 def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """gemm_cpu on 2-D rows; the product is fp32, returned in the rows' dtype."""
     if rows.shape[1] != packed.in_features:
@@ -97,10 +106,7 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     if bias is not None and bias.shape != (packed.out_features,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} for {packed.out_features} outputs")
     m, k = rows.shape
-    stride = _row_stride(rows) if rows.dtype == torch.float32 else None
-    x = rows
-    if stride is None:
-        x, stride = rows.float().contiguous(), k
+    x, stride = fp32_rows(rows)
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, packed.out_features), dtype=torch.float32)
     if m:

@@ -1,5 +1,5 @@
-"""`nanovllm` command line: `bench` (the throughput workload), `generate` (one completion) and
-`serve` (the OpenAI-compatible HTTP server)."""
+"""`nanovllm` command line: `bench` (the throughput workload), `generate` (one completion), `serve`
+(the OpenAI-compatible HTTP server) and `quantize` (a weight-only int8 / int4 checkpoint)."""
 
 from __future__ import annotations
 
@@ -206,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-access-log", action="store_true")
     _engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    from nanovllm.entrypoints import quantize
+
+    quant = sub.add_parser("quantize", help="write an int8 / int4 weight-only (compressed-tensors) copy of a checkpoint")
+    quantize.add_arguments(quant)
+    quant.set_defaults(func=quantize.run)
     return parser
 
 

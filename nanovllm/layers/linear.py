@@ -25,6 +25,7 @@ from nanovllm.cpu import gemm as cpu_gemm
 
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
+    from nanovllm.layers.quantization.linear_method import QuantizedLinear
 
 ShardId = str | int | None
 # A torch tensor or a safetensors slice (`safe_open(...).get_slice(name)`): shape and slicing.
@@ -105,6 +106,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.packed: cpu_gemm.Packed | None = None  # the packed copy of the weight (cpu_gemm), once prepacked
+        # A quantized weight, in place of `weight` (None then): layers/quantization/linear_method.py
+        self.quant: QuantizedLinear | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None
@@ -114,9 +117,13 @@ class LinearBase(nn.Module):
     def prepack_for_cpu(self) -> bool:
         """After loading: run this layer on a packed copy of its weight when that is faster on this
         CPU (cpu_gemm); the dense weight is released (it becomes an empty tensor)."""
+        if self.quant is not None:
+            return self.quant.prepack_for_cpu()
         return cpu_gemm.prepack_layer(self)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.matmul(x, bias)
         return cpu_gemm.matmul(x, self.weight, self.packed, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

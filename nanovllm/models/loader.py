@@ -16,6 +16,8 @@ from safetensors import safe_open
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.linear import ShardId, get_weight_loader
+from nanovllm.layers.quantization.config import resolve_quant_config
+from nanovllm.layers.quantization.linear_method import finish_model, prepare_model
 from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.registry import build_model
@@ -116,14 +118,22 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
 
 
 def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                           attn_backend: str = "torch", tp: TPGroup | None = None) -> DecoderForCausalLM:
+                           attn_backend: str = "torch", tp: TPGroup | None = None,
+                           quantization: str | None = None) -> DecoderForCausalLM:
     """Build `config`'s architecture in `dtype` and load its weights (this rank's shards under tensor
-    parallelism `tp`) from the checkpoint beside its config.json."""
+    parallelism `tp`) from the checkpoint beside its config.json. `quantization`: a load-time scheme
+    ("int8", "int4") for an unquantized checkpoint, or the format a quantized one must have
+    (layers/quantization)."""
+    quant = resolve_quant_config(config.raw, quantization, str(Path(config.model_dir) / "config.json"))
     # Every file's header is checked before the model takes any memory: a truncated shard fails
     # here, naming the file, not halfway through the load.
     validate_weight_files(find_weight_files(config.model_dir))
     model = build_model(config, dtype, device, attn_backend, tp)
+    if quant is not None:
+        prepare_model(model, quant)
     load_weights(model, config.model_dir)
+    if quant is not None:
+        finish_model(model, quant, torch.device(device))
     return model
 
 
@@ -133,8 +143,10 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_backend: str = "torch",
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Read config.json, then `load_model_from_config` with `dtype` resolved against it (the engine
     resolves its configuration once and calls that directly). Returns (model, config)."""
     config = load_model_config(model_dir)
-    return load_model_from_config(config, resolve_dtype(config, dtype, device), device, attn_backend, tp), config
+    model = load_model_from_config(config, resolve_dtype(config, dtype, device), device, attn_backend, tp, quantization)
+    return model, config

@@ -95,7 +95,8 @@ class ModelRunner:
         self.tp = tp
         self.make_device_current()
         backend = attn_backend or choose_attention_backend(self.model_config.head_dim, device)
-        self.model = load_model_from_config(self.model_config, config.dtype, device, backend, tp)
+        self.model = load_model_from_config(self.model_config, config.dtype, device, backend, tp,
+                                            config.options.quantization)
         self.attn_backend = backend
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype

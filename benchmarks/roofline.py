@@ -1,0 +1,184 @@
+"""A CPU decode step against its memory-bandwidth floor, per part, in bf16, int8 and int4.
+
+A decode step reads every weight once, the KV cache of every sequence once, and little else, so
+on a CPU its time has a floor: bytes / read bandwidth. This script
+
+1. measures the read bandwidth with the engine's threads (torch.get_num_threads()): the best of a
+   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are);
+2. counts the bytes a decode step must read: each linear layer's weight at its stored precision
+   (packed values, scales and zero points for int8/int4), the LM head, and the KV cache rows the
+   attention kernel reads (context x layers x 2 x KV heads x head_dim);
+3. times decode steps of `--batch` sequences at `--context` tokens (wall, without the profiler),
+   splits them per part under torch.profiler (labels as benchmarks/profile_cpu_step.py), and
+   prints each part's time against its floor.
+
+The variants: the checkpoint in bf16, and int8 / int4 quantized at load (LLM(quantization=...),
+the same weights as `nanovllm quantize`); the embedding and the LM head stay bf16.
+
+Usage:
+    python benchmarks/make_bench_model.py /tmp/qwen3-cpu --shape qwen3-cpu
+    python benchmarks/roofline.py --model /tmp/qwen3-cpu [--batch 1,32] [--variants bf16,int8,int4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench_report import machine, markdown_table, write_json
+from profile_cpu_step import WRAPPED, install_labels
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.embed_head import ParallelLMHead
+from nanovllm.layers.linear import LinearBase
+
+VARIANTS = {"bf16": None, "int8": "int8", "int4": "int4"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a bf16 (or fp32) checkpoint, e.g. make_bench_model.py's qwen3-cpu")
+    p.add_argument("--variants", default="bf16,int8,int4")
+    p.add_argument("--batch", default="1,32", help="decode batch sizes")
+    p.add_argument("--context", type=int, default=256, help="tokens of context per sequence")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of --steps steps; the best counts")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second the engine's threads read from DRAM (a 1 GiB buffer, far past the caches)."""
+    buf = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best
+
+
+def tensor_bytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def linear_bytes(layer: LinearBase) -> int:
+    """A linear layer's weight (and bias) as the forward reads it."""
+    if layer.quant is not None:
+        weight = layer.quant.stored_bytes()
+    elif layer.packed is not None:
+        weight = layer.output_size * layer.input_size * layer.packed.dtype.itemsize if isinstance(
+            layer.packed, torch.Tensor) else tensor_bytes(layer.packed.data)
+    else:
+        weight = tensor_bytes(layer.weight)
+    return weight + (0 if layer.bias is None else tensor_bytes(layer.bias))
+
+
+def head_bytes(head: ParallelLMHead) -> int:
+    if head.packed is None:
+        return tensor_bytes(head.weight)
+    if isinstance(head.packed, torch.Tensor):
+        return head.vocab_size * head.hidden_size * head.packed.dtype.itemsize
+    return tensor_bytes(head.packed.data)
+
+
+def step_bytes(llm: LLM, batch: int, context: int) -> dict[str, int]:
+    runner = llm.engine.executor.runner
+    model = runner.model
+    spec = runner.kv_spec
+    kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    return {"gemm": sum(linear_bytes(m) for m in model.modules() if isinstance(m, LinearBase)),
+            "attention": kv, "lm_head": head_bytes(model.lm_head)}
+
+
+def run_variant(model: str, variant: str, batches: list[int], args: argparse.Namespace,
+                bandwidth: float) -> list[dict[str, Any]]:
+    max_batch = max(batches)
+    llm = LLM(model, dtype="bfloat16", quantization=VARIANTS[variant], max_num_seqs=max_batch,
+              max_model_len=args.context + args.steps * (args.repeats + 2) + 64, kv_cache_memory_bytes=2 << 30)
+    engine = llm.engine
+    rows = []
+    for batch in batches:
+        rng = random.Random(batch)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps * (args.repeats + 1) + 8)
+        ids = [engine.next_request_id() for _ in range(batch)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(min(engine.vocab_size, 4000)) for _ in range(args.context)], params)
+        budget = engine.config.max_num_batched_tokens
+        for _ in range(2 + -(-batch * args.context // budget)):  # prefill, then decode only
+            engine.step()
+        walls = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            walls.append((time.perf_counter() - start) / args.steps)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                with record_function("step"):
+                    engine.step()
+        totals = {e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages()
+                  if e.key in (*WRAPPED, "step")}
+        for rid in ids:  # so that the next batch starts clean
+            engine.abort_request(rid)
+        step_ms = 1000 * min(walls)
+        parts_ms = {"gemm": totals.get("gemm", 0.0), "attention": totals.get("attention", 0.0),
+                    "lm_head": totals.get("lm_head", 0.0)}
+        parts_ms["rest"] = totals["step"] - sum(parts_ms.values())
+        nbytes = step_bytes(llm, batch, args.context)
+        floor_ms = {k: 1000 * v / bandwidth for k, v in nbytes.items()}
+        rows.append({"variant": variant, "batch": batch, "step_ms": step_ms, "tok_s": batch / step_ms * 1000,
+                     "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "parts_ms": parts_ms,
+                     "floor_parts_ms": floor_ms, "profiled_step_ms": totals["step"]})
+    engine.shutdown()
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    def pct(floor: float, ms: float) -> str:
+        return f"{100 * floor / ms:.0f}%" if ms > 0 else "-"
+
+    table = []
+    for r in rows:
+        p, f = r["parts_ms"], r["floor_parts_ms"]
+        table.append({
+            "variant": r["variant"], "batch": r["batch"], "tok/s": f"{r['tok_s']:.1f}",
+            "step ms (floor, %)": f"{r['step_ms']:.2f} ({r['floor_ms']:.2f}, {pct(r['floor_ms'], r['step_ms'])})",
+            "MB read": f"{sum(r['bytes'].values()) / 1e6:.0f}",
+            "GEMMs ms (floor)": f"{p['gemm']:.2f} ({f['gemm']:.2f}, {pct(f['gemm'], p['gemm'])})",
+            "attention ms (floor)": f"{p['attention']:.2f} ({f['attention']:.2f}, {pct(f['attention'], p['attention'])})",
+            "LM head ms (floor)": f"{p['lm_head']:.2f} ({f['lm_head']:.2f}, {pct(f['lm_head'], p['lm_head'])})",
+            "rest ms": f"{p['rest']:.2f}",
+        })
+    print(markdown_table(table, list(table[0])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    install_labels()
+    batches = [int(b) for b in args.batch.split(",")]
+    variants = [v.strip() for v in args.variants.split(",")]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants takes {', '.join(VARIANTS)}, got {v!r}")
+    bandwidth = read_bandwidth()
+    print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
+          f"read bandwidth: {bandwidth / 1e9:.1f} GB/s; parts timed under the profiler, the step without it; "
+          "a part's % is its floor over its time")
+    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, bandwidth)]
+    print_rows(rows)
+    if args.json is not None:
+        write_json(args.json, {"model": args.model, "context": args.context, "threads": torch.get_num_threads(),
+                               "bandwidth_bytes_s": bandwidth, "machine": machine(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+#include "cpu_gemm_quant.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_dtype.h"
+#include "cpu_gemm.h"
+#include "cpu_parallel.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace nanovllm {
+namespace {
+
+// Slice depth and row block as the fp32 GEMM (csrc/cpu_gemm.cpp): a dequantized slice, 256 x 16
+// floats, is 16 KB of L1.
+constexpr int64_t kQuantKc = 256;
+constexpr int64_t kQuantMc = 144;
+// The most rows any instruction set's in-register path takes (each says its own, kDirectRows).
+constexpr int64_t kMaxDirectRows = 12;
+
+// int4 rows come in pairs: K is padded to even in the packed weight.
+int64_t padded_depth(int64_t k, int bits) { return bits == 4 ? (k + 1) / 2 * 2 : k; }
+
+// Where panel p's slice at depth k0 begins, in bytes (k0 and every slice depth even for int4).
+int64_t slice_bytes(int64_t panels, int64_t kp, int64_t p, int64_t k0, int bits) {
+  return (k0 * panels + p * std::min(kQuantKc, kp - k0)) * kGemmPanel * bits / 8;
+}
+
+// The input-column ranges that lie in one group and one slice, in order; first[s] is slice s's first.
+struct Segments {
+  std::vector<int64_t> start;  // count() + 1 entries, the last = k
+  std::vector<int64_t> first;  // slices + 1 entries
+  int64_t count() const { return static_cast<int64_t>(start.size()) - 1; }
+
+  Segments(int64_t k, int64_t group_size) {
+    for (int64_t k0 = 0; k0 < k; k0 += kQuantKc) {
+      first.push_back(static_cast<int64_t>(start.size()));
+      const int64_t end = std::min(k, k0 + kQuantKc);
+      for (int64_t s = k0; s < end; s = std::min(end, (s / group_size + 1) * group_size)) start.push_back(s);
+    }
+    first.push_back(static_cast<int64_t>(start.size()));
+    start.push_back(k);
+  }
+};
+
+}  // namespace
+
+// --- the kernel body, once per instruction set ---------------------------------------------------
+
+namespace quant_portable {
+namespace {
+// Plain C++ on 16 single floats: what any compiler vectorizes for the baseline instruction set.
+struct Isa {
+  using V = float;
+  static constexpr int kVecs = 16;
+  static constexpr int kDirectRows = 4;
+  static constexpr int kTileRows = 4;
+  static V zero() { return 0.0f; }
+  static V bcast(const float* p) { return *p; }
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V fnma(V a, V b, V c) { return c - a * b; }
+  static void int8(const int8_t* p, V* out) {
+    for (int i = 0; i < 16; ++i) out[i] = static_cast<float>(p[i]);
+  }
+  static void int4(const uint8_t* p, V* lo, V* hi) {
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = static_cast<float>(p[i] & 15);
+      hi[i] = static_cast<float>(p[i] >> 4);
+    }
+  }
+};
+#include "cpu_gemm_quant_tiles.h"
+}  // namespace
+}  // namespace quant_portable
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace quant_avx2 {
+namespace {
+// Two ymm registers per 16-column row: tiles of 6 rows keep 12 of the 16 as accumulators.
+struct Isa {
+  using V = __m256;
+  static constexpr int kVecs = 2;
+  static constexpr int kDirectRows = 6;
+  static constexpr int kTileRows = 6;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void int8(const int8_t* p, V* out) {
+    for (int v = 0; v < 2; ++v) {
+      out[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v))));
+    }
+  }
+  static void int4(const uint8_t* p, V* lo, V* hi) {
+    for (int v = 0; v < 2; ++v) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v)));
+      lo[v] = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+      hi[v] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+  }
+};
+#include "cpu_gemm_quant_tiles.h"
+}  // namespace
+}  // namespace quant_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized reports
+// once inlined into a loop (a known false positive).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace quant_avx512 {
+namespace {
+// One zmm register per 16-column row: up to 12 rows in registers, 32 registers in all.
+struct Isa {
+  using V = __m512;
+  static constexpr int kVecs = 1;
+  static constexpr int kDirectRows = 12;
+  static constexpr int kTileRows = 12;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void int8(const int8_t* p, V* out) {
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void int4(const uint8_t* p, V* lo, V* hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+};
+#include "cpu_gemm_quant_tiles.h"
+
+// The bf16 path (QuantGemmArgs::x_bf16): like the in-register path, with vdpbf16ps on pairs of
+// input columns (a 32-bit lane holds one column's weights at depths 2j and 2j + 1, the activations'
+// pair is broadcast), twice the products per instruction of fp32 FMAs and no dequantized buffer.
+// Weights become bf16 exactly: an int4 nibble u as the bf16 bits 0x4300 | u, i.e. 128 + u (so the
+// zero point moves by 128 too), an int8 value as itself (|q| <= 128 fits bf16's 8 bits).
+#define NANOVLLM_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+template <int Bits>
+NANOVLLM_AVX512BF16 inline __m512bh weight_pairs(const uint8_t* w, bool last_odd) {
+  if constexpr (Bits == 4) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));  // lo | hi << 4
+    // (b & 0xf) | 0x43004300, then | (b << 12) & 0xf0000: imm 0xEA is (A & B) | C.
+    const __m512i lo = _mm512_ternarylogic_epi32(b, _mm512_set1_epi32(0xf), _mm512_set1_epi32(0x43004300), 0xEA);
+    return reinterpret_cast<__m512bh>(
+        _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 12), _mm512_set1_epi32(0xf0000), lo, 0xEA));
+  } else {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 even[1], odd[1] = {_mm512_setzero_ps()};
+    Isa::int8(reinterpret_cast<const int8_t*>(w), even);
+    if (!last_odd) Isa::int8(reinterpret_cast<const int8_t*>(w + kGemmPanel), odd);  // no row past an odd k
+    // cvtne2ps gives [even 0..15 | odd 0..15]; vpermw interleaves them into the lanes.
+    return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(
+        interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd[0], even[0]))));
+  }
+}
+
+// R rows (x rows ldx apart, pairs of bf16) against panel p's slice at k0, segment by segment, as
+// direct_slice; xsum holds these rows' segment sums.
+template <int R, int Bits>
+NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p,
+                                           int64_t k0, const uint8_t* w, const uint16_t* x, const float* xsum,
+                                           float* y) {
+  constexpr int S = std::clamp(8 / R, 1, 4);  // accumulator sets, as dot_segment
+  constexpr int kRowBytes = kGemmPanel * Bits / 8;
+  const float magic = Bits == 4 ? 128.0f : 0.0f;
+  const int64_t groups = (a.k + a.group_size - 1) / a.group_size;
+  const int64_t col0 = p * kGemmPanel;
+  const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+  for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
+    const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
+    const int64_t pairs = (len + 1) / 2;
+    const uint8_t* ws = w + (s0 - k0) * kRowBytes;
+    __m512 part[S][R];
+    for (int t = 0; t < S; ++t) {
+      for (int r = 0; r < R; ++r) part[t][r] = _mm512_setzero_ps();
+    }
+    const auto step = [&](int64_t j, __m512* into) NANOVLLM_AVX512BF16 {
+      const __m512bh b = weight_pairs<Bits>(ws + 2 * j * kRowBytes, Bits == 8 && 2 * j + 1 == len);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * a.x_stride + s0 + 2 * j, sizeof pair);
+        into[r] = _mm512_dpbf16_ps(into[r], b, reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)));
+      }
+    };
+    int64_t j = 0;
+    for (; j + S <= pairs; j += S) {
+#pragma GCC unroll 4
+      for (int t = 0; t < S; ++t) step(j + t, part[t]);
+    }
+    for (; j < pairs; ++j) step(j, part[0]);
+    __m512 s[1], z[1];
+    group_params(a, groups, p, s0 / a.group_size, s, z);
+    const __m512 zero = _mm512_add_ps(z[0], _mm512_set1_ps(magic));
+    const bool first = s0 == 0;
+    alignas(64) float b16[kGemmPanel] = {};
+    if (first && a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
+    const __m512 bias = _mm512_load_ps(b16);
+    for (int r = 0; r < R; ++r) {
+      __m512 acc = part[0][r];
+      for (int t = 1; t < S; ++t) acc = _mm512_add_ps(acc, part[t][r]);
+      __m512 out = _mm512_mul_ps(s[0], _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[r * segs.count() + sg]), acc));
+      if (first) out = _mm512_add_ps(out, bias);
+      put(y + r * a.y_stride + col0, &out, cols, !first);
+    }
+  }
+}
+
+template <int Bits>
+NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0,
+                                     int64_t p1) {
+  const int64_t panels = gemm_panels(a.n);
+  const int64_t kp = padded_depth(a.k, Bits);
+  for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
+      row_tiles(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
+        direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
+                                   xsum + r * segs.count(), a.y + r * a.y_stride);
+      });
+    }
+  }
+}
+
+NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0,
+                                  int64_t p1) {
+  if (a.bits == 8) {
+    panels_bf16<8>(a, segs, xsum, p0, p1);
+  } else {
+    panels_bf16<4>(a, segs, xsum, p0, p1);
+  }
+}
+}  // namespace
+}  // namespace quant_avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+// --- dispatch ------------------------------------------------------------------------------------
+
+int64_t quant_gemm_packed_bytes(int64_t n, int64_t k, int bits) {
+  return gemm_panels(n) * padded_depth(k, bits) * kGemmPanel * bits / 8;
+}
+
+bool quant_isa_supported(QuantIsa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case QuantIsa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case QuantIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+    default: return true;
+  }
+#else
+  return isa == QuantIsa::kAuto || isa == QuantIsa::kPortable;
+#endif
+}
+
+bool quant_has_bf16() {
+#if defined(__x86_64__)
+  return quant_isa_supported(QuantIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+QuantIsa quant_isa_best() {
+  static const QuantIsa best = [] {
+    for (QuantIsa isa : {QuantIsa::kAvx512, QuantIsa::kAvx2}) {
+      if (quant_isa_supported(isa)) return isa;
+    }
+    return QuantIsa::kPortable;
+  }();
+  return best;
+}
+
+void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
+  if (a.m == 0) return;
+  if (isa == QuantIsa::kAuto) isa = quant_isa_best();
+  const Segments segs(a.k, a.group_size);
+  // Each row's sum of x over each segment, for the zero points of the in-register paths (the
+  // fp32 one takes at most kMaxDirectRows rows; the buffered path does not read it).
+  std::vector<float> xsum;
+  if (a.x_bf16 != nullptr || a.m <= kMaxDirectRows) {
+    xsum.assign(a.m * segs.count(), 0.0f);
+    for (int64_t r = 0; r < a.m; ++r) {
+      for (int64_t s = 0; s < segs.count(); ++s) {
+        float sum = 0.0f;
+        for (int64_t i = segs.start[s]; i < segs.start[s + 1]; ++i) {
+          sum += a.x_bf16 != nullptr ? widen(a.x_bf16[r * a.x_stride + i]) : a.x[r * a.x_stride + i];
+        }
+        xsum[r * segs.count() + s] = sum;
+      }
+    }
+  }
+  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, [&](int64_t p0, int64_t p1) {
+#if defined(__x86_64__)
+    if (a.x_bf16 != nullptr) {
+      quant_avx512::run_bf16(a, segs, xsum.data(), p0, p1);
+      return;
+    }
+#endif
+    switch (isa) {
+#if defined(__x86_64__)
+      case QuantIsa::kAvx512: quant_avx512::run(a, segs, xsum.data(), p0, p1); break;
+      case QuantIsa::kAvx2: quant_avx2::run(a, segs, xsum.data(), p0, p1); break;
+#endif
+      default: quant_portable::run(a, segs, xsum.data(), p0, p1); break;
+    }
+  });
+}
+
+}  // namespace nanovllm

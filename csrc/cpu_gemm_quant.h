@@ -1,0 +1,59 @@
+// y = x W^T + bias in fp32 for weight-only quantized W (int8 or int4, a scale and optionally a
+// zero point per group of input columns): one pass over the packed weight, dequantized in
+// registers. nanovllm/layers/quantization/cpu_kernel.py packs the weights and calls it.
+//
+// Packed layout: as csrc/cpu_gemm.h (panels of kGemmPanel = 16 output columns, K cut into slices
+// 256 deep, a pass over the panels at one slice depth one sequential stream), with 1-byte (int8)
+// or half-byte (int4) elements:
+//   int8: a panel slice is [depth][16] signed bytes;
+//   int4: [depth / 2][16] bytes, byte c of row j holding column c at depths 2j (low nibble) and
+//         2j + 1 (high nibble), values 0..15; K is padded to even (the pad nibble is never read).
+// Group parameters, per panel and group: 16 fp32 scales ([panels][groups][16]) and, when the
+// weight has zero points, 16 int8 zero points ([panels][groups][16]). Columns past n have scale 0.
+// A weight value is w = (q - z) * s with q the stored value (int4: the nibble) and z the zero
+// point plus `zero_offset` (int4 symmetric: z = 8, the stored zero point then absent).
+//
+// Two paths per panel slice: up to kDirectRows rows (decode), each group's partial dot products
+// sum x * q in registers and the group's scale and zero point apply once at its end
+// (s * (sum x q - z * sum x)); more rows dequantize the slice once into an fp32 buffer in L1 and
+// run register tiles over it (prefill). Instruction sets: AVX-512 (F, BW, VL, DQ), AVX2 + FMA, and
+// plain C++ for any other CPU; one template, picked at run time or forced for tests.
+#pragma once
+
+#include <cstdint>
+
+namespace nanovllm {
+
+enum class QuantIsa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// Bytes of the packed int`bits` weight of an [n, k] matrix.
+int64_t quant_gemm_packed_bytes(int64_t n, int64_t k, int bits);
+
+struct QuantGemmArgs {
+  const float* x;            // [m, k], rows x_stride apart (null with x_bf16)
+  // Nullable: bf16 activations instead of x, [m, k rounded up to even] (a pad column of zeros),
+  // rows x_stride apart, multiplied with AVX512-BF16 dot products on pairs of input columns (twice
+  // the fp32 FMA rate). Needs quant_has_bf16() and groups of an even size (or one per row).
+  const uint16_t* x_bf16;
+  const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
+  const float* scales;       // [panels][groups][16]
+  const int8_t* zeros;       // nullable: [panels][groups][16]
+  const float* bias;         // nullable, [n]
+  float* y;                  // [m, n], rows y_stride apart
+  int64_t m, n, k, x_stride, y_stride;
+  int64_t group_size;        // groups = ceil(k / group_size); group_size = k: one per output column
+  int bits;                  // 4 or 8
+  float zero_offset;         // added to every zero point (and the zero point when there are none)
+};
+
+// Whether this CPU runs `isa` (kAuto and kPortable: always).
+bool quant_isa_supported(QuantIsa isa);
+// The instruction set kAuto picks here.
+QuantIsa quant_isa_best();
+// Whether this CPU runs the bf16 path (AVX-512 with AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids).
+bool quant_has_bf16();
+
+// The binding checks sizes, pointers and that the CPU runs `isa`.
+void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads);
+
+}  // namespace nanovllm

@@ -1,0 +1,267 @@
+// The quantized GEMM's kernel body (csrc/cpu_gemm_quant.h), written once over an instruction-set
+// type `Isa` and included by csrc/cpu_gemm_quant.cpp once per instruction set, each time inside
+// that set's namespace and `#pragma GCC target` region, so every function here is compiled for it.
+// Deliberately no include guard.
+//
+// Isa provides: V (a vector of floats), kVecs (vectors per 16-column panel row), kDirectRows (most
+// rows of the in-register path), kTileRows (rows of a register tile over a dequantized slice),
+// zero/bcast/load/store/add/sub/mul/fma/fnma (fnma(a, b, c) = c - a * b), and the decoders int8(p, out)
+// (16 signed bytes -> kVecs vectors) and int4(p, lo, hi) (16 bytes -> the low and the high
+// nibbles as floats).
+
+using V = Isa::V;
+static_assert(Isa::kDirectRows <= kMaxDirectRows);
+constexpr int kVecs = Isa::kVecs;
+constexpr int kLanes = kGemmPanel / kVecs;
+
+inline void load16(const float* p, V* out) {
+  for (int v = 0; v < kVecs; ++v) out[v] = Isa::load(p + v * kLanes);
+}
+
+// y[0, cols) = v (+ y when `add`).
+inline void put(float* y, const V* v, int cols, bool add) {
+  if (cols == kGemmPanel) {
+    for (int i = 0; i < kVecs; ++i) Isa::store(y + i * kLanes, add ? Isa::add(Isa::load(y + i * kLanes), v[i]) : v[i]);
+    return;
+  }
+  alignas(64) float row[kGemmPanel];
+  for (int i = 0; i < kVecs; ++i) Isa::store(row + i * kLanes, v[i]);
+  for (int j = 0; j < cols; ++j) y[j] = add ? y[j] + row[j] : row[j];
+}
+
+// The group's scales and zero points (zero_offset added) of panel p.
+inline void group_params(const QuantGemmArgs& a, int64_t groups, int64_t p, int64_t g, V* s, V* z) {
+  const int64_t at = (p * groups + g) * kGemmPanel;
+  load16(a.scales + at, s);
+  if (a.zeros == nullptr) {
+    for (int v = 0; v < kVecs; ++v) z[v] = Isa::bcast(&a.zero_offset);
+    return;
+  }
+  Isa::int8(a.zeros + at, z);
+  for (int v = 0; v < kVecs; ++v) z[v] = Isa::add(z[v], Isa::bcast(&a.zero_offset));
+}
+
+// Independent accumulator sets per row for a tile of R rows: an FMA's result feeds the next after
+// 4 cycles, so a row alone (one accumulator per vector) waited on that latency at every step; with
+// S sets, S consecutive steps (int8 rows, int4 row pairs) go to different accumulators.
+template <int R>
+constexpr int kSets = std::clamp(8 / (R * kVecs), 1, 4);
+
+// acc[r] += x[r, i] * q[i] over one segment of `len` input columns: int8 rows of 16 bytes, or
+// int4 pairs of rows in 16 bytes (an odd last row in the low nibbles).
+template <int R, int Bits>
+inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t len, V (*acc)[kVecs]) {
+  constexpr int S = kSets<R>;
+  constexpr int kStep = Bits == 8 ? 1 : 2;  // input columns per 16 bytes of weights
+  V part[S][R][kVecs];
+  for (int t = 0; t < S; ++t) {
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kVecs; ++v) part[t][r][v] = t == 0 ? acc[r][v] : Isa::zero();
+    }
+  }
+  // One step: the 16 bytes at row `at` of w against input columns at * kStep (+ 1).
+  const auto step = [&](int64_t at, V (*into)[kVecs]) {
+    V lo[kVecs], hi[kVecs];
+    if constexpr (Bits == 8) {
+      Isa::int8(reinterpret_cast<const int8_t*>(w + at * kGemmPanel), lo);
+    } else {
+      Isa::int4(w + at * kGemmPanel, lo, hi);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V x0 = Isa::bcast(x + r * ldx + at * kStep);
+      for (int v = 0; v < kVecs; ++v) into[r][v] = Isa::fma(x0, lo[v], into[r][v]);
+      if constexpr (Bits == 4) {
+        const V x1 = Isa::bcast(x + r * ldx + at * kStep + 1);
+        for (int v = 0; v < kVecs; ++v) into[r][v] = Isa::fma(x1, hi[v], into[r][v]);
+      }
+    }
+  };
+  const int64_t steps = len / kStep;
+  int64_t i = 0;
+  for (; i + S <= steps; i += S) {
+#pragma GCC unroll 4
+    for (int t = 0; t < S; ++t) step(i + t, part[t]);
+  }
+  for (; i < steps; ++i) step(i, part[0]);
+  if (Bits == 4 && (len & 1)) {  // the odd last row: low nibbles only
+    V lo[kVecs], hi[kVecs];
+    Isa::int4(w + steps * kGemmPanel, lo, hi);
+    for (int r = 0; r < R; ++r) {
+      const V x0 = Isa::bcast(x + r * ldx + 2 * steps);
+      for (int v = 0; v < kVecs; ++v) part[0][r][v] = Isa::fma(x0, lo[v], part[0][r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVecs; ++v) {
+      V sum = part[0][r][v];
+      for (int t = 1; t < S; ++t) sum = Isa::add(sum, part[t][r][v]);
+      acc[r][v] = sum;
+    }
+  }
+}
+
+// The in-register path: all R = m rows against panel p's slice at k0 (w), segment by segment; at
+// each segment's end y += s * (sum x q - z * sum x) (the first segment of the row writes bias + that).
+template <int R, int Bits>
+void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
+                  const float* xsum) {
+  const int64_t groups = (a.k + a.group_size - 1) / a.group_size;
+  const int64_t col0 = p * kGemmPanel;
+  const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+  for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
+    const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
+    V acc[R][kVecs];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = Isa::zero();
+    }
+    dot_segment<R, Bits>(a.x + s0, a.x_stride, w + (s0 - k0) * kGemmPanel * Bits / 8, len, acc);
+    V s[kVecs], z[kVecs], bias[kVecs];
+    group_params(a, groups, p, s0 / a.group_size, s, z);
+    const bool first = s0 == 0;
+    for (int v = 0; v < kVecs; ++v) bias[v] = Isa::zero();
+    if (first) {
+      alignas(64) float b16[kGemmPanel] = {};
+      if (a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
+      load16(b16, bias);
+    }
+    for (int r = 0; r < R; ++r) {
+      const V xs = Isa::bcast(xsum + r * segs.count() + sg);
+      V out[kVecs];
+      for (int v = 0; v < kVecs; ++v) {
+        out[v] = Isa::mul(s[v], Isa::fnma(z[v], xs, acc[r][v]));
+        if (first) out[v] = Isa::add(out[v], bias[v]);
+      }
+      put(a.y + r * a.y_stride + col0, out, cols, !first);
+    }
+  }
+}
+
+// Panel p's slice at k0 (kc deep) dequantized to fp32: buf[i][16] = (q - z) * s.
+template <int Bits>
+void dequant_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
+                   float* buf) {
+  const int64_t groups = (a.k + a.group_size - 1) / a.group_size;
+  for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
+    const int64_t s0 = segs.start[sg], s1 = segs.start[sg + 1];
+    V s[kVecs], z[kVecs];
+    group_params(a, groups, p, s0 / a.group_size, s, z);
+    const auto store = [&](int64_t i, const V* q) {
+      for (int v = 0; v < kVecs; ++v) Isa::store(buf + (i - k0) * kGemmPanel + v * kLanes, Isa::mul(Isa::sub(q[v], z[v]), s[v]));
+    };
+    for (int64_t i = s0; i < s1;) {
+      const uint8_t* row = w + (i - k0) * kGemmPanel * Bits / 8;
+      V lo[kVecs], hi[kVecs];
+      if constexpr (Bits == 8) {
+        Isa::int8(reinterpret_cast<const int8_t*>(row), lo);
+        store(i++, lo);
+      } else {
+        Isa::int4(row, lo, hi);
+        store(i++, lo);
+        if (i < s1) store(i++, hi);
+      }
+    }
+  }
+}
+
+// One register tile over a dequantized slice: c[R x cols] (+)= a[R x kc] * buf[kc x 16]; the first
+// slice (add = false) starts from the bias.
+template <int R>
+void tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float* y, int64_t ldy, int cols, bool add,
+          const V* bias) {
+  V acc[R][kVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = add ? Isa::zero() : bias[v];
+  }
+  for (int64_t i = 0; i < kc; ++i) {
+    V b[kVecs];
+    load16(buf + i * kGemmPanel, b);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V xr = Isa::bcast(x + r * ldx + i);
+      for (int v = 0; v < kVecs; ++v) acc[r][v] = Isa::fma(xr, b[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) put(y + r * ldy, acc[r], cols, add);
+}
+
+// Rows [0, rows) in tiles of kTileRows and one smaller tile for the rest:
+// tile_at.template operator()<R>(first row) for each.
+template <int R = Isa::kTileRows, typename TileAt>
+void row_tiles(int64_t rows, const TileAt& tile_at, int64_t r0 = 0) {
+  if constexpr (R == Isa::kTileRows) {
+    for (; rows >= R; rows -= R, r0 += R) tile_at.template operator()<R>(r0);
+  }
+  if constexpr (R > 0) {
+    if (rows == R) {
+      tile_at.template operator()<R>(r0);
+    } else {
+      row_tiles<R - 1>(rows, tile_at, r0);
+    }
+  }
+}
+
+template <int Bits>
+void panels_buffered(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
+  const int64_t panels = gemm_panels(a.n);
+  alignas(64) float buf[kQuantKc * kGemmPanel];
+  const int64_t kp = padded_depth(a.k, Bits);
+  for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
+    const int64_t kc = std::min(kQuantKc, a.k - k0);
+    for (int64_t m0 = 0; m0 < a.m; m0 += kQuantMc) {
+      const int64_t mc = std::min(kQuantMc, a.m - m0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t col0 = p * kGemmPanel;
+        const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+        dequant_slice<Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), buf);
+        alignas(64) float b16[kGemmPanel] = {};
+        if (a.bias != nullptr && k0 == 0) std::copy_n(a.bias + col0, cols, b16);
+        V bias[kVecs];
+        load16(b16, bias);
+        const float* x = a.x + m0 * a.x_stride + k0;
+        float* y = a.y + m0 * a.y_stride + col0;
+        row_tiles(mc, [&]<int R>(int64_t r) {
+          tile<R>(x + r * a.x_stride, a.x_stride, buf, kc, y + r * a.y_stride, a.y_stride, cols, k0 > 0, bias);
+        });
+      }
+    }
+  }
+}
+
+template <int Bits, int R>
+void panels_direct(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+  const int64_t panels = gemm_panels(a.n);
+  const int64_t kp = padded_depth(a.k, Bits);
+  for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
+    for (int64_t p = p0; p < p1; ++p) {
+      direct_slice<R, Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), xsum);
+    }
+  }
+}
+
+// The thread's panels [p0, p1) with the path for a.m rows (xsum: the rows' segment sums, for the
+// in-register path).
+template <int Bits, int R = Isa::kDirectRows>
+void run_panels(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+  if constexpr (R == Isa::kDirectRows) {
+    if (a.m > R) {
+      panels_buffered<Bits>(a, segs, p0, p1);
+      return;
+    }
+  }
+  if constexpr (R > 0) {
+    if (a.m == R) {
+      panels_direct<Bits, R>(a, segs, xsum, p0, p1);
+    } else {
+      run_panels<Bits, R - 1>(a, segs, xsum, p0, p1);
+    }
+  }
+}
+
+void run(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+  if (a.bits == 8) {
+    run_panels<8>(a, segs, xsum, p0, p1);
+  } else {
+    run_panels<4>(a, segs, xsum, p0, p1);
+  }
+}

@@ -1,0 +1,192 @@
+"""Which weights of a model are quantized and how: read from `quantization_config` in config.json
+(compressed-tensors, AWQ, GPTQ) or asked for at load time (`LLM(..., quantization="int8"|"int4")`).
+
+Only what nanovllm runs is accepted; anything else is a ValueError naming the scheme, raised when
+the model is loaded, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from nanovllm.layers.quantization import awq, compressed_tensors, gptq
+from nanovllm.layers.quantization.weights import BITS, QuantizedWeight
+
+# `LLM(quantization=...)` values that quantize an unquantized checkpoint while it loads
+# (round to nearest), with `nanovllm quantize`'s defaults: (bits, group size (None: per channel)).
+LOAD_TIME_SCHEMES: dict[str, tuple[int, int | None]] = {"int8": (8, None), "int4": (4, 128)}
+CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightScheme:
+    """How one linear layer's weight is stored."""
+    bits: int
+    group_size: int | None  # None: one scale per output channel
+    symmetric: bool
+    actorder: bool = False  # the checkpoint has a g_idx (activation order)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    method: str  # "compressed-tensors" | "awq" | "gptq" | "rtn" (quantized at load time)
+    # (targets, scheme) per compressed-tensors config group; one entry matching everything otherwise
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]
+    ignore: tuple[str, ...] = ()
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # format details (GPTQ's zero offset)
+
+    def scheme_for(self, module: str) -> WeightScheme | None:
+        """The scheme of the checkpoint's linear module `module` (e.g. "model.layers.0.mlp.up_proj"),
+        None when it is stored unquantized."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(_matches(t, module) for t in targets):
+                return scheme
+        return None
+
+    def tensor_names(self, scheme: WeightScheme) -> tuple[str, ...]:
+        """The checkpoint tensors (name suffixes) of one quantized linear module."""
+        if self.method == "compressed-tensors":
+            return compressed_tensors.tensor_names(scheme.symmetric, scheme.actorder)
+        if self.method == "awq":
+            return awq.TENSOR_NAMES
+        if self.method == "gptq":
+            return gptq.TENSOR_NAMES
+        return ()
+
+    def unpack(self, tensors: Mapping[str, torch.Tensor], scheme: WeightScheme, out_features: int,
+               in_features: int, where: str) -> QuantizedWeight:
+        """One module's checkpoint tensors -> its QuantizedWeight ([out_features, in_features])."""
+        if self.method == "compressed-tensors":
+            return compressed_tensors.unpack(tensors, scheme.bits, scheme.group_size, scheme.symmetric,
+                                             out_features, in_features, where)
+        if self.method == "awq":
+            return awq.unpack(tensors, scheme.bits, _group(scheme, in_features), out_features, in_features, where)
+        if self.method == "gptq":
+            return gptq.unpack(tensors, scheme.bits, _group(scheme, in_features), scheme.symmetric,
+                               int(self.extra.get("zero_offset", 1)), out_features, in_features, where)
+        raise ValueError(f"{self.method} quantization has no checkpoint tensors")
+
+
+def _group(scheme: WeightScheme, in_features: int) -> int:
+    return in_features if scheme.group_size is None else scheme.group_size
+
+
+def _matches(pattern: str, module: str) -> bool:
+    """compressed-tensors' matching: "re:<regex>" from the start of the name, "Linear" (the class of
+    every layer nanovllm quantizes), or the module name itself (or a suffix of it at a dot)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return pattern == "Linear" or module == pattern or module.endswith("." + pattern)
+
+
+def load_time_config(name: str) -> QuantConfig:
+    if name not in LOAD_TIME_SCHEMES:
+        raise ValueError(f"quantization must be one of {sorted(LOAD_TIME_SCHEMES)} to quantize while loading "
+                         f"(or {', '.join(CHECKPOINT_METHODS)} naming a quantized checkpoint's own format), got {name!r}")
+    bits, group_size = LOAD_TIME_SCHEMES[name]
+    return QuantConfig("rtn", ((("Linear",), WeightScheme(bits, group_size, symmetric=False)),))
+
+
+def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: str) -> QuantConfig | None:
+    """The model's QuantConfig from config.json's `quantization_config` (`raw` is the whole
+    config.json) and the engine's `quantization` option: a load-time scheme for an unquantized
+    checkpoint, or a format name that must match the checkpoint's."""
+    qc = raw.get("quantization_config")
+    if qc is None:
+        if requested is None:
+            return None
+        if requested in CHECKPOINT_METHODS:
+            raise ValueError(f"quantization={requested!r}, but {where} has no quantization_config")
+        return load_time_config(requested)
+    if not isinstance(qc, dict):
+        raise ValueError(f"{where}: quantization_config must be an object")
+    method = str(qc.get("quant_method", "")).lower()
+    if requested is not None and requested != method:
+        raise ValueError(f"quantization={requested!r}, but {where} is quantized with {method!r}: a quantized "
+                         "checkpoint runs as it is stored (leave quantization unset)")
+    if method == "compressed-tensors":
+        return _compressed_tensors_config(qc, where)
+    if method == "awq":
+        return _awq_config(qc, where)
+    if method == "gptq":
+        return _gptq_config(qc, where)
+    raise ValueError(f"{where}: quantization method {method!r} is not supported (supported: "
+                     f"{', '.join(CHECKPOINT_METHODS)})")
+
+
+def _bits(value: Any, where: str, what: str) -> int:
+    bits = int(value)
+    if bits not in BITS:
+        raise ValueError(f"{where}: {what} with {bits}-bit weights is not supported (4 or 8 bits)")
+    return bits
+
+
+def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
+    top_format = qc.get("format")
+    groups = []
+    for name, group in (qc.get("config_groups") or {}).items():
+        fmt = group.get("format") or top_format
+        what = f"compressed-tensors group {name!r} (format {fmt!r})"
+        if fmt != "pack-quantized":
+            raise ValueError(f"{where}: {what} is not supported: only 'pack-quantized' (weight-only int4/int8)")
+        if group.get("input_activations") is not None or group.get("output_activations") is not None:
+            raise ValueError(f"{where}: {what} quantizes activations: not supported (only weight-only "
+                             "schemes: W4A16, W8A16)")
+        w = group.get("weights") or {}
+        if w.get("type", "int") != "int" or w.get("dynamic", False):
+            raise ValueError(f"{where}: {what}: weights of type {w.get('type')!r} (dynamic={w.get('dynamic')}) are "
+                             "not supported; only static int weights")
+        strategy = w.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"{where}: {what}: weight strategy {strategy!r} is not supported (group, channel)")
+        group_size = int(w["group_size"]) if strategy == "group" else None
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"{where}: {what}: group_size {group_size}")
+        actorder = w.get("actorder")
+        if actorder not in (None, False, "group", "weight", "static", "dynamic"):
+            raise ValueError(f"{where}: {what}: actorder {actorder!r} is not supported")
+        scheme = WeightScheme(_bits(w.get("num_bits", 8), where, what), group_size, bool(w.get("symmetric", True)),
+                              actorder == "group")
+        groups.append((tuple(group.get("targets") or ()), scheme))
+    if not groups:
+        raise ValueError(f"{where}: compressed-tensors quantization_config has no config_groups")
+    config = QuantConfig("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()))
+    if config.scheme_for("lm_head") is not None:
+        raise ValueError(f"{where}: a quantized LM head is not supported (ignore 'lm_head' when quantizing)")
+    return config
+
+
+def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{where}: AWQ version {version!r} is not supported: only 'gemm' packing")
+    if not qc.get("zero_point", True):
+        raise ValueError(f"{where}: AWQ without zero points is not supported (GEMM packing stores them)")
+    bits = _bits(qc.get("bits", qc.get("w_bit", 4)), where, "AWQ")
+    if bits != 4:
+        raise ValueError(f"{where}: AWQ with {bits}-bit weights is not supported (GEMM packing is 4-bit)")
+    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    scheme = WeightScheme(bits, None if group_size == -1 else group_size, symmetric=False)
+    return QuantConfig("awq", ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    bits = _bits(qc.get("bits", 4), where, "GPTQ")
+    if qc.get("lm_head"):
+        raise ValueError(f"{where}: a quantized LM head (GPTQ lm_head=true) is not supported")
+    group_size = int(qc.get("group_size", 128))
+    scheme = WeightScheme(bits, None if group_size == -1 else group_size, bool(qc.get("sym", True)),
+                          bool(qc.get("desc_act", False)))
+    # gptq (v1) stores every zero point minus one; gptq_v2 stores it as it is.
+    return QuantConfig("gptq", ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ()),
+                       {"zero_offset": 1 if fmt == "gptq" else 0})

@@ -1,0 +1,154 @@
+"""The CPU GEMM on quantized weights (csrc/cpu_gemm_quant.cpp): the weight packed once in its
+layout, and `linear` = `F.linear(x, dequantize(W), bias)` with the weight read at its stored width
+and dequantized in registers. AVX-512 where the CPU has it, else AVX2 + FMA, else plain C++ (`isa`
+forces one: tests run each that the CPU can)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm import _cpu
+from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.layers.quantization.weights import QuantizedWeight
+
+PANEL = 16  # csrc/cpu_gemm.h kGemmPanel
+SLICE = 256  # csrc/cpu_gemm_quant.cpp kQuantKc
+# bf16 activations take the bf16 dot-product path from this many rows on, by bit width: int4 always
+# (one Zen 4 core, 6144 x 1024: 202 us at 1 row against 245 for the fp32 path, 1.0 ms at 12 against
+# 2.2); int8 from 2 (its values need a conversion per row of weights: 332 us at 1 row against 263).
+BF16_MIN_ROWS = {4: 1, 8: 2}
+Isa = Literal["auto", "portable", "avx2", "avx512"]
+ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+HAS_BF16 = _cpu.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
+
+
+def isa_supported(isa: Isa) -> bool:
+    return bool(_cpu.quant_isa_supported(ISA_CODES[isa]))
+
+
+def best_isa() -> Isa:
+    return next(name for name, code in ISA_CODES.items() if code == _cpu.quant_isa_best())
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedQuantWeight:
+    packed: torch.Tensor  # uint8, _cpu.quant_gemm_packed_bytes(out, in, bits)
+    scales: torch.Tensor  # float32 [panels, groups, 16]
+    zeros: torch.Tensor | None  # int8 [panels, groups, 16]
+    out_features: int
+    in_features: int
+    bits: int
+    group_size: int
+    perm: torch.Tensor | None  # the input's columns in the weight's order (activation order)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @property
+    def zero_offset(self) -> float:
+        # The kernel reads int4 values as their nibbles, q + 8, so their zero points move by 8 too.
+        return 8.0 if self.bits == 4 else 0.0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros) if t is not None)
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[n, c] -> [panels, 16, c], rows past n zero."""
+    n = t.shape[0]
+    pad = -n % PANEL
+    return F.pad(t, (0, 0, 0, pad)).reshape(-1, PANEL, t.shape[1])
+
+
+def pack(w: QuantizedWeight) -> PackedQuantWeight:
+    """The kernel's copy of `w` (csrc/cpu_gemm_quant.h: panels of 16 columns, slices 256 deep). int4
+    values pair up two input columns to a byte, so groups must start at even columns: int4 in groups
+    of an odd size (no format writes them, but nothing forbids them) is stored a byte per value."""
+    n, k, bits = w.out_features, w.in_features, w.bits
+    if bits == 4 and w.group_size % 2 and w.group_size < k:
+        bits = 8
+    q = w.qweight if bits == 8 else (w.qweight.to(torch.int16) + 8).to(torch.uint8)
+    if bits == 4 and k % 2:
+        q = F.pad(q, (0, 1))  # int4 rows come in pairs; the pad is never read
+    q = _panels(q.view(torch.uint8) if bits == 8 else q)  # [panels, 16, kp]
+    kp = q.shape[2]
+    slices = []
+    for k0 in range(0, kp, SLICE):
+        block = q[:, :, k0:k0 + SLICE].transpose(1, 2)  # [panels, depth, 16]
+        if bits == 4:
+            pairs = block.reshape(block.shape[0], -1, 2, PANEL)
+            block = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+        slices.append(block.reshape(-1))
+    packed = torch.cat(slices).contiguous()
+    if packed.numel() != _cpu.quant_gemm_packed_bytes(n, k, bits):
+        raise AssertionError("packed size disagrees with the kernel's layout")
+    scales = _panels(w.scales).transpose(1, 2).contiguous()
+    zeros = None if w.zeros is None else _panels(w.zeros).transpose(1, 2).contiguous()
+    return PackedQuantWeight(packed, scales, zeros, n, k, bits, w.group_size, w.perm)
+
+
+def _check_groups(p: PackedQuantWeight) -> None:
+    if p.bits == 4 and p.group_size % 2 and p.group_size < p.in_features:
+        raise ValueError(f"int4 groups must have an even size (got {p.group_size}): pack() stores odd ones as int8")
+
+
+def check(p: PackedQuantWeight) -> None:
+    """The sizes the kernel will read, checked once when the packed weight is made (it trusts them)."""
+    _check_groups(p)
+    panels, groups = -(-p.out_features // PANEL), -(-p.in_features // p.group_size)
+    if p.packed.dtype != torch.uint8 or p.packed.numel() != _cpu.quant_gemm_packed_bytes(p.out_features, p.in_features,
+                                                                                       p.bits):
+        raise ValueError(f"packed weight of {p.packed.numel()} {p.packed.dtype} elements for a {p.bits}-bit "
+                         f"[{p.out_features}, {p.in_features}] weight")
+    if p.scales.dtype != torch.float32 or tuple(p.scales.shape) != (panels, groups, PANEL):
+        raise ValueError(f"packed scales {tuple(p.scales.shape)} ({p.scales.dtype}): expected float32 "
+                         f"[{panels}, {groups}, {PANEL}]")
+    if p.zeros is not None and (p.zeros.dtype != torch.int8 or tuple(p.zeros.shape) != (panels, groups, PANEL)):
+        raise ValueError(f"packed zero points {tuple(p.zeros.shape)} ({p.zeros.dtype}): expected int8 "
+                         f"[{panels}, {groups}, {PANEL}]")
+    if not all(t.is_contiguous() for t in (p.packed, p.scales, p.zeros) if t is not None):
+        raise ValueError("packed tensors must be contiguous")
+
+
+def _bf16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """bf16 rows the kernel reads in pairs of columns: in place when contiguous with an even length,
+    else a copy with a zero pad column."""
+    m, k = rows.shape
+    if k % 2 == 0 and rows.is_contiguous():
+        return rows, k
+    padded = torch.zeros((m, k + k % 2), dtype=torch.bfloat16)
+    padded[:, :k] = rows
+    return padded, padded.shape[1]
+
+
+def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa: Isa = "auto",
+           num_threads: int | None = None) -> torch.Tensor:
+    """`F.linear(x, dequantize(W), bias)` for the weight `p` was packed from; x `[..., in]`."""
+    if x.shape[-1] != p.in_features:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {p.in_features}")
+    if bias is not None and bias.shape != (p.out_features,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for {p.out_features} outputs")
+    rows = x if x.dim() == 2 else x.reshape(-1, p.in_features)
+    if p.perm is not None:
+        rows = rows.index_select(1, p.perm)
+    m = rows.shape[0]
+    # bf16 activations: bf16 dot products where the CPU has them (pairs of input columns, so not
+    # with groups of an odd size).
+    bf16 = (x.dtype == torch.bfloat16 and m >= BF16_MIN_ROWS[p.bits] and isa in ("auto", "avx512") and HAS_BF16
+            and (p.group_size % 2 == 0 or p.group_size == p.in_features))
+    xs, stride = _bf16_rows(rows) if bf16 else cpu_gemm.fp32_rows(rows)
+    b = None if bias is None else bias.float().contiguous()
+    y = torch.empty((m, p.out_features), dtype=torch.float32)
+    if m:
+        _cpu.quant_gemm_cpu(0 if bf16 else xs.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
+                          0 if p.zeros is None else p.zeros.data_ptr(), 0 if b is None else b.data_ptr(),
+                          y.data_ptr(), m, p.out_features, p.in_features, stride, p.out_features, p.group_size,
+                          p.bits, p.zero_offset, ISA_CODES[isa],
+                          torch.get_num_threads() if num_threads is None else num_threads,
+                          xs.data_ptr() if bf16 else 0)
+    y = y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.out_features)

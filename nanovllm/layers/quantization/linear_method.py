@@ -1,0 +1,194 @@
+"""Quantized weights in the model's linear layers.
+
+Before loading, `prepare_model` gives every linear layer the config quantizes, in place of its
+dense `weight`, one placeholder parameter per checkpoint tensor of its format (named like the
+tensor: `weight_packed`, `qweight`, ...), whose weight loader keeps the tensor as read, per fused
+shard (q/k/v, gate/up). After loading, `finish_model` turns each layer's tensors into one
+QuantizedWeight (the format's unpacking checks every shape), drops the placeholders, and on CPU
+packs it for csrc/cpu_gemm_quant.cpp. A load-time scheme ("int8"/"int4") loads the dense weights
+as usual and quantizes each layer in `finish_model` instead. The embedding and the LM head stay in
+the model's dtype.
+
+Forward: the CPU kernel on its packed copy; on CUDA the Triton dequantizing GEMM; elsewhere (or
+before packing) `F.linear` on the dequantized weight, the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import (
+    LinearBase,
+    Loaded,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ShardId,
+    read_all,
+    set_weight_loader,
+)
+from nanovllm.layers.quantization import cpu_kernel
+from nanovllm.layers.quantization.config import QuantConfig, WeightScheme
+from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn
+
+logger = logging.getLogger(__name__)
+
+
+class QuantizedLinear:
+    """A linear layer's quantized weight (`layer.quant`): the checkpoint tensors while loading, then
+    the QuantizedWeight and its packed form for this device's kernel."""
+
+    def __init__(self, shards: list[tuple[ShardId, int, str]], in_features: int, config: QuantConfig,
+                 scheme: WeightScheme) -> None:
+        self.shards = shards  # (shard id, its rows, the checkpoint module's name), in the fused order
+        self.in_features = in_features
+        self.config = config
+        self.scheme = scheme
+        self.loaded: dict[ShardId, dict[str, torch.Tensor]] = {sid: {} for sid, _, _ in shards}
+        self.weight: QuantizedWeight | None = None
+        self.cpu: cpu_kernel.PackedQuantWeight | None = None
+        self.triton: object | None = None  # triton_gemm.TritonWeight on CUDA
+
+    def tensor_loader(self, name: str):  # noqa: ANN201 - a WeightLoader
+        def load(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
+            if shard_id not in self.loaded:
+                raise ValueError(f"shard id {shard_id!r} is not one of {list(self.loaded)}")
+            self.loaded[shard_id][name] = read_all(loaded)
+        return load
+
+    def finish(self, device: torch.device) -> None:
+        parts = [self.config.unpack(self.loaded[sid], self.scheme, rows, self.in_features, module)
+                 for sid, rows, module in self.shards]
+        self.loaded = {}
+        self.set_weight(concat_rows(parts), device)
+
+    def set_weight(self, weight: QuantizedWeight, device: torch.device) -> None:
+        self.weight = weight
+        if device.type == "cuda":
+            from nanovllm.layers.quantization import triton_gemm
+
+            self.triton = triton_gemm.TritonWeight.from_weight(weight, device)
+            self.weight = None
+
+    def prepack_for_cpu(self) -> bool:
+        """Pack for the CPU kernel (once) and release the unpacked copy."""
+        if self.cpu is not None or self.weight is None:
+            return False
+        self.cpu = cpu_kernel.pack(self.weight)
+        self.weight = None
+        return True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.cpu is not None:
+            return cpu_kernel.linear(x, self.cpu, bias)
+        if self.triton is not None:
+            from nanovllm.layers.quantization import triton_gemm
+
+            return triton_gemm.linear(x, self.triton, bias)  # type: ignore[arg-type]
+        if self.weight is None:
+            raise RuntimeError("quantized layer used before its weights were loaded")
+        return F.linear(x, self.weight.dequantize(x.dtype).to(x.device), bias)
+
+    def stored_bytes(self) -> int:
+        """Bytes a forward reads for the weight (packed values, scales, zero points)."""
+        if self.cpu is not None:
+            return self.cpu.nbytes()
+        if self.weight is not None:
+            return self.weight.stored_bytes(scale_bytes=4)
+        return self.triton.nbytes()  # type: ignore[union-attr]
+
+
+def _checkpoint_shards(model: nn.Module, name: str, layer: LinearBase) -> list[tuple[ShardId, int, str]]:
+    """(shard id, rows, checkpoint module name) of each checkpoint module fused into `layer`."""
+    prefix, _, ours = name.rpartition(".")
+    # The model's checkpoint module -> (fused module, shard id) map (models/decoder.py), read by
+    # name: layers sit below models and do not import them.
+    mapping: dict[str, tuple[str, ShardId]] = getattr(model, "packed_modules_mapping", {})
+    ckpt = {(our, sid): theirs for theirs, (our, sid) in mapping.items()}
+    if isinstance(layer, QKVParallelLinear):
+        d = layer.head_dim
+        sizes: list[tuple[ShardId, int]] = [("q", layer.total_num_heads * d), ("k", layer.total_num_kv_heads * d),
+                                            ("v", layer.total_num_kv_heads * d)]
+    elif isinstance(layer, MergedColumnParallelLinear):
+        sizes = list(enumerate(layer.full_output_sizes))
+    else:
+        return [(None, layer.output_size, name)]
+    return [(sid, rows, f"{prefix}.{ckpt[(ours, sid)]}") for sid, rows in sizes]
+
+
+def _linear_layers(model: nn.Module) -> list[tuple[str, LinearBase]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
+
+
+def _scheme(config: QuantConfig, shards: list[tuple[ShardId, int, str]]) -> WeightScheme | None:
+    schemes = {config.scheme_for(module) for _, _, module in shards}
+    if len(schemes) > 1:
+        raise ValueError(f"the fused modules {[m for _, _, m in shards]} are quantized differently ({schemes}); "
+                         "they must share one scheme (or all be left unquantized)")
+    return schemes.pop()
+
+
+def _drop_dense_weight(layer: LinearBase) -> None:
+    layer.weight = None  # type: ignore[assignment]  (nn.Module keeps the name registered, as None)
+
+
+def prepare_model(model: nn.Module, config: QuantConfig) -> int:
+    """Before loading a quantized checkpoint: each quantized linear layer gets its format's tensors
+    in place of its dense weight. Returns how many layers are quantized."""
+    if config.method == "rtn":
+        return 0
+    count = 0
+    for name, layer in _linear_layers(model):
+        _refuse_tensor_parallel(layer)
+        shards = _checkpoint_shards(model, name, layer)
+        scheme = _scheme(config, shards)
+        if scheme is None:
+            continue
+        quant = QuantizedLinear(shards, layer.input_size, config, scheme)
+        _drop_dense_weight(layer)
+        for tensor in config.tensor_names(scheme):
+            param = nn.Parameter(torch.empty(0, dtype=torch.int32, device="cpu"), requires_grad=False)
+            set_weight_loader(param, quant.tensor_loader(tensor))
+            layer.register_parameter(tensor, param)
+        layer.quant = quant
+        count += 1
+    return count
+
+
+def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) -> int:
+    """After loading: every quantized layer's weight unpacked (or, for a load-time scheme,
+    quantized from the dense weight just loaded). Returns how many layers are quantized."""
+    count = 0
+    for name, layer in _linear_layers(model):
+        quant = layer.quant
+        if config.method == "rtn":
+            shards = _checkpoint_shards(model, name, layer)
+            scheme = _scheme(config, shards)
+            if scheme is None:
+                continue
+            _refuse_tensor_parallel(layer)
+            quant = QuantizedLinear(shards, layer.input_size, config, scheme)
+            try:
+                weight = quantize_rtn(layer.weight, scheme.bits, scheme.group_size, scheme.symmetric,
+                                      scale_dtype=layer.weight.dtype)
+            except ValueError as e:
+                raise ValueError(f"quantizing {name}: {e}") from e
+            _drop_dense_weight(layer)
+            quant.set_weight(weight, device)
+            layer.quant = quant
+        elif quant is not None:
+            for tensor in config.tensor_names(quant.scheme):
+                delattr(layer, tensor)
+            quant.finish(device)
+        else:
+            continue
+        count += 1
+    return count
+
+
+def _refuse_tensor_parallel(layer: LinearBase) -> None:
+    if getattr(layer, "tp_size", 1) > 1:
+        raise ValueError("quantized weights under tensor parallelism are not supported yet: run with "
+                         "tensor_parallel_size=1")

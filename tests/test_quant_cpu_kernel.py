@@ -1,0 +1,162 @@
+"""The CPU GEMM on int8 / int4 weights (csrc/cpu_gemm_quant.cpp through
+nanovllm/layers/quantization/cpu_kernel.py) against `x @ dequantize(W).T`, on every instruction set
+this CPU runs (AVX-512, AVX2, the portable C++): ragged rows (the in-register path up to 12 rows,
+the dequantized-slice path past it, register tiles cut anywhere), depths not a multiple of the
+group or the 256-deep slice (odd for int4), output columns not a multiple of the 16-column panel,
+every group size, symmetric and asymmetric, activation order; and bad metadata is an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from quant_helpers import random_quantized
+
+from nanovllm import _cpu
+from nanovllm.layers.quantization import cpu_kernel
+from nanovllm.layers.quantization.weights import QuantizedWeight
+
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_kernel.isa_supported(isa), reason=f"the CPU lacks {isa}"))
+        for isa in ("portable", "avx2", "avx512")]
+# (rows, k, n, group size): k = group size means one group per output channel
+SHAPES = [
+    (1, 256, 16, 32), (1, 300, 40, 64), (3, 333, 33, 333), (7, 1000, 48, 128), (12, 520, 100, 520),
+    (13, 200, 17, 64), (150, 700, 64, 128), (300, 96, 31, 32), (0, 64, 16, 64), (5, 257, 1000, 16),
+    (2, 333, 20, 111), (20, 333, 20, 111),  # odd groups: int4 stored a byte per value
+]
+
+
+def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.dequantize(torch.float64), None if bias is None else bias.double()).float()
+
+
+def assert_matches(y: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_kernel_matches_dequantized_product(isa: str, bits: int, symmetric: bool) -> None:
+    for i, (rows, k, n, group) in enumerate(SHAPES):
+        w = random_quantized(n, k, bits, group, symmetric, seed=i)
+        g = torch.Generator().manual_seed(100 + i)
+        x = torch.randn(rows, k, generator=g)
+        bias = torch.randn(n, generator=g) if i % 2 else None
+        packed = cpu_kernel.pack(w)
+        y = cpu_kernel.linear(x, packed, bias, isa=isa)  # type: ignore[arg-type]
+        assert y.shape == (rows, n)
+        assert_matches(y, reference(x, w, bias))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_order_and_strided_bf16_input(isa: str) -> None:
+    """A permuted weight (GPTQ desc_act) reads the input's columns in its own order; rows of a wider
+    tensor and bf16 activations go through the same path (the product rounded to bf16)."""
+    w = random_quantized(40, 384, 4, 128, symmetric=False, seed=7, act_order=True)
+    packed = cpu_kernel.pack(w)
+    wide = torch.randn(9, 400, generator=torch.Generator().manual_seed(8))[:, 5:389]
+    assert_matches(cpu_kernel.linear(wide, packed, None, isa=isa), reference(wide, w, None))  # type: ignore[arg-type]
+    xb = wide.to(torch.bfloat16)
+    y = cpu_kernel.linear(xb, packed, None, isa=isa)  # type: ignore[arg-type]
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, reference(xb.float(), w, None).to(torch.bfloat16), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.skipif(not _cpu.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_dot_product_path(bits: int) -> None:
+    """bf16 activations on an AVX512-BF16 CPU: bf16 dot products on pairs of input columns (the
+    weights' integers are exact in bf16, scales apply in fp32), so as close to the fp32 product of
+    the bf16 activations as the in-register fp32 path; odd depths pad a zero column; 1-300 rows."""
+    for i, (rows, k, n, group) in enumerate([(1, 333, 40, 112), (13, 700, 64, 100), (40, 255, 17, 255),
+                                             (300, 512, 48, 64), (5, 96, 16, 32)]):
+        w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=i)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        y = cpu_kernel.linear(x, cpu_kernel.pack(w), None)
+        expected = reference(x.float(), w, None)
+        torch.testing.assert_close(y.float(), expected, rtol=2 ** -7, atol=2 ** -8 * expected.abs().max().item())
+        y32 = cpu_kernel.linear(x, cpu_kernel.pack(w), None, isa="avx2")  # the fp32 path
+        assert (y.float() - y32.float()).abs().max() <= 2 ** -7 * y32.float().abs().max()
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    p = cpu_kernel.pack(random_quantized(16, 63, 4, 63, True, seed=0))
+    with pytest.raises(ValueError, match="even"):  # bf16 rows hold k rounded up to even
+        _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0, 0, torch.empty(20, 16).data_ptr(), 20, 16,
+                          63, 63, 16, 63, 4, 8.0, 0, 1, x.data_ptr())
+
+
+def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
+    """Threads split the output panels, never a sum: every thread count gives the same bits."""
+    w = random_quantized(200, 300, 4, 64, symmetric=False, seed=3)
+    packed = cpu_kernel.pack(w)
+    for rows in (2, 40):
+        x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows))
+        for isa in ("portable", "avx2", "avx512"):
+            if not cpu_kernel.isa_supported(isa):  # type: ignore[arg-type]
+                continue
+            outs = [cpu_kernel.linear(x, packed, None, isa=isa, num_threads=t) for t in (1, 2, 3)]  # type: ignore[arg-type]
+            assert all(torch.equal(outs[0], y) for y in outs[1:]), (isa, rows)
+
+
+def test_odd_int4_groups_are_stored_as_bytes() -> None:
+    w = random_quantized(16, 90, 4, 45, symmetric=False, seed=4)
+    p = cpu_kernel.pack(w)
+    assert p.bits == 8 and p.packed.numel() == 16 * 90
+    with pytest.raises(ValueError, match="even size"):
+        cpu_kernel.PackedQuantWeight(p.packed[:16 * 45], p.scales, p.zeros, 16, 90, 4, 45, None)
+    x = torch.randn(3, 90)
+    y = torch.empty(3, 16)
+    with pytest.raises(ValueError, match="even group size"):
+        _cpu.quant_gemm_cpu(x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(),
+                          3, 16, 90, 90, 16, 45, 4, 8.0)
+
+
+def test_packed_sizes() -> None:
+    """int8: a byte per weight; int4: half, K padded to even; rows padded to 16-column panels."""
+    assert _cpu.quant_gemm_packed_bytes(16, 256, 8) == 16 * 256
+    assert _cpu.quant_gemm_packed_bytes(17, 256, 8) == 32 * 256
+    assert _cpu.quant_gemm_packed_bytes(16, 255, 4) == 16 * 256 // 2
+    w = random_quantized(33, 333, 4, 112, symmetric=False, seed=1)
+    p = cpu_kernel.pack(w)
+    assert p.packed.numel() == 48 * 334 // 2 and tuple(p.scales.shape) == (3, 3, 16) == tuple(p.zeros.shape)
+    assert p.scales[2, :, 1:].eq(0).all()  # columns past n: scale 0
+
+
+def test_bad_metadata_is_an_error() -> None:
+    w = random_quantized(32, 128, 4, 64, symmetric=False, seed=2)
+    with pytest.raises(ValueError, match=r"scales of shape \(32, 3\)"):
+        QuantizedWeight(w.qweight, torch.ones(32, 3), None, 4, 64)
+    with pytest.raises(ValueError, match="zero points of shape"):
+        QuantizedWeight(w.qweight, w.scales, torch.zeros(32, 2, dtype=torch.int32), 4, 64)
+    with pytest.raises(ValueError, match="outside the 4-bit range"):
+        QuantizedWeight(torch.full((32, 128), 9, dtype=torch.int8), w.scales, None, 4, 64)
+    with pytest.raises(ValueError, match="3-bit"):
+        QuantizedWeight(w.qweight, w.scales, None, 3, 64)
+    with pytest.raises(ValueError, match="group size 0"):
+        QuantizedWeight(w.qweight, w.scales, None, 4, 0)
+    with pytest.raises(ValueError, match="permutation"):
+        QuantizedWeight(w.qweight, w.scales, None, 4, 64, torch.arange(127))
+    p = cpu_kernel.pack(w)
+    x = torch.randn(2, 128)
+    with pytest.raises(ValueError, match="packed weight of"):
+        cpu_kernel.PackedQuantWeight(p.packed[:-1], p.scales, p.zeros, 32, 128, 4, 64, None)
+    with pytest.raises(ValueError, match="packed scales"):
+        cpu_kernel.PackedQuantWeight(p.packed, p.scales[:, :1], p.zeros, 32, 128, 4, 64, None)
+    with pytest.raises(ValueError, match="packed zero points"):
+        cpu_kernel.PackedQuantWeight(p.packed, p.scales, p.zeros.float(), 32, 128, 4, 64, None)
+    with pytest.raises(ValueError, match="129 features"):
+        cpu_kernel.linear(torch.randn(2, 129), p, None)
+    with pytest.raises(ValueError, match="bias of shape"):
+        cpu_kernel.linear(x, p, torch.randn(31))
+    y = torch.empty(2, 32)
+    args = [x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(), 2, 32, 128,
+            128, 32, 64, 4, 8.0]
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        _cpu.quant_gemm_cpu(*args[:12], 5, 8.0)
+    with pytest.raises(ValueError, match="bad sizes"):  # a group larger than k
+        _cpu.quant_gemm_cpu(*args[:11], 129, 4, 8.0)
+    with pytest.raises(ValueError, match="null pointer"):
+        _cpu.quant_gemm_cpu(0, *args[1:])
+    with pytest.raises(ValueError, match="isa"):
+        _cpu.quant_gemm_cpu(*args, isa=7)
