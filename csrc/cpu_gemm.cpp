@@ -154,20 +154,23 @@ void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_st
   }
 }
 
-void gemm(const GemmArgs& a, int num_threads) {
+void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  const int64_t panels = gemm_panels(a.n);
-  parallel_rows(panels, a.m * a.k * kGemmPanel, num_threads, [&a](int64_t p0, int64_t p1) {
-    if (a.packed_dtype == CpuDtype::kFloat32) {
-      gemm_panels_range<float>(a, p0, p1);
-    } else {
-      gemm_panels_range<Bf16>(a, p0, p1);
-    }
-  });
+  if (a.packed_dtype == CpuDtype::kFloat32) {
+    gemm_panels_range<float>(a, p0, p1);
+  } else {
+    gemm_panels_range<Bf16>(a, p0, p1);
+  }
 #else
   (void)a;
-  (void)num_threads;
+  (void)p0;
+  (void)p1;
 #endif
+}
+
+void gemm(const GemmArgs& a, int num_threads) {
+  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
+                [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
 }
 
 }  // namespace nanovllm

@@ -41,4 +41,8 @@ struct GemmArgs {
 // Needs AVX2 + FMA (has_avx2_fma()); the binding checks.
 void gemm(const GemmArgs& a, int num_threads);
 
+// The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling
+// thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp).
+void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1);
+
 }  // namespace nanovllm
