@@ -263,6 +263,17 @@ void bind_cpu_gemm(py::module_& m) {
       py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
       "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu into gemm_packed_elements(n, k) elements of "
       "the same dtype (nanovllm.cpu.gemm allocates them).");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "Whether this CPU runs the AVX512-BF16 pair tiles (bf16 MoE experts).");
+  m.def(
+      "gemm_pack_bf16_pairs_cpu",
+      [](uintptr_t w, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
+        if (n < 1 || k < 2 || k % 2 != 0 || w_stride < k) value_error("gemm_pack_bf16_pairs_cpu: bad sizes (k even)");
+        if (!w || !packed) value_error("null pointer passed to gemm_pack_bf16_pairs_cpu");
+        py::gil_scoped_release release;
+        gemm_pack_bf16_pairs(reinterpret_cast<const Bf16*>(w), n, k, w_stride, reinterpret_cast<Bf16*>(packed));
+      },
+      py::arg("w"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
+      "Pack a bf16 [n, k] weight (k even) for the AVX512-BF16 pair tiles into gemm_packed_elements(n, k) elements.");
   m.def(
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
@@ -345,20 +356,26 @@ void bind_cpu_moe(py::module_& m) {
   m.def(
       "moe_experts_cpu",
       [](uintptr_t x, int64_t x_stride, uintptr_t logits, int64_t logits_stride, uintptr_t w13, int64_t w13_elements,
-         uintptr_t w2, int64_t w2_elements, int64_t weight_dtype, int64_t rows, int64_t hidden, int64_t inter,
-         int64_t experts, int64_t top_k, bool renormalize, uintptr_t out, int64_t out_stride, int64_t dtype,
-         int64_t num_threads) {
+         uintptr_t w2, int64_t w2_elements, int64_t weight_dtype, bool bf16_pairs, int64_t rows, int64_t hidden,
+         int64_t inter, int64_t experts, int64_t top_k, bool renormalize, uintptr_t out, int64_t out_stride,
+         int64_t dtype, int64_t num_threads) {
         if (!has_avx2_fma()) value_error("moe_experts_cpu needs a CPU with AVX2 and FMA");
         check_moe_sizes("moe_experts_cpu", rows, experts, top_k, logits_stride);
-        if (hidden < 1 || inter < 1 || x_stride < hidden || out_stride < hidden) {
+        if (hidden < 1 || inter < 1 || inter > kInt32Max || x_stride < hidden || out_stride < hidden) {
           value_error("moe_experts_cpu: bad sizes");
+        }
+        const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
+        if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || weights != CpuDtype::kBFloat16 ||
+                           hidden % 2 != 0)) {
+          value_error("moe_experts_cpu: bf16 pairs need an AVX512-BF16 CPU, bf16 activations and weights and an even "
+                      "hidden size");
         }
         // Each expert's packed weights, and every row buffer of the call, must fit int64 offsets.
         const int64_t per_w13 = gemm_packed_elements(moe_gate_up_rows(inter), hidden);
-        const int64_t per_w2 = gemm_packed_elements(hidden, inter);
+        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, bf16_pairs));
         if (per_w13 > std::numeric_limits<int64_t>::max() / 2 / experts ||
             per_w2 > std::numeric_limits<int64_t>::max() / 2 / experts ||
-            rows * top_k > std::numeric_limits<int64_t>::max() / 4 / (moe_gate_up_rows(inter) + inter + hidden)) {
+            rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {
           value_error("moe_experts_cpu: sizes overflow");
         }
         if (w13_elements != experts * per_w13 || w2_elements != experts * per_w2) {
@@ -370,18 +387,18 @@ void bind_cpu_moe(py::module_& m) {
         if (rows > 0 && (!x || !logits || !w13 || !w2 || !out)) value_error("null pointer passed to moe_experts_cpu");
         const MoeExpertsArgs a{reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
                                logits_stride, reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
-                               checked_dtype(weight_dtype, "weight_dtype"), rows, hidden, inter, experts, top_k,
-                               renormalize, reinterpret_cast<void*>(out), out_stride, checked_dtype(dtype, "dtype")};
+                               weights, bf16_pairs, rows, hidden, inter, experts, top_k, renormalize,
+                               reinterpret_cast<void*>(out), out_stride, type};
         py::gil_scoped_release release;
         moe_experts(a, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("x_stride"), py::arg("logits"), py::arg("logits_stride"), py::arg("w13"),
-      py::arg("w13_elements"), py::arg("w2"), py::arg("w2_elements"), py::arg("weight_dtype"), py::arg("rows"),
-      py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("top_k"), py::arg("renormalize"),
-      py::arg("out"), py::arg("out_stride"), py::arg("dtype"), py::arg("num_threads") = 1,
+      py::arg("w13_elements"), py::arg("w2"), py::arg("w2_elements"), py::arg("weight_dtype"), py::arg("bf16_pairs"),
+      py::arg("rows"), py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("top_k"),
+      py::arg("renormalize"), py::arg("out"), py::arg("out_stride"), py::arg("dtype"), py::arg("num_threads") = 1,
       "A mixture-of-experts layer (routing, every chosen expert's SiLU MLP, the weighted sum) on experts packed "
-      "by gemm_pack_cpu (gate/up rows interleaved: moe_gate_up_rows), from raw pointers (nanovllm.cpu.moe "
-      "checks the tensors).");
+      "by gemm_pack_cpu or gemm_pack_bf16_pairs_cpu (gate/up rows interleaved: moe_gate_up_rows), from raw "
+      "pointers (nanovllm.cpu.moe checks the tensors).");
   m.def("moe_gate_up_rows", [](int64_t inter) {
         if (inter < 1 || inter > kInt32Max) value_error("moe_gate_up_rows: inter must be in [1, 2^31)");
         return moe_gate_up_rows(inter);

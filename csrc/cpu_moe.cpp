@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -72,15 +73,31 @@ std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
 
 // The calling thread's scratch, kept from call to call and grown as needed: a 512-row step's buffers
 // are tens of MB, and fresh ones (mmap'ed by malloc) took ~5,000 page faults per layer, every call.
-float* scratch(int64_t floats) {
-  thread_local std::unique_ptr<float[]> buffer;
+std::byte* scratch(int64_t bytes) {
+  thread_local std::unique_ptr<std::byte[]> buffer;
   thread_local int64_t size = 0;
-  if (size < floats) {
-    buffer = std::make_unique_for_overwrite<float[]>(floats);
-    size = floats;
+  if (size < bytes) {
+    buffer = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    size = bytes;
   }
   return buffer.get();
 }
+
+// Carves typed arrays, each 64-byte aligned, out of one scratch buffer.
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <typename U>
+  U* take(int64_t count) {
+    U* at = reinterpret_cast<U*>(base_ + used_);
+    used_ += (count * static_cast<int64_t>(sizeof(U)) + 63) / 64 * 64;
+    return at;
+  }
+
+ private:
+  std::byte* base_;
+  int64_t used_ = 0;
+};
 
 // [begin, end) of n items split evenly over a team.
 struct Share {
@@ -88,16 +105,29 @@ struct Share {
   Share(int64_t n, int64_t thread, int64_t team) : begin(n * thread / team), end(n * (thread + 1) / team) {}
 };
 
+// One expert's GEMM over panels [p0, p1): fp32 rows on the widening AVX2 tiles, bf16 rows on the
+// AVX512-BF16 pair tiles.
+void expert_gemm(const float* x, int64_t x_stride, const char* packed, CpuDtype weight_dtype, float* y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+  gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, weight_dtype}, p0, p1);
+}
+void expert_gemm(const Bf16* x, int64_t x_stride, const char* packed, CpuDtype /*bf16*/, float* y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+  gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), y, m, n, k, x_stride, y_stride}, p0, p1);
+}
+
 // One thread's part of the layer, between the team's barriers:
-//   1. gather: its share of the assignments' rows of x, widened, in expert order (xs);
+//   1. gather: its share of the assignments' rows of x in expert order (xs, the GEMM input type A);
 //   2. gate/up: its share of the gate/up panels of every chosen expert (h), then SiLU(gate) * up
 //      of those panels' columns (act): the packing interleaves 8 gate and 8 up rows per panel;
-//   3. down: its share of the output panels of every chosen expert (into xs, free again), then the
-//      combine of those columns for every row: no thread reads another's.
-template <typename T>
+//   3. down: its share of the output panels of every chosen expert (y), then the combine of those
+//      columns for every row: no thread reads another's.
+// T is the activations' dtype; A the GEMMs' input: fp32 (our AVX2 tiles) or bf16 (the pair tiles).
+template <typename T, typename A>
 void experts_typed(const MoeExpertsArgs& a, int num_threads) {
   const int64_t k = a.top_k, assignments = a.rows * k, hidden = a.hidden, inter = a.inter;
   const int64_t inter8 = moe_gate_up_rows(inter) / 2, gate_up = 2 * inter8;
+  const int64_t down_k = moe_down_depth(inter, a.bf16_pairs);
   std::vector<int32_t> ids(assignments), sorted(assignments), offsets(a.experts + 1);
   std::vector<float> weights(assignments);
   // Serial: a decode step's routing is a few microseconds, and a parallel region of its own
@@ -110,14 +140,17 @@ void experts_typed(const MoeExpertsArgs& a, int num_threads) {
   for (int64_t e = 0; e < a.experts; ++e) {
     if (offsets[e + 1] > offsets[e]) chosen.push_back(static_cast<int32_t>(e));
   }
-  float* const xs = scratch(assignments * (hidden + gate_up + inter8));
-  float* const h = xs + assignments * hidden;
-  float* const act = h + assignments * gate_up;
+  const int64_t a_bytes = static_cast<int64_t>(sizeof(A));
+  Carver carve(scratch(assignments * ((hidden + inter8) * a_bytes + (gate_up + hidden) * 4) + 4 * 64));
+  A* const xs = carve.take<A>(assignments * hidden);
+  float* const h = carve.take<float>(assignments * gate_up);
+  A* const act = carve.take<A>(assignments * inter8);
+  float* const y = carve.take<float>(assignments * hidden);
   const int64_t weight_bytes = a.weight_dtype == CpuDtype::kFloat32 ? 4 : 2;
   const char* w13 = static_cast<const char*>(a.w13);
   const char* w2 = static_cast<const char*>(a.w2);
   const int64_t w13_bytes = gemm_packed_elements(gate_up, hidden) * weight_bytes;
-  const int64_t w2_bytes = gemm_packed_elements(hidden, inter) * weight_bytes;
+  const int64_t w2_bytes = gemm_packed_elements(hidden, down_k) * weight_bytes;
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.out);
   // Weights read plus multiply-adds, in elements: below kMinElementsPerThread a thread costs more.
@@ -128,25 +161,24 @@ void experts_typed(const MoeExpertsArgs& a, int num_threads) {
     const Share rows(assignments, t, team);
     for (int64_t r = rows.begin; r < rows.end; ++r) {
       const T* __restrict src = x + sorted[r] / k * a.x_stride;
-      float* __restrict dst = xs + r * hidden;
+      A* __restrict dst = xs + r * hidden;
 #pragma omp simd
-      for (int64_t c = 0; c < hidden; ++c) dst[c] = widen(src[c]);
+      for (int64_t c = 0; c < hidden; ++c) narrow(widen(src[c]), dst + c);
     }
 #pragma omp barrier
     const Share up_panels(gemm_panels(gate_up), t, team);
     for (const int32_t e : chosen) {
       const int64_t first = offsets[e], m = offsets[e + 1] - first;
-      gemm_panel_range({xs + first * hidden, w13 + e * w13_bytes, nullptr, h + first * gate_up, m,
-                        gate_up, hidden, hidden, gate_up, a.weight_dtype},
-                       up_panels.begin, up_panels.end);
+      expert_gemm(xs + first * hidden, hidden, w13 + e * w13_bytes, a.weight_dtype, h + first * gate_up, gate_up, m,
+                  gate_up, hidden, up_panels.begin, up_panels.end);
       for (int64_t r = first; r < first + m; ++r) {
         for (int64_t p = up_panels.begin; p < up_panels.end; ++p) {
           const float* __restrict gate = h + r * gate_up + p * kGemmPanel;
           const float* __restrict up = gate + kGemmPanel / 2;
-          float* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
+          A* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
 #pragma omp simd
           for (int64_t c = 0; c < kGemmPanel / 2; ++c) {
-            dst[c] = round_to<T>(round_to<T>(silu(round_to<T>(gate[c]))) * round_to<T>(up[c]));
+            narrow(round_to<T>(round_to<T>(silu(round_to<T>(gate[c]))) * round_to<T>(up[c])), dst + c);
           }
         }
       }
@@ -155,11 +187,10 @@ void experts_typed(const MoeExpertsArgs& a, int num_threads) {
     const Share down_panels(gemm_panels(hidden), t, team);
     for (const int32_t e : chosen) {
       const int64_t first = offsets[e];
-      gemm_panel_range({act + first * inter8, w2 + e * w2_bytes, nullptr, xs + first * hidden,
-                        offsets[e + 1] - first, hidden, inter, inter8, hidden, a.weight_dtype},
-                       down_panels.begin, down_panels.end);
+      expert_gemm(act + first * inter8, inter8, w2 + e * w2_bytes, a.weight_dtype, y + first * hidden, hidden,
+                  offsets[e + 1] - first, hidden, down_k, down_panels.begin, down_panels.end);
     }
-    combine_rows<float, T>(xs, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
+    combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
                            down_panels.begin * kGemmPanel, std::min(hidden, down_panels.end * kGemmPanel));
   });
 }
@@ -198,9 +229,11 @@ void moe_combine(const MoeCombineArgs& a, int num_threads) {
 void moe_experts(const MoeExpertsArgs& a, int num_threads) {
   if (a.rows == 0) return;
   if (a.dtype == CpuDtype::kFloat32) {
-    experts_typed<float>(a, num_threads);
+    experts_typed<float, float>(a, num_threads);
+  } else if (a.bf16_pairs) {
+    experts_typed<Bf16, Bf16>(a, num_threads);
   } else {
-    experts_typed<Bf16>(a, num_threads);
+    experts_typed<Bf16, float>(a, num_threads);
   }
 }
 

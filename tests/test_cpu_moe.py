@@ -17,6 +17,7 @@ from nanovllm.layers import moe_torch
 from nanovllm.layers.fused_moe import FusedMoE
 
 AVX2 = pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+PAIRS = pytest.mark.skipif(not (_cpu.has_avx2_fma() and _cpu.has_avx512_bf16()), reason="the CPU lacks AVX512-BF16")
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 PATHS = [pytest.param("avx2", marks=AVX2), pytest.param("onednn", marks=ONEDNN), "dense", "torch"]
 
@@ -27,8 +28,8 @@ def run_path(path: str, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor
         ids, weights = moe_torch.route(logits, top_k, renormalize)
         return moe_torch.experts(x, ids, weights, w13, w2)
     packed: cpu_moe.PackedExperts | None = None
-    if path == "avx2":
-        packed = cpu_moe.pack_experts(w13, w2, "avx2")
+    if path in ("avx2", "pairs"):  # pairs: bf16 experts on the AVX512-BF16 tiles
+        packed = cpu_moe.pack_experts(w13, w2, "avx2", bf16_pairs=path == "pairs")
         assert isinstance(packed, cpu_moe.GemmPackedExperts) and packed.w13.dtype == w13.dtype
         w13, w2 = w13.new_empty(0), w2.new_empty(0)  # the layer releases them: never read
     elif path == "onednn":  # packed whatever the size (the engine leaves small ones dense)
@@ -81,12 +82,12 @@ def test_experts_nobody_chose_do_not_reach_the_output() -> None:
                                atol=1e-5)
 
 
-@AVX2
-def test_fused_call_is_the_same_on_any_number_of_threads() -> None:
+@pytest.mark.parametrize("pairs", [pytest.param(False, marks=AVX2), pytest.param(True, marks=PAIRS)])
+def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool) -> None:
     """Threads split (expert, panel) pairs and rows, never a sum: every thread count gives the same bits."""
     c = Case(16, 4, 100, 200, 72, True)
-    x, logits, w13, w2 = make_weights(c, seed=7)
-    packed = cpu_moe.pack_experts(w13, w2, "avx2")
+    x, logits, w13, w2 = make_weights(c, seed=7, dtype=torch.bfloat16 if pairs else torch.float32)
+    packed = cpu_moe.pack_experts(w13, w2, "avx2", bf16_pairs=pairs)
     before = torch.get_num_threads()
     outs = []
     try:
@@ -98,10 +99,15 @@ def test_fused_call_is_the_same_on_any_number_of_threads() -> None:
     assert all(torch.equal(outs[0], y) for y in outs[1:])
 
 
-@pytest.mark.parametrize("path", [pytest.param("avx2", marks=AVX2), pytest.param("onednn", marks=ONEDNN)])
-def test_bf16_matches_torch_bf16_and_fp32(path: str) -> None:
-    """bf16 activations and weights: within bf16 rounding of the fp32 result and of torch's bf16 ops."""
-    c = Case(16, 4, 40, 136, 48, False)
+BF16_PATHS = [pytest.param("avx2", marks=AVX2), pytest.param("pairs", marks=PAIRS), pytest.param("onednn", marks=ONEDNN)]
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
+@pytest.mark.parametrize("case", [Case(16, 4, 40, 136, 48, False), *CASES[3:]], ids=case_id)
+def test_bf16_matches_torch_bf16_and_fp32(path: str, case: Case) -> None:
+    """bf16 activations and weights: within bf16 rounding of the fp32 result and of torch's bf16 ops
+    (an intermediate size 8 does not divide pads the pair tiles' depth)."""
+    c = case
     x, logits, w13, w2 = make_weights(c, seed=8, dtype=torch.bfloat16)
     got = run_path(path, x, logits, w13, w2, c.top_k, c.renormalize)
     assert got.dtype == torch.bfloat16
@@ -247,7 +253,19 @@ def test_bad_input_is_a_value_error() -> None:
             cpu_moe.fused_experts(x[:, :63], logits, w13, w2, packed, 2, True)
         with pytest.raises(ValueError, match="packed experts hold"):  # 3 experts' worth for 4
             _cpu.moe_experts_cpu(x.data_ptr(), 64, logits.data_ptr(), 4, packed.w13.data_ptr(),
-                               packed.w13.numel() * 3 // 4, packed.w2.data_ptr(), packed.w2.numel(), 0, 3, 64, 32, 4,
-                               2, True, x.data_ptr(), 64, 0)
+                                 packed.w13.numel() * 3 // 4, packed.w2.data_ptr(), packed.w2.numel(), 0, False, 3,
+                                 64, 32, 4, 2, True, x.data_ptr(), 64, 0)
+        with pytest.raises(ValueError, match="bf16 pairs need"):  # fp32 weights, or a CPU without AVX512-BF16
+            cpu_moe.pack_experts(w13, w2, "avx2", bf16_pairs=True)
+        with pytest.raises(ValueError, match="bf16 pairs need"):  # fp32 activations
+            _cpu.moe_experts_cpu(x.data_ptr(), 64, logits.data_ptr(), 4, packed.w13.data_ptr(), packed.w13.numel(),
+                                 packed.w2.data_ptr(), packed.w2.numel(), 1, True, 3, 64, 32, 4, 2, True, x.data_ptr(),
+                                 64, 0)
+    if _cpu.has_avx2_fma() and _cpu.has_avx512_bf16():
+        paired = cpu_moe.pack_experts(w13.bfloat16(), w2.bfloat16(), "avx2", bf16_pairs=True)
+        with pytest.raises(ValueError, match="packed for bf16 activations, got torch.float32"):
+            cpu_moe.fused_experts(x, logits, w13, w2, paired, 2, True)
+        with pytest.raises(ValueError, match="k even"):
+            _cpu.gemm_pack_bf16_pairs_cpu(w13.data_ptr(), 4, 63, 63, w13.data_ptr())
     with pytest.raises(ValueError, match="unsupported input"):
         cpu_moe.fused_experts(torch.randn(3, 64, dtype=torch.float64), logits, w13, w2, None, 2, True)

@@ -33,14 +33,17 @@ from nanovllm.cpu.features import GemmKernel
 
 @dataclasses.dataclass(frozen=True)
 class GemmPackedExperts:
-    """`gemm_cpu`'s copies of every expert, back to back: w13 experts x [moe_gate_up_rows(inter),
-    hidden] (gate and up rows interleaved, `interleave_gate_up`), w2 experts x [hidden, inter], each
-    flat in the weights' dtype."""
+    """Our GEMM's copies of every expert, back to back: w13 experts x [moe_gate_up_rows(inter),
+    hidden] (gate and up rows interleaved, `interleave_gate_up`), w2 experts x [hidden, depth], each
+    flat in the weights' dtype. `bf16_pairs`: bf16 weights packed in k pairs for the AVX512-BF16 tiles
+    (the down weights' depth padded to moe_gate_up_rows(inter) / 2), else for the widening AVX2 tiles
+    (depth inter)."""
     w13: torch.Tensor
     w2: torch.Tensor
     experts: int
     hidden: int
     inter: int
+    bf16_pairs: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,22 +71,36 @@ def expert_kernel() -> GemmKernel:
     return "avx2" if _cpu.has_avx2_fma() else cpu_gemm.gemm_kernel()
 
 
-def pack_experts(w13: torch.Tensor, w2: torch.Tensor, kernel: GemmKernel | None = None) -> PackedExperts | None:
+def can_pair(w13: torch.Tensor) -> bool:
+    """Whether bf16 experts w13 `[E, 2I, H]` can take the AVX512-BF16 pair tiles on this CPU: bf16
+    dot products run twice an FMA's multiply-adds (a bf16 prefill's experts are compute-bound)."""
+    return w13.dtype == torch.bfloat16 and w13.shape[2] % 2 == 0 and _cpu.has_avx512_bf16()
+
+
+def pack_experts(w13: torch.Tensor, w2: torch.Tensor, kernel: GemmKernel | None = None,
+                 bf16_pairs: bool | None = None) -> PackedExperts | None:
     """The packed copies of w13 `[E, 2I, H]` and w2 `[E, H, I]` for `kernel` (default:
-    `expert_kernel()`), or None when cpu_gemm packs nothing of this kind."""
+    `expert_kernel()`), or None when cpu_gemm packs nothing of this kind. Ours packs bf16 experts in
+    k pairs where `can_pair` (unless `bf16_pairs` says otherwise)."""
     kernel = kernel or expert_kernel()
     if not cpu_gemm.can_prepack(w13[0], kernel):
         return None
     if kernel == "avx2":
         experts, two_inter, hidden = w13.shape
-        return GemmPackedExperts(_gemm_pack_all(interleave_gate_up(w13)), _gemm_pack_all(w2), experts, hidden,
-                                 two_inter // 2)
+        inter = two_inter // 2
+        pairs = can_pair(w13) if bf16_pairs is None else bf16_pairs
+        if pairs and not can_pair(w13):
+            raise ValueError("bf16 pairs need bf16 experts of an even hidden size on an AVX512-BF16 CPU")
+        if pairs:  # the down weights' depth padded with zero columns, as the pair tiles need it even
+            w2 = F.pad(w2.detach(), (0, _cpu.moe_gate_up_rows(inter) // 2 - inter))
+        return GemmPackedExperts(_gemm_pack_all(interleave_gate_up(w13), pairs), _gemm_pack_all(w2, pairs), experts,
+                                 hidden, inter, pairs)
     return LinearExperts([cpu_gemm.prepack(w, kernel) for w in w13], [cpu_gemm.prepack(w, kernel) for w in w2])
 
 
-def _gemm_pack_all(w: torch.Tensor) -> torch.Tensor:
-    """gemm_pack_cpu's copy of every `w[e]` of w `[E, n, k]`, back to back in one flat tensor on huge
-    pages (a decode step streams it)."""
+def _gemm_pack_all(w: torch.Tensor, pairs: bool) -> torch.Tensor:
+    """gemm_pack_cpu's (or with `pairs` gemm_pack_bf16_pairs_cpu's) copy of every `w[e]` of w
+    `[E, n, k]`, back to back in one flat tensor on huge pages (a decode step streams it)."""
     if not _cpu.has_avx2_fma():
         raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
     w = w.detach().contiguous()
@@ -91,7 +108,10 @@ def _gemm_pack_all(w: torch.Tensor) -> torch.Tensor:
     per = _cpu.gemm_packed_elements(n, k)
     flat = huge_pages.empty(experts * per, w.dtype)
     for e in range(experts):
-        _cpu.gemm_pack_cpu(w[e].data_ptr(), KERNEL_DTYPES[w.dtype], n, k, k, flat[e * per:].data_ptr())
+        if pairs:
+            _cpu.gemm_pack_bf16_pairs_cpu(w[e].data_ptr(), n, k, k, flat[e * per:].data_ptr())
+        else:
+            _cpu.gemm_pack_cpu(w[e].data_ptr(), KERNEL_DTYPES[w.dtype], n, k, k, flat[e * per:].data_ptr())
     return flat
 
 
@@ -121,8 +141,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     r = Routing(torch.empty(rows, top_k, dtype=torch.int32), torch.empty(rows, top_k, dtype=torch.float32),
                 torch.empty(experts + 1, dtype=torch.int32), torch.empty(rows * top_k, dtype=torch.int32))
     _cpu.moe_route_cpu(logits.data_ptr(), rows, experts, experts, top_k, renormalize, r.topk_ids.data_ptr(),
-                     r.topk_weights.data_ptr(), r.expert_offsets.data_ptr(), r.sorted.data_ptr(),
-                     torch.get_num_threads())
+                       r.topk_weights.data_ptr(), r.expert_offsets.data_ptr(), r.sorted.data_ptr(),
+                       torch.get_num_threads())
     return r
 
 
@@ -135,8 +155,8 @@ def combine(y: torch.Tensor, routing: Routing) -> torch.Tensor:
     y = y.contiguous()
     out = torch.empty(rows, y.shape[1], dtype=y.dtype)
     _cpu.moe_combine_cpu(y.data_ptr(), y.shape[1], routing.sorted.data_ptr(),
-                       routing.topk_weights.data_ptr(), rows, top_k, y.shape[1], out.data_ptr(), y.shape[1],
-                       KERNEL_DTYPES[y.dtype], torch.get_num_threads())
+                         routing.topk_weights.data_ptr(), rows, top_k, y.shape[1], out.data_ptr(), y.shape[1],
+                         KERNEL_DTYPES[y.dtype], torch.get_num_threads())
     return out
 
 
@@ -170,11 +190,13 @@ def _gemm_experts(x: torch.Tensor, logits: torch.Tensor, packed: GemmPackedExper
     if hidden != packed.hidden or logits.shape[1] != packed.experts:
         raise ValueError(f"fused_experts: input of {hidden} features and {logits.shape[1]} router logits, the experts "
                          f"take {packed.hidden} and {packed.experts}")
+    if packed.bf16_pairs and x.dtype != torch.bfloat16:
+        raise ValueError(f"fused_experts: experts packed for bf16 activations, got {x.dtype}")
     x, logits = x.contiguous(), logits.float().contiguous()
     out = torch.empty(rows, hidden, dtype=x.dtype)
     _cpu.moe_experts_cpu(x.data_ptr(), hidden, logits.data_ptr(), packed.experts, packed.w13.data_ptr(),
-                       packed.w13.numel(), packed.w2.data_ptr(), packed.w2.numel(), KERNEL_DTYPES[packed.w13.dtype],
-                       rows, hidden, packed.inter, packed.experts, top_k, renormalize, out.data_ptr(), hidden,
-                       KERNEL_DTYPES[x.dtype], torch.get_num_threads())
+                         packed.w13.numel(), packed.w2.data_ptr(), packed.w2.numel(), KERNEL_DTYPES[packed.w13.dtype],
+                         packed.bf16_pairs, rows, hidden, packed.inter, packed.experts, top_k, renormalize,
+                         out.data_ptr(), hidden, KERNEL_DTYPES[x.dtype], torch.get_num_threads())
     return out
 
