@@ -1,5 +1,6 @@
 // y = x W^T + bias in fp32 on an AVX2 + FMA CPU, on a weight packed once at load time: the
-// engine's linear layers on CPUs without AVX-512 (nanovllm/layers/cpu_gemm.py picks it).
+// engine's linear layers on CPUs without AVX-512 (nanovllm/cpu/gemm.py picks it), and the
+// mixture-of-experts layers' experts on every AVX2 CPU (cpu_moe.h).
 //
 // Why our own: oneDNN's prepacked fp32 matmul ran these shapes at 60-75% of the two cores' FMA
 // peak, and 45-60% at decode batches (32 x 1024 x 6144: 87 GF/s of ~185); a BLIS-style 6 x 16
