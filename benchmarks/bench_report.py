@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cpu_model() -> str:
@@ -53,3 +57,14 @@ def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
+    """Bytes per second a sum over `buf` (fp32, far larger than the caches) reads at with the
+    engine's threads, the best of `repeats`."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * buf.element_size() / best

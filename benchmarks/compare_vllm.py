@@ -25,6 +25,8 @@ Usage:
     python benchmarks/compare_vllm.py [--model DIR] [--dtype bfloat16] [--json out.json]
     python benchmarks/make_bench_model.py /tmp/qwen3-cpu --shape qwen3-cpu
     python benchmarks/compare_vllm.py --model /tmp/qwen3-cpu --num-seqs 32 --min-output 64
+    python benchmarks/make_bench_model.py /tmp/qwen3-moe-cpu --shape qwen3-moe-cpu   # mixture of experts
+    python benchmarks/compare_vllm.py --model /tmp/qwen3-moe-cpu --num-seqs 32 --min-output 64 --max-output 64
 """
 
 from __future__ import annotations

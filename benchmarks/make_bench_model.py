@@ -1,4 +1,4 @@
-"""Write a random-weight model with Qwen3-0.6B's shapes (or a smaller Qwen3) for the benchmarks.
+"""Write a random-weight model with Qwen3-0.6B's shapes (or a smaller Qwen3, or a Qwen3-MoE) for the benchmarks.
 
 No download: the weights are random (transformers' init, from a fixed seed), stored in bf16, and the
 tokenizer is the built-in model's small byte-level BPE (4096 tokens) while the model's vocabulary
@@ -9,7 +9,7 @@ prompt ids, ignore_eos, counted in tokens) does not mind.
 Qwen3-0.6B: hidden 1024, 28 layers, 16 query / 8 KV heads of head_dim 128, intermediate 3072,
 vocab 151936, tied embeddings, rope theta 1e6, max_position_embeddings 40960.
 
-Usage: python benchmarks/make_bench_model.py OUT_DIR [--shape qwen3-0.6b|qwen3-cpu|tiny]
+Usage: python benchmarks/make_bench_model.py OUT_DIR [--shape qwen3-0.6b|qwen3-cpu|qwen3-moe-cpu|tiny]
 The directory is reused when it already holds a complete model of the same shape.
 """
 
@@ -40,6 +40,15 @@ SHAPES = {
         arch="Qwen3ForCausalLM", vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
         num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, seed=606,
+    ),
+    # Qwen3-MoE's structure (Qwen3-30B-A3B: 128 experts, top-8, moe_intermediate 768, norm_topk_prob) at
+    # the qwen3-cpu size (issue 23): 32 experts of 512, top-4, every layer sparse; ~460M parameters of
+    # which ~88M are read per token (4 of 32 experts).
+    "qwen3-moe-cpu": TinyModelSpec(
+        arch="Qwen3MoeForCausalLM", vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=64, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, seed=606,
+        extra=dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, norm_topk_prob=True),
     ),
     # Same structure, a few MB: for --dry-run checks of the scripts on a CPU.
     "tiny": TinyModelSpec(

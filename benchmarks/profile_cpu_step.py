@@ -1,5 +1,5 @@
-"""Where a CPU decode step's time goes: GEMMs, attention, norms, rotary, activation, logits,
-sampling, and the rest (Python, the scheduler, tensor plumbing), under torch.profiler.
+"""Where a CPU decode step's time goes: GEMMs, attention, norms, rotary, activation, the experts of
+mixture-of-experts layers, logits, sampling, and the rest (Python, the scheduler, tensor plumbing), under torch.profiler.
 
 `--num-seqs` prompts of `--prompt-len` random tokens are prefilled first; then `--steps` decode
 steps of the whole batch are profiled. The layers' forwards are wrapped in
@@ -27,7 +27,7 @@ from bench_report import machine, write_json
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.builtin_model import ensure_default_model
-from nanovllm.layers import activation, attention, embed_head, layernorm, linear, rotary_embedding
+from nanovllm.layers import activation, attention, embed_head, fused_moe, layernorm, linear, rotary_embedding
 from nanovllm.sample import sampler
 
 # label -> (class, method) wrapped under it. Attention covers the KV write and the kernel.
@@ -37,6 +37,7 @@ WRAPPED: dict[str, tuple[type, str]] = {
     "norm": (layernorm.RMSNorm, "forward"),
     "rotary": (rotary_embedding.RotaryEmbedding, "forward"),
     "activation": (activation.SiluAndMul, "forward"),
+    "moe experts": (fused_moe.FusedMoE, "forward"),  # routing, experts, combine; the router's GEMM is "gemm"
     "lm_head": (embed_head.ParallelLMHead, "forward"),
     "sampling": (sampler.Sampler, "__call__"),
 }

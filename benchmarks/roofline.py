@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_report import machine, markdown_table, write_json
+from bench_report import machine, markdown_table, read_bandwidth, write_json
 from profile_cpu_step import WRAPPED, install_labels
 
 from nanovllm import LLM, SamplingParams
@@ -52,17 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of --steps steps; the best counts")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
-
-
-def read_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second the engine's threads read from DRAM (a 1 GiB buffer, far past the caches)."""
-    buf = torch.ones(1 << 28, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return buf.numel() * 4 / best
 
 
 def tensor_bytes(t: Any) -> int:
@@ -168,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants takes {', '.join(VARIANTS)}, got {v!r}")
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(torch.ones(1 << 28, dtype=torch.float32))  # 1 GiB
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
           f"read bandwidth: {bandwidth / 1e9:.1f} GB/s; parts timed under the profiler, the step without it; "
           "a part's % is its floor over its time")

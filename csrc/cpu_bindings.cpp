@@ -1,11 +1,12 @@
 // pybind11 module `nanovllm._cpu`: the CPU math kernels (paged attention, fused layers, sampler,
-// GEMM). They take raw pointers, sizes and strides; the Python wrappers in nanovllm/cpu/ check the
+// GEMM, mixture of experts). They take raw pointers, sizes and strides; the Python wrappers in nanovllm/cpu/ check the
 // tensors, and everything a pointer's extent depends on is checked again here, at the boundary.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "binding_checks.h"
 #include "cpu_attention.h"
@@ -13,6 +14,7 @@
 #include "cpu_gemm.h"
 #include "cpu_gemm_quant.h"
 #include "cpu_isa.h"
+#include "cpu_moe.h"
 #include "cpu_sampler.h"
 
 namespace py = pybind11;
@@ -262,6 +264,17 @@ void bind_cpu_gemm(py::module_& m) {
       py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
       "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu into gemm_packed_elements(n, k) elements of "
       "the same dtype (nanovllm.cpu.gemm allocates them).");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "Whether this CPU runs the AVX512-BF16 pair tiles (bf16 MoE experts).");
+  m.def(
+      "gemm_pack_bf16_pairs_cpu",
+      [](uintptr_t w, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
+        if (n < 1 || k < 2 || k % 2 != 0 || w_stride < k) value_error("gemm_pack_bf16_pairs_cpu: bad sizes (k even)");
+        if (!w || !packed) value_error("null pointer passed to gemm_pack_bf16_pairs_cpu");
+        py::gil_scoped_release release;
+        gemm_pack_bf16_pairs(reinterpret_cast<const Bf16*>(w), n, k, w_stride, reinterpret_cast<Bf16*>(packed));
+      },
+      py::arg("w"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
+      "Pack a bf16 [n, k] weight (k even) for the AVX512-BF16 pair tiles into gemm_packed_elements(n, k) elements.");
   m.def(
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
@@ -280,7 +293,6 @@ void bind_cpu_gemm(py::module_& m) {
       "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W, from raw pointers "
       "(nanovllm.cpu.gemm checks the tensors).");
 }
-
 
 void bind_cpu_gemm_quant(py::module_& m) {
   m.def("quant_isa_supported", [](int64_t isa) { return quant_isa_supported(static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3))); },
@@ -325,6 +337,118 @@ void bind_cpu_gemm_quant(py::module_& m) {
       "y [m, n] = x [m, k] dequant(W)^T (+ bias) in fp32 on a packed int4 / int8 weight, from raw pointers "
       "(nanovllm.layers.quantization.cpu_kernel checks the tensors).");
 }
+
+CpuDtype checked_dtype(int64_t dtype, const char* name) {
+  return static_cast<CpuDtype>(checked_int32(dtype, name, 0, 1));
+}
+
+// The routing arguments every MoE binding takes: the sizes, and that the ids fit int32 offsets.
+void check_moe_sizes(const char* what, int64_t rows, int64_t experts, int64_t top_k, int64_t logits_stride) {
+  checked_int32(experts, "experts", 1);
+  checked_int32(top_k, (std::string(what) + ": top_k (experts per token), at most experts,").c_str(), 1, experts);
+  if (rows < 0 || logits_stride < experts || rows > kInt32Max / top_k) value_error(std::string(what) + ": bad sizes");
+}
+
+void bind_cpu_moe(py::module_& m) {
+  m.def(
+      "moe_route_cpu",
+      [](uintptr_t logits, int64_t rows, int64_t experts, int64_t logits_stride, int64_t top_k, bool renormalize,
+         uintptr_t topk_ids, uintptr_t topk_weights, uintptr_t expert_offsets, uintptr_t sorted, int64_t num_threads) {
+        check_moe_sizes("moe_route_cpu", rows, experts, top_k, logits_stride);
+        if (!expert_offsets || (rows > 0 && (!logits || !topk_ids || !topk_weights || !sorted))) {
+          value_error("null pointer passed to moe_route_cpu");
+        }
+        const MoeRouteArgs a{reinterpret_cast<const float*>(logits), logits_stride, rows, experts, top_k, renormalize,
+                             reinterpret_cast<int32_t*>(topk_ids), reinterpret_cast<float*>(topk_weights),
+                             reinterpret_cast<int32_t*>(expert_offsets), reinterpret_cast<int32_t*>(sorted)};
+        py::gil_scoped_release release;
+        moe_route(a, clamp_threads(num_threads));
+      },
+      py::arg("logits"), py::arg("rows"), py::arg("experts"), py::arg("logits_stride"), py::arg("top_k"),
+      py::arg("renormalize"), py::arg("topk_ids"), py::arg("topk_weights"), py::arg("expert_offsets"),
+      py::arg("sorted"), py::arg("num_threads") = 1,
+      "Softmax top-k routing of fp32 router logits and the assignments grouped by expert, from raw pointers "
+      "(nanovllm.cpu.moe checks the tensors).");
+  m.def(
+      "moe_combine_cpu",
+      [](uintptr_t y, int64_t y_stride, uintptr_t sorted, uintptr_t topk_weights, int64_t rows, int64_t top_k,
+         int64_t hidden, uintptr_t out, int64_t out_stride, int64_t dtype, int64_t num_threads) {
+        if (rows < 0 || top_k < 1 || hidden < 1 || y_stride < hidden || out_stride < hidden ||
+            rows > kInt32Max / top_k) {
+          value_error("moe_combine_cpu: bad sizes");
+        }
+        if (rows > 0 && (!y || !sorted || !topk_weights || !out)) value_error("null pointer passed to moe_combine_cpu");
+        // `sorted` must be a permutation of the assignments: its inverse is written through it.
+        const auto* order = reinterpret_cast<const int32_t*>(sorted);
+        std::vector<bool> seen(rows * top_k);
+        for (int64_t i = 0; i < rows * top_k; ++i) {
+          if (order[i] < 0 || order[i] >= rows * top_k || seen[order[i]]) {
+            value_error("moe_combine_cpu: sorted is not a permutation of the assignments");
+          }
+          seen[order[i]] = true;
+        }
+        const MoeCombineArgs a{reinterpret_cast<const void*>(y), y_stride, order,
+                               reinterpret_cast<const float*>(topk_weights), rows, top_k, hidden,
+                               reinterpret_cast<void*>(out), out_stride, checked_dtype(dtype, "dtype")};
+        py::gil_scoped_release release;
+        moe_combine(a, clamp_threads(num_threads));
+      },
+      py::arg("y"), py::arg("y_stride"), py::arg("sorted"), py::arg("topk_weights"), py::arg("rows"),
+      py::arg("top_k"), py::arg("hidden"), py::arg("out"), py::arg("out_stride"), py::arg("dtype"),
+      py::arg("num_threads") = 1,
+      "The weighted sum of the experts' outputs (one row per assignment, in moe_route_cpu's sorted order) back "
+      "into token order, from raw pointers (nanovllm.cpu.moe checks the tensors).");
+  m.def(
+      "moe_experts_cpu",
+      [](uintptr_t x, int64_t x_stride, uintptr_t logits, int64_t logits_stride, uintptr_t w13, int64_t w13_elements,
+         uintptr_t w2, int64_t w2_elements, int64_t weight_dtype, bool bf16_pairs, int64_t rows, int64_t hidden,
+         int64_t inter, int64_t experts, int64_t top_k, bool renormalize, uintptr_t out, int64_t out_stride,
+         int64_t dtype, int64_t num_threads) {
+        if (!has_avx2_fma()) value_error("moe_experts_cpu needs a CPU with AVX2 and FMA");
+        check_moe_sizes("moe_experts_cpu", rows, experts, top_k, logits_stride);
+        if (hidden < 1 || inter < 1 || inter > kInt32Max || x_stride < hidden || out_stride < hidden) {
+          value_error("moe_experts_cpu: bad sizes");
+        }
+        const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
+        if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || weights != CpuDtype::kBFloat16 ||
+                           hidden % 2 != 0)) {
+          value_error("moe_experts_cpu: bf16 pairs need an AVX512-BF16 CPU, bf16 activations and weights and an even "
+                      "hidden size");
+        }
+        // Each expert's packed weights, and every row buffer of the call, must fit int64 offsets.
+        const int64_t per_w13 = gemm_packed_elements(moe_gate_up_rows(inter), hidden);
+        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, bf16_pairs));
+        if (per_w13 > std::numeric_limits<int64_t>::max() / 2 / experts ||
+            per_w2 > std::numeric_limits<int64_t>::max() / 2 / experts ||
+            rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {
+          value_error("moe_experts_cpu: sizes overflow");
+        }
+        if (w13_elements != experts * per_w13 || w2_elements != experts * per_w2) {
+          value_error("moe_experts_cpu: the packed experts hold " + std::to_string(w13_elements) + " and " +
+                      std::to_string(w2_elements) + " elements, " + std::to_string(experts) +
+                      " experts of this shape need " + std::to_string(experts * per_w13) + " and " +
+                      std::to_string(experts * per_w2));
+        }
+        if (rows > 0 && (!x || !logits || !w13 || !w2 || !out)) value_error("null pointer passed to moe_experts_cpu");
+        const MoeExpertsArgs a{reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
+                               logits_stride, reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2),
+                               weights, bf16_pairs, rows, hidden, inter, experts, top_k, renormalize,
+                               reinterpret_cast<void*>(out), out_stride, type};
+        py::gil_scoped_release release;
+        moe_experts(a, clamp_threads(num_threads));
+      },
+      py::arg("x"), py::arg("x_stride"), py::arg("logits"), py::arg("logits_stride"), py::arg("w13"),
+      py::arg("w13_elements"), py::arg("w2"), py::arg("w2_elements"), py::arg("weight_dtype"), py::arg("bf16_pairs"),
+      py::arg("rows"), py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("top_k"),
+      py::arg("renormalize"), py::arg("out"), py::arg("out_stride"), py::arg("dtype"), py::arg("num_threads") = 1,
+      "A mixture-of-experts layer (routing, every chosen expert's SiLU MLP, the weighted sum) on experts packed "
+      "by gemm_pack_cpu or gemm_pack_bf16_pairs_cpu (gate/up rows interleaved: moe_gate_up_rows), from raw "
+      "pointers (nanovllm.cpu.moe checks the tensors).");
+  m.def("moe_gate_up_rows", [](int64_t inter) {
+        if (inter < 1 || inter > kInt32Max) value_error("moe_gate_up_rows: inter must be in [1, 2^31)");
+        return moe_gate_up_rows(inter);
+      }, py::arg("inter"), "Rows of an expert's packed gate/up weight: 8 gate and 8 up rows per 16-row panel.");
+}
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -333,5 +457,6 @@ PYBIND11_MODULE(_cpu, m) {
   bind_cpu_fused_ops(m);
   bind_cpu_gemm(m);
   bind_cpu_gemm_quant(m);
+  bind_cpu_moe(m);
   bind_cpu_sampler(m);
 }

@@ -47,7 +47,7 @@ template <typename T>
 #pragma omp simd
     for (int64_t d = 0; d < inner; ++d) {
       const float g = widen(gate[d]);
-      narrow(round_to<T>(g / (1.0f + vec_exp(-g))) * widen(up[d]), out + d);
+      narrow(round_to<T>(silu(g)) * widen(up[d]), out + d);
     }
   }
 }

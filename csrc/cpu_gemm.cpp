@@ -1,10 +1,13 @@
 #include "cpu_gemm.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "cpu_attention_avx2.h"
 #include "cpu_parallel.h"
+
+#define NANOVLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
 
 namespace nanovllm {
 namespace {
@@ -14,7 +17,6 @@ namespace {
 // (kMc x kKc floats, 144 KB) stay in L2 for every panel of the thread.
 constexpr int64_t kKc = 256;
 constexpr int64_t kMc = 144;
-constexpr int kRows = 6;  // rows of one register tile: 6 x 16 outputs = 12 of the 16 ymm registers
 // A slice is prefetched this many slices ahead of its use in the thread's walk (within a pass the
 // next panel's slice follows this one in memory): at decode batches the weights stream from DRAM, and one
 // slice ahead arrived too late (8 layers + LM head of the Qwen3-shaped model at 32 rows: 79 ms
@@ -26,106 +28,162 @@ int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
   return (k0 * panels + p * std::min(kKc, k - k0)) * kGemmPanel;
 }
 
+// pairs: each slice [depth / 2][16][2], the two weights of a k pair next to each other (k even).
 template <typename T>
-void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed) {
+void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed, bool pairs) {
   const int64_t panels = gemm_panels(n);
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t c = 0; c < kGemmPanel; ++c) {
       const int64_t row = p * kGemmPanel + c;
       for (int64_t i = 0; i < k; ++i) {
-        const int64_t k0 = i - i % kKc;
+        const int64_t k0 = i - i % kKc, d = i - k0;
+        const int64_t at = pairs ? (d / 2 * kGemmPanel + c) * 2 + d % 2 : d * kGemmPanel + c;
         // Rows past n pad the last panel with zeros.
-        packed[slice_offset(panels, k, p, k0) + (i - k0) * kGemmPanel + c] = row < n ? w[row * w_stride + i] : T{0};
+        packed[slice_offset(panels, k, p, k0) + at] = row < n ? w[row * w_stride + i] : T{0};
       }
     }
   }
 }
 
 #if defined(__x86_64__)
-// One register tile: c[R x cols] (+)= a[R x kc] * b[kc x 16], a's rows lda apart, b a panel's slice.
-// The first pass over k (accumulate = false) starts from the bias (or zero) instead of c. Prefetches
-// prefetch_rows rows of 16 weights from `prefetch` on the way.
-template <int R, typename TW>
-NANOVLLM_AVX2 void tile(const float* a, int64_t lda, const TW* b, int64_t kc, float* c, int64_t ldc, int cols,
-                        bool accumulate, const float* bias, const TW* prefetch, int64_t prefetch_rows) {
-  __m256 lo[R], hi[R];
-  // Every loop over r unrolled, or the accumulators live on the stack instead of in registers.
+// The register tiles: c[R x cols] (+)= a[R x kc] * b[kc x 16], a's rows lda apart, b a panel's
+// slice. The first pass over k (accumulate = false) starts from the bias (or zero) instead of c.
+// Each prefetches prefetch_rows rows of 16 weights from `prefetch` on the way.
+
+// AVX2 + FMA: fp32 rows of x; fp32 weights, or bf16 ones widened in registers.
+template <typename TW>
+struct WidenedTiles {
+  using X = float;
+  using W = TW;
+
+  template <int R>
+  static NANOVLLM_AVX2 void tile(const float* a, int64_t lda, const TW* b, int64_t kc, float* c, int64_t ldc,
+                                 int cols, bool accumulate, const float* bias, const TW* prefetch,
+                                 int64_t prefetch_rows) {
+    __m256 lo[R], hi[R];
+    // Every loop over r unrolled, or the accumulators live on the stack instead of in registers.
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < kc; ++i) {
-    if (i < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGemmPanel), _MM_HINT_T0);
-    const __m256 b0 = avx2::load8(b + i * kGemmPanel);
-    const __m256 b1 = avx2::load8(b + i * kGemmPanel + 8);
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < kc; ++i) {
+      if (i < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGemmPanel), _MM_HINT_T0);
+      const __m256 b0 = avx2::load8(b + i * kGemmPanel);
+      const __m256 b1 = avx2::load8(b + i * kGemmPanel + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
+        lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+      }
+    }
+    alignas(32) float bias16[kGemmPanel] = {};
+    if (!accumulate && bias != nullptr) std::copy_n(bias, cols, bias16);
+    const __m256 bias_lo = _mm256_load_ps(bias16), bias_hi = _mm256_load_ps(bias16 + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
-      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+      float* out = c + r * ldc;
+      if (cols == kGemmPanel) {
+        const __m256 base_lo = accumulate ? _mm256_loadu_ps(out) : bias_lo;
+        const __m256 base_hi = accumulate ? _mm256_loadu_ps(out + 8) : bias_hi;
+        _mm256_storeu_ps(out, _mm256_add_ps(lo[r], base_lo));
+        _mm256_storeu_ps(out + 8, _mm256_add_ps(hi[r], base_hi));
+      } else {  // the last panel of an n that 16 does not divide
+        alignas(32) float row[kGemmPanel];
+        _mm256_store_ps(row, _mm256_add_ps(lo[r], bias_lo));
+        _mm256_store_ps(row + 8, _mm256_add_ps(hi[r], bias_hi));
+        for (int j = 0; j < cols; ++j) out[j] = accumulate ? out[j] + row[j] : row[j];
+      }
     }
   }
-  alignas(32) float bias16[kGemmPanel] = {};
-  if (!accumulate && bias != nullptr) std::copy_n(bias, cols, bias16);
-  const __m256 bias_lo = _mm256_load_ps(bias16), bias_hi = _mm256_load_ps(bias16 + 8);
+};
+
+// AVX512-BF16: bf16 rows of x on pair-packed bf16 weights, each vdpbf16ps two products per fp32
+// lane (twice an FMA's), summed in fp32. No bias (the MoE experts have none).
+struct Bf16PairTiles {
+  using X = Bf16;
+  using W = Bf16;
+
+  template <int R>
+  static NANOVLLM_AVX512_BF16 void tile(const Bf16* a, int64_t lda, const Bf16* b, int64_t kc, float* c,
+                                        int64_t ldc, int cols, bool accumulate, const float* /*bias*/,
+                                        const Bf16* prefetch, int64_t prefetch_rows) {
+    __m512 acc[R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float* out = c + r * ldc;
-    if (cols == kGemmPanel) {
-      const __m256 base_lo = accumulate ? _mm256_loadu_ps(out) : bias_lo;
-      const __m256 base_hi = accumulate ? _mm256_loadu_ps(out + 8) : bias_hi;
-      _mm256_storeu_ps(out, _mm256_add_ps(lo[r], base_lo));
-      _mm256_storeu_ps(out + 8, _mm256_add_ps(hi[r], base_hi));
-    } else {  // the last panel of an n that 16 does not divide
-      alignas(32) float row[kGemmPanel];
-      _mm256_store_ps(row, _mm256_add_ps(lo[r], bias_lo));
-      _mm256_store_ps(row + 8, _mm256_add_ps(hi[r], bias_hi));
-      for (int j = 0; j < cols; ++j) out[j] = accumulate ? out[j] + row[j] : row[j];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kc; i += 2) {  // one k pair: 16 columns x 2 weights, one cache line
+      if (i < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGemmPanel), _MM_HINT_T0);
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(b + i * kGemmPanel);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, a + r * lda + i, sizeof(pair));
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w);
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      float* out = c + r * ldc;
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(out, keep, _mm512_add_ps(acc[r], base));
     }
   }
-}
+};
+
+constexpr int kRows = 6;  // rows of one register tile (6 x 16 outputs: 12 of the 16 ymm registers)
 
 // Rows [0, rows) of x against one panel slice, kRows at a time and the rest in one smaller tile;
 // the tiles share the prefetch of prefetch_rows rows at `prefetch`, so that it streams in while
 // this slice is multiplied.
-template <typename TW>
-NANOVLLM_AVX2 void panel_rows(const float* x, int64_t lda, int64_t rows, const TW* b, int64_t kc, float* c,
-                              int64_t ldc, int cols, bool accumulate, const float* bias, const TW* prefetch,
-                              int64_t prefetch_rows) {
+template <typename Tiles>
+void panel_rows(const typename Tiles::X* x, int64_t lda, int64_t rows, const typename Tiles::W* b, int64_t kc,
+                float* c, int64_t ldc, int cols, bool accumulate, const float* bias,
+                const typename Tiles::W* prefetch, int64_t prefetch_rows) {
   const int64_t tiles = (rows + kRows - 1) / kRows;
   const int64_t share = (prefetch_rows + tiles - 1) / tiles;
   const auto prefetch_of = [&](int64_t r) { return prefetch + std::min(r / kRows * share, prefetch_rows) * kGemmPanel; };
   const auto prefetch_rows_of = [&](int64_t r) { return std::clamp<int64_t>(prefetch_rows - r / kRows * share, 0, share); };
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    tile<kRows>(x + r * lda, lda, b, kc, c + r * ldc, ldc, cols, accumulate, bias, prefetch_of(r), prefetch_rows_of(r));
+    Tiles::template tile<kRows>(x + r * lda, lda, b, kc, c + r * ldc, ldc, cols, accumulate, bias, prefetch_of(r),
+                                prefetch_rows_of(r));
   }
-  const TW* pf = prefetch_of(r);
+  const auto* pf = prefetch_of(r);
   const int64_t pf_rows = prefetch_rows_of(r);
   x += r * lda;
   c += r * ldc;
   switch (rows - r) {
-    case 5: tile<5>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 4: tile<4>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 3: tile<3>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 2: tile<2>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 1: tile<1>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
+    case 5: Tiles::template tile<5>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
+    case 4: Tiles::template tile<4>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
+    case 3: Tiles::template tile<3>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
+    case 2: Tiles::template tile<2>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
+    case 1: Tiles::template tile<1>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
     default: break;
   }
 }
 
+// The GEMM's operands as the walk below reads them.
+template <typename Tiles>
+struct Operands {
+  const typename Tiles::X* x;
+  const typename Tiles::W* packed;
+  const float* bias;
+  float* y;
+  int64_t m, n, k, x_stride, y_stride;
+};
+
 // The thread's panels [p0, p1): each kc slice of a panel is loaded once per kMc rows of x.
-template <typename TW>
-void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
-  const TW* packed = static_cast<const TW*>(a.packed);
+template <typename Tiles>
+void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
   // The slice kPrefetchSlices after (k0, m0, p) in this walk, and its rows; none past the end.
-  const auto ahead = [&](int64_t k0, int64_t m0, int64_t p) -> std::pair<const TW*, int64_t> {
+  const auto ahead = [&](int64_t k0, int64_t m0, int64_t p) -> std::pair<const typename Tiles::W*, int64_t> {
     int64_t q = p + kPrefetchSlices;
     if (q >= p1) {  // into the next pass over the panels: the next rows, else the next slice depth
       q = p0 + (q - p1) % (p1 - p0);
       if (m0 + kMc >= a.m) k0 += kKc;
-      if (k0 >= a.k) return {packed, 0};
+      if (k0 >= a.k) return {a.packed, 0};
     }
-    return {packed + slice_offset(panels, a.k, q, k0), std::min(kKc, a.k - k0)};
+    return {a.packed + slice_offset(panels, a.k, q, k0), std::min(kKc, a.k - k0)};
   };
   for (int64_t k0 = 0; k0 < a.k; k0 += kKc) {
     const int64_t kc = std::min(kKc, a.k - k0);
@@ -135,9 +193,9 @@ void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
         const int64_t col0 = p * kGemmPanel;
         const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
         const auto [next, next_rows] = ahead(k0, m0, p);
-        panel_rows(a.x + m0 * a.x_stride + k0, a.x_stride, mc, packed + slice_offset(panels, a.k, p, k0), kc,
-                   a.y + m0 * a.y_stride + col0, a.y_stride, cols, k0 > 0, a.bias == nullptr ? nullptr : a.bias + col0,
-                   next, next_rows);
+        panel_rows<Tiles>(a.x + m0 * a.x_stride + k0, a.x_stride, mc, a.packed + slice_offset(panels, a.k, p, k0), kc,
+                          a.y + m0 * a.y_stride + col0, a.y_stride, cols, k0 > 0,
+                          a.bias == nullptr ? nullptr : a.bias + col0, next, next_rows);
       }
     }
   }
@@ -148,26 +206,47 @@ void gemm_panels_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 
 void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed) {
   if (dtype == CpuDtype::kFloat32) {
-    pack_typed(static_cast<const float*>(w), n, k, w_stride, static_cast<float*>(packed));
+    pack_typed(static_cast<const float*>(w), n, k, w_stride, static_cast<float*>(packed), false);
   } else {
-    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<Bf16*>(packed));
+    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<Bf16*>(packed), false);
   }
 }
 
-void gemm(const GemmArgs& a, int num_threads) {
+void gemm_pack_bf16_pairs(const Bf16* w, int64_t n, int64_t k, int64_t w_stride, Bf16* packed) {
+  pack_typed(w, n, k, w_stride, packed, true);
+}
+
+void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  const int64_t panels = gemm_panels(a.n);
-  parallel_rows(panels, a.m * a.k * kGemmPanel, num_threads, [&a](int64_t p0, int64_t p1) {
-    if (a.packed_dtype == CpuDtype::kFloat32) {
-      gemm_panels_range<float>(a, p0, p1);
-    } else {
-      gemm_panels_range<Bf16>(a, p0, p1);
-    }
-  });
+  if (a.packed_dtype == CpuDtype::kFloat32) {
+    gemm_panels_range<WidenedTiles<float>>({a.x, static_cast<const float*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
+                                            a.x_stride, a.y_stride},
+                                           p0, p1);
+  } else {
+    gemm_panels_range<WidenedTiles<Bf16>>({a.x, static_cast<const Bf16*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
+                                           a.x_stride, a.y_stride},
+                                          p0, p1);
+  }
 #else
   (void)a;
-  (void)num_threads;
+  (void)p0;
+  (void)p1;
 #endif
+}
+
+void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
+#if defined(__x86_64__)
+  gemm_panels_range<Bf16PairTiles>({a.x, a.packed, nullptr, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
+#else
+  (void)a;
+  (void)p0;
+  (void)p1;
+#endif
+}
+
+void gemm(const GemmArgs& a, int num_threads) {
+  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
+                [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
 }
 
 }  // namespace nanovllm

@@ -1,5 +1,6 @@
 // y = x W^T + bias in fp32 on an AVX2 + FMA CPU, on a weight packed once at load time: the
-// engine's linear layers on CPUs without AVX-512 (nanovllm/layers/cpu_gemm.py picks it).
+// engine's linear layers on CPUs without AVX-512 (nanovllm/cpu/gemm.py picks it), and the
+// mixture-of-experts layers' experts on every AVX2 CPU (cpu_moe.h).
 //
 // Why our own: oneDNN's prepacked fp32 matmul ran these shapes at 60-75% of the two cores' FMA
 // peak, and 45-60% at decode batches (32 x 1024 x 6144: 87 GF/s of ~185); a BLIS-style 6 x 16
@@ -40,5 +41,25 @@ struct GemmArgs {
 
 // Needs AVX2 + FMA (has_avx2_fma()); the binding checks.
 void gemm(const GemmArgs& a, int num_threads);
+
+// A bf16 [n, k] weight (k even) packed for AVX512-BF16 dot products: the same panels and slices as
+// gemm_pack's, gemm_packed_elements(n, k) elements, but within a slice the two weights of each k
+// pair lie next to each other ([depth / 2][16][2]).
+void gemm_pack_bf16_pairs(const Bf16* w, int64_t n, int64_t k, int64_t w_stride, Bf16* packed);
+
+struct GemmBf16Args {
+  const Bf16* x;       // [m, k], rows x_stride apart (x_stride even: each k pair 4-byte aligned)
+  const Bf16* packed;  // gemm_pack_bf16_pairs's output for an [n, k] weight
+  float* y;            // [m, n], rows y_stride apart
+  int64_t m, n, k, x_stride, y_stride;
+};
+
+// gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32 (two
+// per vdpbf16ps lane: twice an FMA's throughput). Needs AVX512-BF16 (has_avx512_bf16()).
+void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
+
+// The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling
+// thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp).
+void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1);
 
 }  // namespace nanovllm

@@ -3,18 +3,27 @@
 
 namespace nanovllm {
 
+struct CpuIsa {
+  bool avx2_fma = false;     // the AVX2 GEMM tiles and attention score tiles
+  bool avx512_bf16 = false;  // AVX512-F + AVX512-BF16: the bf16 pair tiles (Zen 4, Cooper Lake, SPR)
+};
+
 // Asked at the first call, not in a static initializer: those may run before libgcc has read the
 // CPU's features (then every answer is "no").
-inline bool has_avx2_fma() {
+inline const CpuIsa& cpu_isa() {
+  static const CpuIsa isa = [] {
+    CpuIsa found;
 #if defined(__x86_64__)
-  static const bool yes = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-#else
-  return false;
+    found.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    found.avx512_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 #endif
+    return found;
+  }();
+  return isa;
 }
+
+inline bool has_avx2_fma() { return cpu_isa().avx2_fma; }
+inline bool has_avx512_bf16() { return cpu_isa().avx512_bf16; }
 
 }  // namespace nanovllm

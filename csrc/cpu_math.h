@@ -31,4 +31,7 @@ inline float vec_exp(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
 }
 
+// SiLU (x * sigmoid(x)) as the SiLU-and-mul layers compute it, dense and per expert.
+inline float silu(float x) { return x / (1.0f + vec_exp(-x)); }
+
 }  // namespace nanovllm

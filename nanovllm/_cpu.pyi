@@ -58,6 +58,13 @@ def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int
     """Pack an [n, k] weight (rows `w_stride` apart) into gemm_packed_elements(n, k) elements of
     its dtype at `packed`."""
 
+def has_avx512_bf16() -> bool:
+    """Whether this CPU runs the AVX512-BF16 pair tiles (bf16 MoE experts)."""
+
+def gemm_pack_bf16_pairs_cpu(w: int, n: int, k: int, w_stride: int, packed: int) -> None:
+    """Pack a bf16 [n, k] weight (k even) for the AVX512-BF16 pair tiles: gemm_pack_cpu's panels and
+    slices, the two weights of each k pair next to each other."""
+
 def gemm_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
              packed_dtype: int, num_threads: int = 1) -> None:
     """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu."""
@@ -79,3 +86,27 @@ def quant_gemm_cpu(x: int, packed: int, scales: int, zeros: int, bias: int, y: i
                    num_threads: int = 1, x_bf16: int = 0) -> None:
     """y [m, n] = x [m, k] dequant(W)^T (+ bias, when not 0) in fp32 on a packed int4 / int8 weight with
     per-group scales and zero points (0: none); bf16 activations at `x_bf16` instead of fp32 at `x`."""
+def moe_route_cpu(logits: int, rows: int, experts: int, logits_stride: int, top_k: int, renormalize: bool,
+                  topk_ids: int, topk_weights: int, expert_offsets: int, sorted: int, num_threads: int = 1) -> None:
+    """Softmax over fp32 router logits [rows, experts], each row's top_k (ids int32 and fp32 weights
+    [rows, top_k], by falling weight; renormalized to sum to 1 if asked), and the assignments
+    (row * top_k + j) grouped by expert: expert e's are sorted[expert_offsets[e]:expert_offsets[e + 1]]."""
+
+def moe_combine_cpu(y: int, y_stride: int, sorted: int, topk_weights: int, rows: int, top_k: int, hidden: int,
+                    out: int, out_stride: int, dtype: int, num_threads: int = 1) -> None:
+    """out [rows, hidden] = each row's top_k expert outputs (rows of y, one per assignment in
+    moe_route_cpu's sorted order) weighted and summed; `sorted` must be a permutation."""
+
+def moe_experts_cpu(x: int, x_stride: int, logits: int, logits_stride: int, w13: int, w13_elements: int, w2: int,
+                    w2_elements: int, weight_dtype: int, bf16_pairs: bool, rows: int, hidden: int, inter: int,
+                    experts: int, top_k: int, renormalize: bool, out: int, out_stride: int, dtype: int,
+                    num_threads: int = 1) -> None:
+    """A mixture-of-experts layer in one call: routing as moe_route_cpu, every chosen expert's
+    silu(x W_gate^T) * (x W_up^T) W_down^T on weights packed by gemm_pack_cpu, or by
+    gemm_pack_bf16_pairs_cpu with `bf16_pairs` (gate/up rows interleaved, moe_gate_up_rows(inter) of
+    them per expert; the down weight's depth padded to moe_gate_up_rows(inter) / 2 with pairs), the
+    weighted sum into out [rows, hidden]."""
+
+def moe_gate_up_rows(inter: int) -> int:
+    """Rows of an expert's packed gate/up weight: 8 gate and 8 up rows per 16-row panel, inter
+    padded to a multiple of 8."""

@@ -145,6 +145,8 @@ def build_hf_model(spec: TinyModelSpec, eos_token_id: int) -> Any:
         "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
         "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
         "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
+        "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
     }
     if spec.arch not in archs:
         raise ValueError(
@@ -172,7 +174,7 @@ def build_hf_model(spec: TinyModelSpec, eos_token_id: int) -> Any:
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = dict(spec.rope_scaling)
-    if spec.arch != "Qwen2ForCausalLM":  # Qwen2 has fixed biases
+    if spec.arch not in ("Qwen2ForCausalLM", "MixtralForCausalLM"):  # fixed biases (Qwen2) or none (Mixtral)
         kwargs["attention_bias"] = spec.attention_bias
     config = config_cls(**kwargs)
     config.architectures = [spec.arch]

@@ -233,13 +233,14 @@ fi
 # next. faulthandler dumps the stacks of a test that hangs.
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 -o faulthandler_timeout=100)
 GPU_TESTS=(tests/test_kernels_cuda.py tests/test_kernels_build.py tests/test_plan_tensors.py tests/test_staging.py
-           tests/test_cuda_engine.py tests/test_tensor_parallel_one_rank.py tests/test_sampling_cuda.py)
+           tests/test_moe_cuda.py tests/test_cuda_engine.py tests/test_tensor_parallel_one_rank.py
+           tests/test_sampling_cuda.py)
 if [ "$TESTS" -eq 1 ]; then
-  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:4}"
+  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:5}"
   tail -15 "$RESULTS/pytest_kernels.txt"
-  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:4:2}"
+  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:5:2}"
   tail -15 "$RESULTS/pytest_engine.txt"
-  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:6:1}"
+  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:7:1}"
   tail -15 "$RESULTS/pytest_sampling.txt"
 fi
 

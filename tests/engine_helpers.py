@@ -71,3 +71,19 @@ def apply_pending_changes(llm: LLM) -> None:
     assert not scheduler._admitted, "requests admitted but never scheduled"
     sampler.apply(SchedulerOutput(None, finished=scheduler._finished, forked=scheduler._forked))  # type: ignore[arg-type]
     scheduler._finished, scheduler._forked = [], []
+
+
+def assert_greedy_matches_with_preemption_and_prefix_cache(llm: LLM, path: Path) -> None:
+    """Greedy output equals the oracle's (1) for 6 prompts of 50-80 tokens plus 40 generated, which
+    preempt in an engine whose pool is 24 blocks of 16 (and chunk under a 48-token budget), and (2)
+    for prompts sharing a 70-token system prompt, whose 4 full blocks the later two read from the
+    prefix cache."""
+    vocab = llm.engine.vocab_size
+    assert_greedy_matches(llm, path, random_prompts([60, 70, 80, 50, 65, 75], vocab, seed=9), max_new=40)
+    assert llm.stats()["num_preemptions"] > 0
+    system = random_prompts([70], vocab, seed=5)[0]
+    tails = random_prompts([3, 9, 20], vocab, seed=6)
+    assert_greedy_matches(llm, path, [system + tails[0]], max_new=8)
+    hits = llm.stats()["prefix_cache_hits"]
+    assert_greedy_matches(llm, path, [system + t for t in tails[1:]], max_new=8)
+    assert llm.stats()["prefix_cache_hits"] - hits >= 2 * 64

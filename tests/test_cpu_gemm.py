@@ -20,6 +20,7 @@ from nanovllm import LLM, SamplingParams, _cpu
 from nanovllm.builtin_model import BUILTIN_SPEC, create_model_dir
 from nanovllm.cpu import features as cpu_features
 from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.cpu import huge_pages
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -211,3 +212,27 @@ def test_one_openmp_runtime_shared_with_torch(builtin_shaped: Path) -> None:
     with open(f"/proc/{os.getpid()}/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_large_packed_weights_lie_on_huge_pages() -> None:
+    """A tensor of 2 MiB or more from huge_pages.empty starts on a 2 MiB boundary and, where Linux
+    offers transparent huge pages, is backed by them once touched; smaller ones are plain tensors.
+    The memory outlives the function that mapped it (the tensor holds the mapping)."""
+    small = huge_pages.empty(1000, torch.bfloat16)
+    assert small.shape == (1000,) and small.dtype == torch.bfloat16
+    big = huge_pages.empty(3 << 20, torch.float32)  # 12 MiB
+    assert big.shape == (3 << 20,) and big.dtype == torch.float32 and big.data_ptr() % huge_pages.HUGE_PAGE == 0
+    before = _anon_huge_kib()
+    big.fill_(2.0)
+    assert big.sum().item() == 2.0 * (3 << 20)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _anon_huge_kib() - before >= 8 << 10  # at least 4 of the 6 pages (khugepaged aside)
+    if _cpu.has_avx2_fma():
+        packed = cpu_gemm.prepack(torch.randn(1024, 1024), "avx2")
+        assert isinstance(packed, cpu_gemm.PackedWeight) and packed.data.data_ptr() % huge_pages.HUGE_PAGE == 0

@@ -19,6 +19,7 @@ from tiny_models import make_tiny_model
 from tiny_pager import TinyPager
 
 from nanovllm import SamplingParams, model_config
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers import bind_kv_cache
 from nanovllm.llm import LLM
 from nanovllm.model_config import load_model_config, resolve_dtype
@@ -31,10 +32,13 @@ NUM_BLOCKS = 64
 CHUNKS = [13, 20, 1, 1, 1, 1, 1, 1, 1]
 
 
-def our_logits(path: Path, tokens: list[int]) -> torch.Tensor:
-    """Logits at every position, fed through the paged cache chunk by chunk in bf16."""
+def our_logits(path: Path, tokens: list[int], prepack: bool = False) -> torch.Tensor:
+    """Logits at every position, fed through the paged cache chunk by chunk in bf16 (with the
+    weights packed for the CPU's GEMMs, as the engine does, if `prepack`)."""
     model, config = load_model(path, dtype="bfloat16", attn_backend="cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    if prepack:
+        cpu_gemm.prepack_model(model)
     bind_kv_cache(model, torch.zeros(2, config.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads,
                                      config.head_dim, dtype=torch.bfloat16))
     pager = TinyPager(NUM_BLOCKS, BLOCK_SIZE, seed=1)

@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU (gloo, 2 ranks) against transformers and against one rank: the
-sharded layers for three model shapes, the engine's scheduling features through the step channel,
+sharded layers for three dense model shapes and two mixtures of experts, the engine's scheduling features through the step channel,
 faults, and what a shut-down engine leaves behind (nothing)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import assert_greedy_matches, hf_greedy, random_prompts
+from engine_helpers import assert_greedy_matches_with_preemption_and_prefix_cache, hf_greedy, random_prompts
 from tp_helpers import alive, make_tp_model, shm_segments
 
 from nanovllm import LLM, SamplingParams
@@ -29,7 +29,8 @@ def make_llm(path: Path, tp: int, **kwargs: object) -> LLM:
     return LLM(str(path), tensor_parallel_size=tp, **{**ENGINE, **kwargs})  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2_odd_vocab", "llama_mqa_tied"])
+# The mixtures of experts split every expert's intermediate dimension (one all-reduce per layer).
+@pytest.fixture(scope="module", params=["qwen3", "qwen2_odd_vocab", "llama_mqa_tied", "qwen3_moe_tp", "mixtral_wide"])
 def tp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, LLM]]:
     path = make_tp_model(tmp_path_factory.mktemp("tp"), request.param)
     llm = make_llm(path, 2)
@@ -45,16 +46,8 @@ def tp_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 def test_greedy_matches_transformers_with_chunking_preemption_and_prefix_cache(tp_case: tuple[Path, LLM]) -> None:
     path, llm = tp_case
-    vocab = llm.engine.vocab_size
-    assert_greedy_matches(llm, path, random_prompts([60, 70, 80, 50, 65, 75], vocab, seed=9), max_new=40)
-    assert llm.stats()["num_preemptions"] > 0
+    assert_greedy_matches_with_preemption_and_prefix_cache(llm, path)
     assert shm_segments() == []  # the ring exists now, its name is gone
-    system = random_prompts([70], vocab, seed=5)[0]
-    tails = random_prompts([3, 9, 20], vocab, seed=6)
-    assert_greedy_matches(llm, path, [system + tails[0]], max_new=8)
-    hits = llm.stats()["prefix_cache_hits"]
-    assert_greedy_matches(llm, path, [system + t for t in tails[1:]], max_new=8)
-    assert llm.stats()["prefix_cache_hits"] - hits >= 2 * 64  # the system prompt's 4 full blocks each
 
 
 def test_parallel_sampling_beam_search_and_prompt_logprobs_match_one_rank(tp_case: tuple[Path, LLM]) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from moe_models import make_moe_model
+
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 
 # 4 query heads on 2 ranks each; what differs is how the KV heads and the vocabulary split.
@@ -21,7 +23,10 @@ TP_SPECS: dict[str, TinyModelSpec] = {
 
 
 def make_tp_model(root: Path, name: str) -> Path:
-    return create_model_dir(root / name, spec=TP_SPECS[name])
+    """A TP_SPECS model, or a mixture of experts of tests/moe_models.py."""
+    if name in TP_SPECS:
+        return create_model_dir(root / name, spec=TP_SPECS[name])
+    return make_moe_model(root, name)
 
 
 def shm_segments() -> list[str]:

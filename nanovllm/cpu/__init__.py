@@ -2,8 +2,9 @@
 and sizes, then calls `nanovllm._cpu` (csrc/cpu_bindings.cpp) with raw pointers.
 
 features (what this CPU computes natively: the dtype and GEMM kernel to use), fused_ops (RMSNorm,
-SiLU-and-mul, rotary), gemm (weights packed once, the linear layers' matmul), sampler (sampling,
-logprobs, penalties). The attention kernel's wrapper is the attention backend itself
+SiLU-and-mul, rotary), gemm (weights packed once, the linear layers' matmul), moe (the
+mixture-of-experts layer), sampler (sampling, logprobs, penalties); huge_pages (2 MiB pages for the
+packed weights). The attention kernel's wrapper is the attention backend itself
 (attention/cpu_backend.py)."""
 
 import torch

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm import _cpu
-from nanovllm.cpu import KERNEL_DTYPES
+from nanovllm.cpu import KERNEL_DTYPES, huge_pages
 from nanovllm.cpu.features import GemmKernel, gemm_kernel, native_bf16
 
 PREPACK_MIN_WEIGHTS = 1 << 17
@@ -68,7 +68,7 @@ def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
         if not _cpu.has_avx2_fma():
             raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
         n, k = w.shape
-        data = torch.empty(_cpu.gemm_packed_elements(n, k), dtype=w.dtype)
+        data = huge_pages.empty(_cpu.gemm_packed_elements(n, k), w.dtype)  # streamed every step
         stride = _row_stride(w)
         if stride is None:
             w = w.contiguous()

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
     from nanovllm.layers.quantization.linear_method import QuantizedLinear
 
-ShardId = str | int | None
+ShardId = str | int | tuple[int, int] | None  # tuple: (expert, gate 0 / up 1) of a fused MoE
 # A torch tensor or a safetensors slice (`safe_open(...).get_slice(name)`): shape and slicing.
 Loaded = Any
 

@@ -1,4 +1,4 @@
-"""Decoder-only model families (Qwen3, Qwen2, Llama), their registry and the checkpoint loader."""
+"""Decoder-only model families (Qwen3, Qwen2, Llama, Qwen3-MoE, Mixtral), their registry and the checkpoint loader."""
 
 from nanovllm.models.decoder import ArchFlags, DecoderForCausalLM
 from nanovllm.models.loader import (

@@ -1,13 +1,15 @@
-"""One decoder-only transformer shared by the Llama, Qwen2 and Qwen3 families.
+"""One decoder-only transformer shared by the Llama, Qwen2, Qwen3, Qwen3-MoE and Mixtral families.
 
 They differ only in a few switches (`ArchFlags`): biases on the attention and MLP projections,
-and Qwen3's per-head RMSNorm on q and k before rotary. Module names mirror the Hugging Face
+and Qwen3's per-head RMSNorm on q and k before rotary; and in each layer's MLP, dense or a mixture
+of experts (`make_mlp`, models/moe.py). Module names mirror the Hugging Face
 checkpoints (`model.layers.N.self_attn...`) so the loader maps tensors by name, except the packed
 `qkv_proj` and `gate_up_proj`, described by `packed_modules_mapping`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -103,12 +105,20 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+# Builds layer `layer_idx`'s MLP: the dense one, or a mixture of experts (models/moe.py).
+MlpFactory = Callable[[ModelConfig, ArchFlags, int, "TPGroup | None"], nn.Module]
+
+
+def dense_mlp(config: ModelConfig, flags: ArchFlags, layer_idx: int, tp: TPGroup | None) -> nn.Module:
+    return DecoderMLP(config, flags, tp)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, flags: ArchFlags, layer_idx: int, backend: str,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config, flags, layer_idx, backend, tp)
-        self.mlp = DecoderMLP(config, flags, tp)
+        self.mlp = make_mlp(config, flags, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,11 +141,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, flags: ArchFlags, backend: str, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, flags: ArchFlags, backend: str, tp: TPGroup | None = None,
+                 make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, flags, i, backend, tp) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, flags, i, backend, tp, make_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -168,13 +179,15 @@ class DecoderForCausalLM(nn.Module):
     }
     # checkpoint tensors that are deliberately not loaded (name suffixes)
     ignored_checkpoint_suffixes: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # our module name -> the checkpoint's, where they differ (Mixtral's MoE block is `block_sparse_moe`)
+    checkpoint_module_names: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: ModelConfig, flags: ArchFlags, attn_backend: str = "torch",
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.config = config
         self.flags = flags
-        self.model = DecoderModel(config, flags, attn_backend, tp)
+        self.model = DecoderModel(config, flags, attn_backend, tp, make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)

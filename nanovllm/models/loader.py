@@ -64,17 +64,25 @@ def checkpoint_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
     packed: dict[str, list[tuple[str, ShardId]]] = {}
     for ckpt_module, (our_module, shard) in model.packed_modules_mapping.items():
         packed.setdefault(our_module, []).append((ckpt_module, shard))
+    renamed = model.checkpoint_module_names
+
+    def checkpoint_name(parts: list[str]) -> str:
+        return ".".join(renamed.get(p, p) for p in parts)
+
     targets: dict[str, _Target] = {}
     # named_parameters() lists a tied weight once, under the embedding's name.
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
-        if module in packed:
+        shards: list[tuple[str, ShardId]] | None = getattr(param, "checkpoint_shards", None)
+        if shards is not None:  # one parameter filled from many tensors, e.g. every expert's weight
+            for suffix, shard_id in shards:
+                targets[checkpoint_name([*parts[:-1], *suffix.split(".")])] = _Target(name, shard_id)
+        elif module in packed:
             for ckpt_module, shard_id in packed[module]:
-                ckpt_name = ".".join([*parts[:-2], ckpt_module, parts[-1]])
-                targets[ckpt_name] = _Target(name, shard_id)
+                targets[checkpoint_name([*parts[:-2], ckpt_module, parts[-1]])] = _Target(name, shard_id)
         else:
-            targets[name] = _Target(name, None)
+            targets[checkpoint_name(parts)] = _Target(name, None)
     return targets
 
 

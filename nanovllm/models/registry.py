@@ -10,8 +10,10 @@ from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.model_config import ModelConfig
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.mixtral import MixtralForCausalLM
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ModelFactory = Callable[[ModelConfig, str, TPGroup | None], DecoderForCausalLM]
 
@@ -19,6 +21,8 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

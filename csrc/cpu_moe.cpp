@@ -1,0 +1,240 @@
+#include "cpu_moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "cpu_gemm.h"
+#include "cpu_math.h"
+#include "cpu_parallel.h"
+
+namespace nanovllm {
+namespace {
+
+// The combine sums this many columns of a row at a time in registers.
+constexpr int64_t kCombineColumns = 64;
+
+void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize, int32_t* ids, float* weights) {
+  float max = logits[0];
+  for (int64_t e = 1; e < experts; ++e) max = std::max(max, logits[e]);
+  float sum = 0.0f;
+  for (int64_t e = 0; e < experts; ++e) sum += std::exp(logits[e] - max);
+  // The k largest logits (softmax keeps the order), by insertion into the sorted list of those so
+  // far; `>` keeps the lower id ahead on a tie.
+  int64_t n = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const float v = logits[e];
+    if (n == k && !(v > logits[ids[k - 1]])) continue;
+    int64_t i = n < k ? n++ : k - 1;
+    for (; i > 0 && v > logits[ids[i - 1]]; --i) ids[i] = ids[i - 1];
+    ids[i] = static_cast<int32_t>(e);
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    weights[j] = std::exp(logits[ids[j]] - max) / sum;
+    total += weights[j];
+  }
+  if (renormalize) {
+    for (int64_t j = 0; j < k; ++j) weights[j] /= total;
+  }
+}
+
+// Columns [col_begin, col_end) of rows [begin, end) of the combine; `position` is the inverse of
+// `sorted`. An expert's output is rounded to TO first, as the torch layers hold it in the
+// activations' dtype.
+template <typename TY, typename TO>
+void combine_rows(const TY* y, int64_t y_stride, const int32_t* position, const float* weights, int64_t k,
+                  TO* out, int64_t out_stride, int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
+  for (int64_t row = begin; row < end; ++row) {
+    for (int64_t h0 = col_begin; h0 < col_end; h0 += kCombineColumns) {
+      const int64_t cols = std::min(kCombineColumns, col_end - h0);
+      float acc[kCombineColumns] = {};
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = weights[row * k + j];
+        const TY* __restrict src = y + position[row * k + j] * y_stride + h0;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) acc[c] += w * round_to<TO>(widen(src[c]));
+      }
+      TO* __restrict dst = out + row * out_stride + h0;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) narrow(acc[c], dst + c);
+    }
+  }
+}
+
+std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
+  std::vector<int32_t> position(n);
+  for (int64_t r = 0; r < n; ++r) position[sorted[r]] = static_cast<int32_t>(r);
+  return position;
+}
+
+// The calling thread's scratch, kept from call to call and grown as needed: a 512-row step's buffers
+// are tens of MB, and fresh ones (mmap'ed by malloc) took ~5,000 page faults per layer, every call.
+std::byte* scratch(int64_t bytes) {
+  thread_local std::unique_ptr<std::byte[]> buffer;
+  thread_local int64_t size = 0;
+  if (size < bytes) {
+    buffer = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    size = bytes;
+  }
+  return buffer.get();
+}
+
+// Carves typed arrays, each 64-byte aligned, out of one scratch buffer.
+class Carver {
+ public:
+  explicit Carver(std::byte* base) : base_(base) {}
+  template <typename U>
+  U* take(int64_t count) {
+    U* at = reinterpret_cast<U*>(base_ + used_);
+    used_ += (count * static_cast<int64_t>(sizeof(U)) + 63) / 64 * 64;
+    return at;
+  }
+
+ private:
+  std::byte* base_;
+  int64_t used_ = 0;
+};
+
+// [begin, end) of n items split evenly over a team.
+struct Share {
+  int64_t begin, end;
+  Share(int64_t n, int64_t thread, int64_t team) : begin(n * thread / team), end(n * (thread + 1) / team) {}
+};
+
+// One expert's GEMM over panels [p0, p1): fp32 rows on the widening AVX2 tiles, bf16 rows on the
+// AVX512-BF16 pair tiles.
+void expert_gemm(const float* x, int64_t x_stride, const char* packed, CpuDtype weight_dtype, float* y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+  gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, weight_dtype}, p0, p1);
+}
+void expert_gemm(const Bf16* x, int64_t x_stride, const char* packed, CpuDtype /*bf16*/, float* y,
+                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+  gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), y, m, n, k, x_stride, y_stride}, p0, p1);
+}
+
+// One thread's part of the layer, between the team's barriers:
+//   1. gather: its share of the assignments' rows of x in expert order (xs, the GEMM input type A);
+//   2. gate/up: its share of the gate/up panels of every chosen expert (h), then SiLU(gate) * up
+//      of those panels' columns (act): the packing interleaves 8 gate and 8 up rows per panel;
+//   3. down: its share of the output panels of every chosen expert (y), then the combine of those
+//      columns for every row: no thread reads another's.
+// T is the activations' dtype; A the GEMMs' input: fp32 (our AVX2 tiles) or bf16 (the pair tiles).
+template <typename T, typename A>
+void experts_typed(const MoeExpertsArgs& a, int num_threads) {
+  const int64_t k = a.top_k, assignments = a.rows * k, hidden = a.hidden, inter = a.inter;
+  const int64_t inter8 = moe_gate_up_rows(inter) / 2, gate_up = 2 * inter8;
+  const int64_t down_k = moe_down_depth(inter, a.bf16_pairs);
+  std::vector<int32_t> ids(assignments), sorted(assignments), offsets(a.experts + 1);
+  std::vector<float> weights(assignments);
+  // Serial: a decode step's routing is a few microseconds, and a parallel region of its own
+  // would add a synchronization of the team.
+  moe_route({a.logits, a.logits_stride, a.rows, a.experts, k, a.renormalize, ids.data(), weights.data(),
+             offsets.data(), sorted.data()},
+            1);
+  const std::vector<int32_t> position = inverse(sorted.data(), assignments);
+  std::vector<int32_t> chosen;
+  for (int64_t e = 0; e < a.experts; ++e) {
+    if (offsets[e + 1] > offsets[e]) chosen.push_back(static_cast<int32_t>(e));
+  }
+  const int64_t a_bytes = static_cast<int64_t>(sizeof(A));
+  Carver carve(scratch(assignments * ((hidden + inter8) * a_bytes + (gate_up + hidden) * 4) + 4 * 64));
+  A* const xs = carve.take<A>(assignments * hidden);
+  float* const h = carve.take<float>(assignments * gate_up);
+  A* const act = carve.take<A>(assignments * inter8);
+  float* const y = carve.take<float>(assignments * hidden);
+  const int64_t weight_bytes = a.weight_dtype == CpuDtype::kFloat32 ? 4 : 2;
+  const char* w13 = static_cast<const char*>(a.w13);
+  const char* w2 = static_cast<const char*>(a.w2);
+  const int64_t w13_bytes = gemm_packed_elements(gate_up, hidden) * weight_bytes;
+  const int64_t w2_bytes = gemm_packed_elements(hidden, down_k) * weight_bytes;
+  const T* x = static_cast<const T*>(a.x);
+  T* out = static_cast<T*>(a.out);
+  // Weights read plus multiply-adds, in elements: below kMinElementsPerThread a thread costs more.
+  const int64_t work = static_cast<int64_t>(chosen.size() + assignments) * (gate_up + inter) * hidden;
+  const int64_t threads = std::clamp<int64_t>(work / kMinElementsPerThread, 1, num_threads);
+
+  parallel_team(threads, [&](int64_t t, int64_t team) {
+    const Share rows(assignments, t, team);
+    for (int64_t r = rows.begin; r < rows.end; ++r) {
+      const T* __restrict src = x + sorted[r] / k * a.x_stride;
+      A* __restrict dst = xs + r * hidden;
+#pragma omp simd
+      for (int64_t c = 0; c < hidden; ++c) narrow(widen(src[c]), dst + c);
+    }
+#pragma omp barrier
+    const Share up_panels(gemm_panels(gate_up), t, team);
+    for (const int32_t e : chosen) {
+      const int64_t first = offsets[e], m = offsets[e + 1] - first;
+      expert_gemm(xs + first * hidden, hidden, w13 + e * w13_bytes, a.weight_dtype, h + first * gate_up, gate_up, m,
+                  gate_up, hidden, up_panels.begin, up_panels.end);
+      for (int64_t r = first; r < first + m; ++r) {
+        for (int64_t p = up_panels.begin; p < up_panels.end; ++p) {
+          const float* __restrict gate = h + r * gate_up + p * kGemmPanel;
+          const float* __restrict up = gate + kGemmPanel / 2;
+          A* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
+#pragma omp simd
+          for (int64_t c = 0; c < kGemmPanel / 2; ++c) {
+            narrow(round_to<T>(round_to<T>(silu(round_to<T>(gate[c]))) * round_to<T>(up[c])), dst + c);
+          }
+        }
+      }
+    }
+#pragma omp barrier
+    const Share down_panels(gemm_panels(hidden), t, team);
+    for (const int32_t e : chosen) {
+      const int64_t first = offsets[e];
+      expert_gemm(act + first * inter8, inter8, w2 + e * w2_bytes, a.weight_dtype, y + first * hidden, hidden,
+                  offsets[e + 1] - first, hidden, down_k, down_panels.begin, down_panels.end);
+    }
+    combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
+                           down_panels.begin * kGemmPanel, std::min(hidden, down_panels.end * kGemmPanel));
+  });
+}
+
+}  // namespace
+
+void moe_route(const MoeRouteArgs& a, int num_threads) {
+  const int64_t k = a.top_k;
+  parallel_rows(a.rows, a.experts * k, num_threads, [&a, k](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      route_row(a.logits + r * a.logits_stride, a.experts, k, a.renormalize, a.topk_ids + r * k,
+                a.topk_weights + r * k);
+    }
+  });
+  const int64_t assignments = a.rows * k;
+  std::fill_n(a.expert_offsets, a.experts + 1, 0);
+  for (int64_t i = 0; i < assignments; ++i) ++a.expert_offsets[a.topk_ids[i] + 1];
+  std::partial_sum(a.expert_offsets, a.expert_offsets + a.experts + 1, a.expert_offsets);
+  std::vector<int32_t> next(a.expert_offsets, a.expert_offsets + a.experts);
+  for (int64_t i = 0; i < assignments; ++i) a.sorted[next[a.topk_ids[i]]++] = static_cast<int32_t>(i);
+}
+
+void moe_combine(const MoeCombineArgs& a, int num_threads) {
+  const std::vector<int32_t> position = inverse(a.sorted, a.rows * a.top_k);
+  parallel_rows(a.rows, a.top_k * a.hidden, num_threads, [&](int64_t begin, int64_t end) {
+    if (a.dtype == CpuDtype::kFloat32) {
+      combine_rows(static_cast<const float*>(a.y), a.y_stride, position.data(), a.topk_weights, a.top_k,
+                   static_cast<float*>(a.out), a.out_stride, begin, end, 0, a.hidden);
+    } else {
+      combine_rows(static_cast<const Bf16*>(a.y), a.y_stride, position.data(), a.topk_weights, a.top_k,
+                   static_cast<Bf16*>(a.out), a.out_stride, begin, end, 0, a.hidden);
+    }
+  });
+}
+
+void moe_experts(const MoeExpertsArgs& a, int num_threads) {
+  if (a.rows == 0) return;
+  if (a.dtype == CpuDtype::kFloat32) {
+    experts_typed<float, float>(a, num_threads);
+  } else if (a.bf16_pairs) {
+    experts_typed<Bf16, Bf16>(a, num_threads);
+  } else {
+    experts_typed<Bf16, float>(a, num_threads);
+  }
+}
+
+}  // namespace nanovllm

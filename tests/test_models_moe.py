@@ -1,0 +1,180 @@
+"""Qwen3-MoE and Mixtral against transformers on tiny random-weight checkpoints (tests/moe_models.py):
+greedy output token for token in fp32 with the experts on either CPU packing (our AVX2 GEMM's, the
+fused C++ call; oneDNN's, the per-expert loop), ragged routing, dense and sparse layers mixed,
+norm_topk_prob either way, chunked prefill, preemption and prefix caching; bf16 logits within bf16
+tolerance; config.json and checkpoint errors at load, naming the field or the expert."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import (
+    assert_greedy_matches,
+    assert_greedy_matches_with_preemption_and_prefix_cache,
+    random_prompts,
+)
+from moe_models import MOE_MODELS, make_moe_model, router_counts
+from safetensors.torch import load_file, save_file
+from test_models_bf16 import CHUNKS, REL_TOL, hf_logits, our_logits
+
+from nanovllm import LLM, _cpu
+from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.cpu import moe as cpu_moe
+from nanovllm.layers.fused_moe import FusedMoE
+from nanovllm.models import load_model
+from nanovllm.models.moe import SparseMoeBlock
+
+BLOCK = 16
+VOCAB = 512
+
+KERNELS = [
+    pytest.param("avx2", marks=pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {name: make_moe_model(root, name) for name in MOE_MODELS}
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The GEMM kernel every layer, experts included, is packed for, whatever this CPU would take;
+    with oneDNN every weight is packed, small or not (the tiny models' experts are below its threshold)."""
+    monkeypatch.setattr(cpu_gemm, "gemm_kernel", lambda: request.param)
+    monkeypatch.setattr(cpu_moe, "expert_kernel", lambda: request.param)
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_gemm, "PREPACK_MIN_WEIGHTS", 0)
+    yield request.param
+
+
+def make_llm(path: Path, **kwargs: object) -> LLM:
+    options: dict[str, object] = dict(device="cpu", num_kvcache_blocks=128, block_size=BLOCK, max_model_len=1024)
+    return LLM(str(path), **{**options, **kwargs})  # type: ignore[arg-type]
+
+
+def moe_layers(llm: LLM) -> list[FusedMoE]:
+    return [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def test_config_fields_decide_the_layers(models: dict[str, Path]) -> None:
+    expected = {  # sparse layers, experts, top_k, renormalize, expert intermediate size
+        "qwen3_moe": ({0, 1}, 8, 2, False, 32),
+        "qwen3_moe_mixed": ({1, 5}, 8, 3, True, 48),
+        "mixtral": ({0, 1}, 8, 2, True, 128),
+        "qwen3_moe_ragged": ({0, 1}, 16, 2, True, 32),
+    }
+    for name, (sparse, experts, top_k, renormalize, inter) in expected.items():
+        model, config = load_model(models[name])
+        layers = model.model.layers
+        assert {i for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoeBlock)} == sparse
+        for i in sparse:
+            moe = layers[i].mlp.experts
+            assert (moe.num_experts, moe.top_k, moe.renormalize, moe.intermediate_size) == (
+                experts, top_k, renormalize, inter)
+        for i in set(range(config.num_hidden_layers)) - sparse:  # dense: intermediate_size
+            assert layers[i].mlp.down_proj.input_size == config.intermediate_size
+
+
+def test_ragged_model_routes_every_row_to_one_expert(models: dict[str, Path]) -> None:
+    """The routing the ragged case claims, as transformers computes it: expert 5 takes every row of
+    every sparse layer, and most experts none."""
+    tokens = random_prompts([40], VOCAB, seed=3)[0]
+    for counts in router_counts(models["qwen3_moe_ragged"], tokens):
+        assert counts[5] == len(tokens)
+        assert (counts == 0).sum() >= 12
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_greedy_matches_transformers(models: dict[str, Path], name: str, kernel: str) -> None:
+    llm = make_llm(models[name])
+    packed = {type(m.packed) for m in moe_layers(llm)}
+    assert packed == {cpu_moe.GemmPackedExperts if kernel == "avx2" else cpu_moe.LinearExperts}
+    assert_greedy_matches(llm, models[name], random_prompts([1, 15, 16, 17, 120], VOCAB, seed=1), max_new=16)
+
+
+@pytest.mark.parametrize("name,kernel", [pytest.param("qwen3_moe_mixed", *KERNELS[0].values, marks=KERNELS[0].marks),
+                                         pytest.param("mixtral", *KERNELS[1].values, marks=KERNELS[1].marks)],
+                         indirect=["kernel"])
+def test_chunked_prefill_preemption_and_prefix_cache(models: dict[str, Path], name: str, kernel: str) -> None:
+    llm = make_llm(models[name], num_kvcache_blocks=24, max_model_len=24 * BLOCK, max_num_seqs=6,
+                   max_num_batched_tokens=48)
+    assert_greedy_matches_with_preemption_and_prefix_cache(llm, models[name])
+
+
+# --- bf16 -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_mixed", "mixtral"])
+def test_bf16_logits_within_tolerance(models: dict[str, Path], name: str, kernel: str) -> None:
+    """The experts packed for `kernel`, bf16 throughout (test_models_bf16.py's tolerance). Within bf16 tolerance of transformers' bf16 logits everywhere, and of the fp32 logits wherever
+    transformers' bf16 is: a router in bf16 may pick another expert than in fp32 at a near tie (the
+    Mixtral model here does at one position, 5% of the largest logit away, both engines alike)."""
+    tokens = random_prompts([sum(CHUNKS)], VOCAB, seed=2)[0]
+    ours = our_logits(models[name], tokens, prepack=True)
+    fp32 = hf_logits(models[name], tokens, torch.float32)
+    hf16 = hf_logits(models[name], tokens, torch.bfloat16)
+    tol = REL_TOL * fp32.abs().max().item()
+    assert (ours - hf16).abs().max() < tol
+    hf_off = (hf16 - fp32).abs().amax(dim=-1)
+    assert ((ours - fp32).abs().amax(dim=-1) < hf_off + tol).all()
+    assert (hf_off < tol).sum() >= len(tokens) - 2, "bf16 routing differs from fp32 almost everywhere"
+
+
+# --- errors at load -------------------------------------------------------------------------------
+
+
+def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: str | None = None) -> Path:
+    """A copy of the model at `src` with config.json fields replaced (None deletes one) and the
+    tensor `drop` left out of the checkpoint."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    raw = json.loads((dst / "config.json").read_text())
+    for key, value in (config or {}).items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    (dst / "config.json").write_text(json.dumps(raw))
+    if drop is not None:
+        weights = load_file(dst / "model.safetensors")
+        del weights[drop]
+        save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("name,config,drop,message", [
+    ("qwen3_moe", {"num_experts_per_tok": 9}, None, r"num_experts_per_tok \(9\) exceeds the number of experts \(8\)"),
+    ("mixtral", {"num_experts_per_tok": 0}, None, "num_experts_per_tok must be an integer >= 1, got 0"),
+    ("qwen3_moe", {"moe_intermediate_size": None}, None, "missing required key 'moe_intermediate_size'"),
+    ("qwen3_moe", {"num_local_experts": None}, None, "missing required key 'num_experts' or 'num_local_experts'"),
+    ("qwen3_moe", {"mlp_only_layers": "0"}, None, "mlp_only_layers must be a list of layer indices"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, None, "decoder_sparse_step must be an integer >= 1"),
+    ("mixtral", {"sliding_window": 4096}, None, r"sliding-window attention \(sliding_window = 4096\)"),
+    ("mixtral", {"hidden_act": "gelu"}, None, "hidden_act 'gelu' is not supported"),
+    ("qwen3_moe", None, "model.layers.1.mlp.experts.3.up_proj.weight",
+     r"missing tensors: 'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight'"),
+    ("mixtral", None, "model.layers.0.block_sparse_moe.experts.7.w2.weight",
+     r"missing tensors: 'model\.layers\.0\.block_sparse_moe\.experts\.7\.w2\.weight'"),
+])
+def test_bad_checkpoint_is_a_value_error_naming_the_field_or_expert(
+        models: dict[str, Path], tmp_path: Path, name: str, config: dict | None, drop: str | None,
+        message: str) -> None:
+    path = edited_copy(models[name], tmp_path / name, config, drop)
+    with pytest.raises(ValueError, match=message):
+        load_model(path)
+
+
+def test_num_experts_is_read_under_either_name(models: dict[str, Path], tmp_path: Path) -> None:
+    """transformers 5 writes Qwen3-MoE's num_experts as num_local_experts; earlier writers as num_experts."""
+    raw = json.loads((models["qwen3_moe"] / "config.json").read_text())
+    assert raw.get("num_local_experts", raw.get("num_experts")) == 8
+    path = edited_copy(models["qwen3_moe"], tmp_path / "m", {"num_local_experts": None, "num_experts": 8})
+    model, _ = load_model(path)
+    assert model.model.layers[0].mlp.experts.num_experts == 8
