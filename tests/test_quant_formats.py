@@ -13,7 +13,7 @@ import torch
 from quant_helpers import awq_tensors, gptq_tensors, random_quantized
 
 from nanovllm.layers.quantization import awq, compressed_tensors, gptq
-from nanovllm.layers.quantization.config import QuantConfig, WeightScheme, resolve_quant_config
+from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES, QuantConfig, WeightScheme, resolve_quant_config
 from nanovllm.layers.quantization.packing import pack_int32, unpack_int32
 from nanovllm.layers.quantization.weights import QuantizedWeight, quantize_rtn
 
@@ -221,7 +221,10 @@ def test_configs_and_unsupported_schemes() -> None:
     assert cfg.scheme_for("model.layers.1.mlp.up_proj") is None  # ignored by regex
     assert resolve_quant_config({}, None, "c.json") is None
     rtn = resolve_quant_config({}, "int4", "c.json")
-    assert rtn == QuantConfig("rtn", ((("Linear",), WeightScheme(4, 128, False)),))
+    assert rtn == QuantConfig("rtn", ((("Linear",), WeightScheme(4, 128, False)),), UNQUANTIZED_MODULES)
+    assert rtn.scheme_for("model.layers.2.mlp.down_proj") == WeightScheme(4, 128, False)
+    for router in ("model.layers.2.mlp.gate", "model.layers.0.block_sparse_moe.gate"):
+        assert rtn.scheme_for(router) is None  # the routers of MoE layers stay unquantized
     awq_cfg = resolve_quant_config({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64,
                                                             "version": "gemm", "zero_point": True}}, None, "c.json")
     assert awq_cfg is not None and awq_cfg.scheme_for("model.layers.3.self_attn.o_proj") == WeightScheme(4, 64, False)

@@ -70,10 +70,17 @@ def hf_quantized_greedy(path: Path, prompt: list[int], max_new: int, eos: int | 
 def our_dense_weights(model_dir: Path, quantization: str | None = None) -> dict[str, torch.Tensor]:
     """Every linear layer's dequantized weight as our loader holds it, by checkpoint module name."""
     model, _ = load_model(model_dir, dtype="float32", quantization=quantization)
-    out = {}
     for name, layer in model.named_modules():
         if isinstance(layer, LinearBase):
             assert layer.quant is not None and layer.quant.weight is not None, name
+    return our_dense_weights_of(model)
+
+
+def our_dense_weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The dequantized weight of each quantized linear layer of `model`, by checkpoint module name."""
+    out = {}
+    for layer in model.modules():
+        if isinstance(layer, LinearBase) and layer.quant is not None:
             w = layer.quant.weight.dequantize()
             start = 0
             for _, rows, module in layer.quant.shards:
@@ -260,3 +267,39 @@ def test_unsupported_and_mismatched_schemes_fail_at_load(dense: dict[str, Path],
     assert cli_main(["quantize", str(out), str(root / "twice")]) == 2  # already quantized: a clear error
     assert cli_main(["quantize", str(src), str(root / "g100"), "--group-size", "100"]) == 2  # 128 % 100
     assert not (root / "g100").exists()
+
+
+def test_mixture_of_experts_keeps_routers_and_experts_dense(root: Path) -> None:
+    """On a Qwen3-MoE, `nanovllm quantize` and LLM(quantization=) quantize the attention and dense
+    layers only: the routers and experts stay in the model's dtype (the routers ignored by name in
+    the checkpoint's config); the tokens equal transformers' on the dense checkpoint carrying our
+    dequantized weights (transformers 5 cannot load a compressed-tensors checkpoint whose experts
+    are per-expert tensors), and agree between the two ways of quantizing."""
+    from moe_models import make_moe_model
+
+    from nanovllm.layers.fused_moe import FusedMoE
+
+    dense_dir = make_moe_model(root, "qwen3_moe_mixed")  # sparse and dense layers
+    out = root / "ct-moe-w8a16"
+    assert cli_main(["quantize", str(dense_dir), str(out), "--scheme", "w8a16"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert r"re:.*\.mlp\.gate$" in qc["ignore"]
+    with safe_open(str(out / "model.safetensors"), framework="pt", device="cpu") as f:
+        names = set(f.keys())  # noqa: SIM118
+    assert "model.layers.1.mlp.gate.weight" in names  # a router, dense
+    assert "model.layers.1.mlp.experts.0.down_proj.weight" in names  # an expert, dense
+    assert "model.layers.0.mlp.gate_proj.weight_packed" in names  # a dense layer's MLP, quantized
+    model, _ = load_model(out, dtype="float32")
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    assert len(routers) == 2 and all(r.quant is None for r in routers)
+    assert all(m.w13_weight.dtype == torch.float32 for m in model.modules() if isinstance(m, FusedMoE))
+    quantized = our_dense_weights_of(model)
+    assert len(quantized) == 6 * 4 + 4 * 3  # q, k, v, o everywhere; gate, up, down in the 4 dense layers
+    oracle_dir = _write_dense(dense_dir, root / "moe-dequantized", {f"{m}.weight": w for m, w in quantized.items()})
+    prompts = random_prompts([3, 17], 512, seed=5)
+    llm = LLM(str(out), **ENGINE)
+    assert_greedy_matches(llm, oracle_dir, prompts, max_new=12)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    at_load = LLM(str(dense_dir), quantization="int8", **ENGINE).generate(prompts, params, use_tqdm=False)
+    from_file = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in at_load] == [o.outputs[0].token_ids for o in from_file]

@@ -36,14 +36,20 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
-def test_response_format_json_schema(client: openai.OpenAI) -> None:
+def assert_chat_follows_person_schema(client: openai.OpenAI, model: str, n: int) -> None:
+    """n sampled chat completions with PERSON as the json_schema response format each finish and
+    follow it."""
     resp = client.chat.completions.create(
-        model="tiny", messages=HI, max_tokens=200, n=3, temperature=1.0, seed=5,
+        model=model, messages=HI, max_tokens=200, n=n, temperature=1.0, seed=5,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-    assert len(resp.choices) == 3
+    assert len(resp.choices) == n
     for choice in resp.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    assert_chat_follows_person_schema(client, "tiny", 3)
 
 
 def test_response_format_json_object(client: openai.OpenAI) -> None:

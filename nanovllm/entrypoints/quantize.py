@@ -5,8 +5,9 @@ toolkit.
 
 Every linear layer of the decoder blocks (q/k/v/o, gate/up/down) is quantized with
 layers/quantization/weights.quantize_rtn, the function `LLM(..., quantization="int8"|"int4")`
-applies at load time, so both give the same weights. The embedding and the LM head stay as they
-are (`ignore: ["lm_head"]`). Scales are stored in the checkpoint's dtype. Tokenizer files and
+applies at load time, so both give the same weights. The embedding, the LM head and the routers of
+mixture-of-experts layers stay as they are (`ignore`: config.UNQUANTIZED_MODULES); so do the experts
+themselves, for now. Scales are stored in the checkpoint's dtype. Tokenizer files and
 everything else in MODEL are copied.
 """
 
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanovllm.layers.quantization import compressed_tensors
+from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES
 from nanovllm.layers.quantization.weights import quantize_rtn
 from nanovllm.models.loader import find_weight_files
 from nanovllm.model_config import load_model_config
@@ -58,7 +60,7 @@ def quantization_config(bits: int, group_size: int | None, symmetric: bool) -> d
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights_config(bits, group_size, symmetric),
                                       "input_activations": None, "output_activations": None,
                                       "format": "pack-quantized"}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+        "ignore": list(UNQUANTIZED_MODULES), "kv_cache_scheme": None, "sparsity_config": {},
     }
 
 

@@ -21,6 +21,11 @@ from nanovllm.layers.quantization.weights import BITS, QuantizedWeight
 # (round to nearest), with `nanovllm quantize`'s defaults: (bits, group size (None: per channel)).
 LOAD_TIME_SCHEMES: dict[str, tuple[int, int | None]] = {"int8": (8, None), "int4": (4, 128)}
 CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq")
+# What quantizing a model leaves in its own dtype: the LM head, and the routers of mixture-of-experts
+# layers (Qwen3-MoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`), whose few weights decide which
+# experts run: rounding them moves tokens to other experts for no bandwidth saved (llmcompressor's
+# MoE recipes ignore them too).
+UNQUANTIZED_MODULES = ("lm_head", r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +96,8 @@ def load_time_config(name: str) -> QuantConfig:
         raise ValueError(f"quantization must be one of {sorted(LOAD_TIME_SCHEMES)} to quantize while loading "
                          f"(or {', '.join(CHECKPOINT_METHODS)} naming a quantized checkpoint's own format), got {name!r}")
     bits, group_size = LOAD_TIME_SCHEMES[name]
-    return QuantConfig("rtn", ((("Linear",), WeightScheme(bits, group_size, symmetric=False)),))
+    return QuantConfig("rtn", ((("Linear",), WeightScheme(bits, group_size, symmetric=False)),),
+                       UNQUANTIZED_MODULES)
 
 
 def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: str) -> QuantConfig | None:
