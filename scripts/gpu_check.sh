@@ -232,15 +232,18 @@ fi
 # Each group in its own process: a sticky CUDA error (an illegal address) in one cannot fail the
 # next. faulthandler dumps the stacks of a test that hangs.
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 -o faulthandler_timeout=100)
+# The quantized GEMM's GPU tests by name: the rest of its file runs Triton's interpreter on the CPU.
 GPU_TESTS=(tests/test_kernels_cuda.py tests/test_kernels_build.py tests/test_plan_tensors.py tests/test_staging.py
-           tests/test_moe_cuda.py tests/test_cuda_engine.py tests/test_tensor_parallel_one_rank.py
+           tests/test_moe_cuda.py tests/test_quant_triton.py::test_on_gpu_matches_dequantized_product
+           tests/test_quant_triton.py::test_quantized_engine_on_gpu_matches_transformers
+           tests/test_cuda_engine.py tests/test_tensor_parallel_one_rank.py
            tests/test_sampling_cuda.py)
 if [ "$TESTS" -eq 1 ]; then
-  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:5}"
+  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:7}"
   tail -15 "$RESULTS/pytest_kernels.txt"
-  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:5:2}"
+  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:7:2}"
   tail -15 "$RESULTS/pytest_engine.txt"
-  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:7:1}"
+  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:9:1}"
   tail -15 "$RESULTS/pytest_sampling.txt"
 fi
 
@@ -282,7 +285,9 @@ fi
 # (two OpenMP threads per worker: torch's default of one per core, per worker, would thrash).
 if [ "$SUITE" -eq 1 ] && [ "$QUICK" -eq 0 ] && [ "$TESTS" -eq 1 ]; then
   IGNORE=()
-  for t in "${GPU_TESTS[@]}"; do IGNORE+=(--ignore "$t"); done
+  for t in "${GPU_TESTS[@]}"; do
+    case "$t" in *::*) IGNORE+=(--deselect "$t") ;; *) IGNORE+=(--ignore "$t") ;; esac
+  done
   run suite 600 --log "$RESULTS/pytest_suite.txt" env OMP_NUM_THREADS=2 "${PYTEST[@]}" -n "$(nproc)" "${IGNORE[@]}" tests
   tail -25 "$RESULTS/pytest_suite.txt"
 fi
