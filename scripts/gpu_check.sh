@@ -236,14 +236,15 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 -o faulthandler
 GPU_TESTS=(tests/test_kernels_cuda.py tests/test_kernels_build.py tests/test_plan_tensors.py tests/test_staging.py
            tests/test_moe_cuda.py tests/test_quant_triton.py::test_on_gpu_matches_dequantized_product
            tests/test_quant_triton.py::test_quantized_engine_on_gpu_matches_transformers
+           tests/test_quant_triton.py::test_quantized_experts_on_gpu_match_transformers
            tests/test_cuda_engine.py tests/test_tensor_parallel_one_rank.py
            tests/test_sampling_cuda.py)
 if [ "$TESTS" -eq 1 ]; then
-  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:7}"
+  run tests_kernels 150 --log "$RESULTS/pytest_kernels.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:0:8}"
   tail -15 "$RESULTS/pytest_kernels.txt"
-  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:7:2}"
+  run tests_engine 150 --log "$RESULTS/pytest_engine.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:8:2}"
   tail -15 "$RESULTS/pytest_engine.txt"
-  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:9:1}"
+  run tests_sampling 120 --log "$RESULTS/pytest_sampling.txt" "${PYTEST[@]}" "${GPU_TESTS[@]:10:1}"
   tail -15 "$RESULTS/pytest_sampling.txt"
 fi
 

@@ -24,6 +24,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 from nanovllm.entrypoints.cli import main as cli_main
 from nanovllm.entrypoints.quantize import LINEAR
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization.weights import QuantizedWeight, quantize_rtn
 from nanovllm.models.loader import load_model
@@ -67,25 +68,37 @@ def hf_quantized_greedy(path: Path, prompt: list[int], max_new: int, eos: int | 
     return out[0, len(prompt):].tolist()
 
 
+@lru_cache(maxsize=None)
+def moe_dense(root: Path, name: str) -> Path:
+    """tests/moe_models.py's model `name`, made once per test module."""
+    from moe_models import make_moe_model
+
+    return make_moe_model(root, name)
+
+
 def our_dense_weights(model_dir: Path, quantization: str | None = None) -> dict[str, torch.Tensor]:
     """Every linear layer's dequantized weight as our loader holds it, by checkpoint module name."""
     model, _ = load_model(model_dir, dtype="float32", quantization=quantization)
     for name, layer in model.named_modules():
-        if isinstance(layer, LinearBase):
+        if isinstance(layer, LinearBase) and not name.endswith("mlp.gate"):  # a MoE router stays dense
             assert layer.quant is not None and layer.quant.weight is not None, name
     return our_dense_weights_of(model)
 
 
 def our_dense_weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The dequantized weight of each quantized linear layer of `model`, by checkpoint module name."""
+    """The dequantized weight of each quantized linear layer and expert projection of `model`, by
+    checkpoint module name."""
+    quants = [m.quant for m in model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+    for moe in model.modules():
+        if isinstance(moe, FusedMoE) and moe.quant is not None:
+            quants += [*moe.quant.w13, *moe.quant.w2]
     out = {}
-    for layer in model.modules():
-        if isinstance(layer, LinearBase) and layer.quant is not None:
-            w = layer.quant.weight.dequantize()
-            start = 0
-            for _, rows, module in layer.quant.shards:
-                out[module] = w[start:start + rows]
-                start += rows
+    for quant in quants:
+        w = quant.weight.dequantize()
+        start = 0
+        for _, rows, module in quant.shards:
+            out[module] = w[start:start + rows]
+            start += rows
     return out
 
 
@@ -198,7 +211,7 @@ def _write_checkpoint(src: Path, out: Path, quantization_config: dict, convert) 
     return out
 
 
-def _write_dense(src: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
+def write_dense(src: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
     """A dense copy of src with the given (dequantized) linear weights: transformers' oracle."""
     shutil.copytree(src, out)
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
@@ -207,13 +220,17 @@ def _write_dense(src: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path
     return out
 
 
-@pytest.mark.parametrize("fmt", ["awq-g32", "gptq4-desc_act", "gptq8-sym", "gptq4-asym-g64"])
+@pytest.mark.parametrize("fmt", ["awq-g32", "gptq4-desc_act", "gptq8-sym", "gptq4-asym-g64", "moe-awq-g16",
+                                 "moe-gptq4-desc_act-g16"])
 def test_awq_and_gptq_checkpoints_match_transformers_on_their_weights(fmt: str, dense: dict[str, Path],
                                                                       root: Path) -> None:
-    src = dense["qwen3"]
-    bits, group = (8, 64) if fmt == "gptq8-sym" else (4, 64 if fmt.endswith("g64") else 32)
+    """Each format's tensors, written from weights rounded here, load to exactly those weights and
+    give transformers' tokens on them; the `moe-` cases on a Qwen3-MoE whose experts are quantized
+    and routers dense (unlisted, as AutoAWQ and GPTQModel write them)."""
+    src = moe_dense(root, "qwen3_moe_mixed") if fmt.startswith("moe-") else dense["qwen3"]
+    bits, group = (8, 64) if fmt == "gptq8-sym" else (4, 64 if fmt.endswith("g64") else 16 if fmt.endswith("g16") else 32)
     symmetric = fmt == "gptq8-sym"
-    desc_act = fmt.endswith("desc_act")
+    desc_act = "desc_act" in fmt
     dequantized: dict[str, torch.Tensor] = {}
 
     def convert(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -223,20 +240,21 @@ def test_awq_and_gptq_checkpoints_match_transformers_on_their_weights(fmt: str, 
         w = quantize_rtn(weight[:, order], bits, group, symmetric, scale_dtype=torch.float16)
         w_dense = torch.empty_like(weight).index_copy_(1, order, w.dequantize())
         dequantized[name] = w_dense
-        if fmt.startswith("awq"):
+        if "awq" in fmt:
             return awq_tensors(w)
         position = torch.argsort(order)  # where each checkpoint column sits in the activation order
         stored = QuantizedWeight(w.qweight[:, position].contiguous(), w.scales, w.zeros, bits, group)
         return gptq_tensors(stored, position // group, zero_offset=1)
 
-    if fmt.startswith("awq"):
+    if "awq" in fmt:
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
     else:
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": symmetric,
               "checkpoint_format": "gptq"}
     ckpt = _write_checkpoint(src, root / fmt, qc, convert)
-    oracle = _write_dense(src, root / f"{fmt}-dense", dequantized)
+    oracle = write_dense(src, root / f"{fmt}-dense", dequantized)
     ours = our_dense_weights(ckpt)
+    assert {f"{module}.weight" for module in ours} == dequantized.keys()  # experts included
     for module, w in ours.items():
         torch.testing.assert_close(w, dequantized[f"{module}.weight"], rtol=0, atol=0)
     llm = LLM(str(ckpt), **ENGINE)
@@ -269,37 +287,51 @@ def test_unsupported_and_mismatched_schemes_fail_at_load(dense: dict[str, Path],
     assert not (root / "g100").exists()
 
 
-def test_mixture_of_experts_keeps_routers_and_experts_dense(root: Path) -> None:
-    """On a Qwen3-MoE, `nanovllm quantize` and LLM(quantization=) quantize the attention and dense
-    layers only: the routers and experts stay in the model's dtype (the routers ignored by name in
+MOE_CASES = {  # id: (tests/moe_models.py's model, --scheme, --group-size, expert projections)
+    "qwen3_moe-w8a16": ("qwen3_moe_mixed", "w8a16", None, ("gate_proj", "up_proj", "down_proj")),
+    "mixtral-w4a16-g16": ("mixtral", "w4a16", 16, ("w1", "w3", "w2")),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_mixture_of_experts_quantizes_experts_not_routers(case: str, root: Path) -> None:
+    """On a Qwen3-MoE (sparse and dense layers) and a Mixtral, `nanovllm quantize` and
+    LLM(quantization=) quantize every expert and linear layer but the routers (ignored by name in
     the checkpoint's config); the tokens equal transformers' on the dense checkpoint carrying our
-    dequantized weights (transformers 5 cannot load a compressed-tensors checkpoint whose experts
-    are per-expert tensors), and agree between the two ways of quantizing."""
-    from moe_models import make_moe_model
-
-    from nanovllm.layers.fused_moe import FusedMoE
-
-    dense_dir = make_moe_model(root, "qwen3_moe_mixed")  # sparse and dense layers
-    out = root / "ct-moe-w8a16"
-    assert cli_main(["quantize", str(dense_dir), str(out), "--scheme", "w8a16"]) == 0
+    dequantized weights (transformers 5 does not read compressed-tensors experts stored per expert),
+    and the two ways of quantizing give the same integers and tokens."""
+    name, scheme, group, projections = MOE_CASES[case]
+    dense_dir = moe_dense(root, name)
+    out = root / f"ct-{case}"
+    args = ["quantize", str(dense_dir), str(out), "--scheme", scheme]
+    assert cli_main(args + ([] if group is None else ["--group-size", str(group)])) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert r"re:.*\.mlp\.gate$" in qc["ignore"]
+    assert r"re:.*\.mlp\.gate$" in qc["ignore"] and r"re:.*\.block_sparse_moe\.gate$" in qc["ignore"]
     with safe_open(str(out / "model.safetensors"), framework="pt", device="cpu") as f:
         names = set(f.keys())  # noqa: SIM118
-    assert "model.layers.1.mlp.gate.weight" in names  # a router, dense
-    assert "model.layers.1.mlp.experts.0.down_proj.weight" in names  # an expert, dense
-    assert "model.layers.0.mlp.gate_proj.weight_packed" in names  # a dense layer's MLP, quantized
+    block = "block_sparse_moe" if name == "mixtral" else "mlp"
+    assert f"model.layers.1.{block}.gate.weight" in names  # a router, dense
+    assert f"model.layers.1.{block}.experts.0.{projections[2]}.weight_packed" in names  # an expert, quantized
     model, _ = load_model(out, dtype="float32")
     routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
-    assert len(routers) == 2 and all(r.quant is None for r in routers)
-    assert all(m.w13_weight.dtype == torch.float32 for m in model.modules() if isinstance(m, FusedMoE))
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert routers and all(r.quant is None for r in routers)
+    assert moes and all(m.quant is not None and m.w13_weight is None for m in moes)
     quantized = our_dense_weights_of(model)
-    assert len(quantized) == 6 * 4 + 4 * 3  # q, k, v, o everywhere; gate, up, down in the 4 dense layers
-    oracle_dir = _write_dense(dense_dir, root / "moe-dequantized", {f"{m}.weight": w for m, w in quantized.items()})
-    prompts = random_prompts([3, 17], 512, seed=5)
+    experts = sum(m.num_experts for m in moes)
+    dense_layers = len(model.model.layers) - len(moes)
+    assert len(quantized) == 4 * len(model.model.layers) + 3 * dense_layers + 3 * experts
+    assert f"model.layers.1.{block}.experts.0.{projections[0]}" in quantized
+    oracle_dir = write_dense(dense_dir, root / f"{case}-dequantized", {f"{m}.weight": w for m, w in quantized.items()})
+    prompts = random_prompts([3, 17, 40], 512, seed=5)
     llm = LLM(str(out), **ENGINE)
     assert_greedy_matches(llm, oracle_dir, prompts, max_new=12)
-    params = SamplingParams(temperature=0, max_tokens=12)
-    at_load = LLM(str(dense_dir), quantization="int8", **ENGINE).generate(prompts, params, use_tqdm=False)
-    from_file = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in at_load] == [o.outputs[0].token_ids for o in from_file]
+    if group is None:  # the load-time schemes' defaults: int8 per channel
+        at_load, _ = load_model(dense_dir, dtype="float32", quantization="int8")
+        assert our_dense_weights_of(at_load).keys() == quantized.keys()
+        for module, w in our_dense_weights_of(at_load).items():
+            assert torch.equal(w, quantized[module]), module
+        params = SamplingParams(temperature=0, max_tokens=12)
+        a = LLM(str(dense_dir), quantization="int8", **ENGINE).generate(prompts, params, use_tqdm=False)
+        b = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,18 @@ def fused_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: 
     else:
         w13s, w2s = packed.w13, packed.w2
         project = functools.partial(cpu_gemm.linear, bias=None)
+    return looped_experts(x, logits, lambda rows, e: project(rows, w13s[e]), lambda rows, e: project(rows, w2s[e]),
+                          top_k, renormalize)
+
+
+Projection = Callable[[torch.Tensor, int], torch.Tensor]  # (rows, expert) -> rows times its weight^T
+
+
+def looped_experts(x: torch.Tensor, logits: torch.Tensor, gate_up: Projection, down: Projection, top_k: int,
+                   renormalize: bool) -> torch.Tensor:
+    """The MoE layer with each chosen expert's two projections given as functions (a packed weight's
+    GEMM, a quantized weight's): routing and the weighted sum in C++, the experts some row chose in a
+    Python loop between them."""
     routing = route(logits, top_k, renormalize)
     offsets = routing.expert_offsets.tolist()
     xs = x.index_select(0, routing.sorted.long().div_(top_k, rounding_mode="floor"))
@@ -181,8 +194,9 @@ def fused_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: 
     for e in range(len(offsets) - 1):
         begin, end = offsets[e], offsets[e + 1]
         if begin < end:
-            ys[begin:end] = project(cpu_ops.silu_and_mul(project(xs[begin:end], w13s[e])), w2s[e])
+            ys[begin:end] = down(cpu_ops.silu_and_mul(gate_up(xs[begin:end], e)), e)
     return combine(ys, routing)
+
 
 def _gemm_experts(x: torch.Tensor, logits: torch.Tensor, packed: GemmPackedExperts, top_k: int,
                   renormalize: bool) -> torch.Tensor:

@@ -3,11 +3,10 @@ bf16 / fp32 checkpoint, written as a compressed-tensors `pack-quantized` checkpo
 llmcompressor writes, and transformers and vLLM read), so that a user can quantize without a GPU
 toolkit.
 
-Every linear layer of the decoder blocks (q/k/v/o, gate/up/down) is quantized with
-layers/quantization/weights.quantize_rtn, the function `LLM(..., quantization="int8"|"int4")`
+Every linear layer of the decoder blocks (q/k/v/o, gate/up/down, and every expert's) is quantized
+with layers/quantization/weights.quantize_rtn, the function `LLM(..., quantization="int8"|"int4")`
 applies at load time, so both give the same weights. The embedding, the LM head and the routers of
-mixture-of-experts layers stay as they are (`ignore`: config.UNQUANTIZED_MODULES); so do the experts
-themselves, for now. Scales are stored in the checkpoint's dtype. Tokenizer files and
+mixture-of-experts layers stay as they are (`ignore`: config.UNQUANTIZED_MODULES). Scales are stored in the checkpoint's dtype. Tokenizer files and
 everything else in MODEL are copied.
 """
 
@@ -32,8 +31,10 @@ from nanovllm.model_config import load_model_config
 from nanovllm.models.registry import get_model_class
 
 SCHEMES = {"w4a16": (4, 128), "w8a16": (8, None)}  # bits, default group size (None: per channel)
-# The decoder blocks' linear weights, by checkpoint name.
-LINEAR = re.compile(r"^(.*\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj))\.weight$")
+# The decoder blocks' linear weights by checkpoint name, the experts of mixture-of-experts layers
+# included (Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1).
+LINEAR = re.compile(r"^(.*\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj"
+                    r"|mlp\.experts\.\d+\.(?:gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$")
 INDEX = "model.safetensors.index.json"
 
 

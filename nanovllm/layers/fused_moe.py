@@ -37,6 +37,7 @@ from nanovllm.layers.linear import (
 
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
+    from nanovllm.layers.quantization.linear_method import QuantizedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class FusedMoE(nn.Module):
         inter = self.intermediate_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
+        self.expert_names = expert_names
         gate, up, down = expert_names
         set_weight_loader(self.w13_weight, self._load_w13)
         set_weight_loader(self.w2_weight, self._load_w2)
@@ -77,6 +79,8 @@ class FusedMoE(nn.Module):
         ]
         self.w2_weight.checkpoint_shards = [(f"{e}.{down}.weight", e) for e in range(num_experts)]  # type: ignore[attr-defined]
         self.packed: cpu_moe.PackedExperts | None = None
+        # int8 / int4 experts (layers/quantization/linear_method.py), in place of w13 / w2
+        self.quant: QuantizedExperts | None = None
 
     def _load_w13(self, param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
         if not isinstance(shard_id, tuple):
@@ -97,7 +101,9 @@ class FusedMoE(nn.Module):
 
     def prepack_for_cpu(self) -> bool:
         """After loading: pack the experts for this CPU's GEMM kernel (cpu_moe.pack_experts); the
-        dense weights are released."""
+        dense weights are released. Quantized experts are packed for the quantized GEMM instead."""
+        if self.quant is not None:
+            return self.quant.prepack_for_cpu()
         if self.packed is not None:
             return False
         self.packed = cpu_moe.pack_experts(self.w13_weight, self.w2_weight)
@@ -112,6 +118,14 @@ class FusedMoE(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            quant = self.quant
+            gate_up = lambda rows, e: quant.w13[e].matmul(rows, None)  # noqa: E731
+            down = lambda rows, e: quant.w2[e].matmul(rows, None)  # noqa: E731
+            if cpu_moe.can_run(x, logits):
+                return cpu_moe.looped_experts(x, logits, gate_up, down, self.top_k, self.renormalize)
+            ids, weights = moe_torch.route(logits, self.top_k, self.renormalize)
+            return moe_torch.looped_experts(x, ids, weights, gate_up, down)
         if cpu_moe.can_run(x, logits):
             return cpu_moe.fused_experts(x, logits, self.w13_weight, self.w2_weight, self.packed, self.top_k,
                                          self.renormalize)

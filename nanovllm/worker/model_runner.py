@@ -26,6 +26,7 @@ from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, ResolvedConfig
 from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.models.loader import load_model_from_config
 from nanovllm.sample import make_sampling_batch
 from nanovllm.staging import to_device
@@ -119,6 +120,10 @@ class ModelRunner:
         self.use_cuda_graphs = device.type == "cuda" and not eager and backend == "cuda"
         if device.type == "cuda" and not eager and not self.use_cuda_graphs:
             logger.warning("CUDA graphs need the cuda attention backend (have %r): decoding eagerly", backend)
+        if self.use_cuda_graphs and any(isinstance(m, FusedMoE) and m.quant is not None for m in self.model.modules()):
+            # Quantized experts run one Triton GEMM per chosen expert, chosen on the host.
+            logger.warning("quantized mixture-of-experts layers cannot be captured in CUDA graphs: decoding eagerly")
+            self.use_cuda_graphs = False
 
     def make_device_current(self) -> None:
         """Make this runner's GPU the calling thread's current CUDA device. Our kernels launch on the

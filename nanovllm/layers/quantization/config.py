@@ -25,7 +25,9 @@ CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq")
 # layers (Qwen3-MoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`), whose few weights decide which
 # experts run: rounding them moves tokens to other experts for no bandwidth saved (llmcompressor's
 # MoE recipes ignore them too).
-UNQUANTIZED_MODULES = ("lm_head", r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")
+# AutoAWQ and GPTQModel leave the routers dense too, without always listing them.
+MOE_ROUTERS = (r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")
+UNQUANTIZED_MODULES = ("lm_head", *MOE_ROUTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +182,7 @@ def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
         raise ValueError(f"{where}: AWQ with {bits}-bit weights is not supported (GEMM packing is 4-bit)")
     group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
     scheme = WeightScheme(bits, None if group_size == -1 else group_size, symmetric=False)
-    return QuantConfig("awq", ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ()))
+    return QuantConfig("awq", ((("Linear",), scheme),), (*(qc.get("modules_to_not_convert") or ()), *MOE_ROUTERS))
 
 
 def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
@@ -194,5 +196,5 @@ def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     scheme = WeightScheme(bits, None if group_size == -1 else group_size, bool(qc.get("sym", True)),
                           bool(qc.get("desc_act", False)))
     # gptq (v1) stores every zero point minus one; gptq_v2 stores it as it is.
-    return QuantConfig("gptq", ((("Linear",), scheme),), tuple(qc.get("modules_to_not_convert") or ()),
+    return QuantConfig("gptq", ((("Linear",), scheme),), (*(qc.get("modules_to_not_convert") or ()), *MOE_ROUTERS),
                        {"zero_offset": 1 if fmt == "gptq" else 0})

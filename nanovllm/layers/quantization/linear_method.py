@@ -16,10 +16,12 @@ before packing) `F.linear` on the dequantized weight, the reference.
 from __future__ import annotations
 
 import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import (
     LinearBase,
     Loaded,
@@ -100,8 +102,63 @@ class QuantizedLinear:
         return self.triton.nbytes()  # type: ignore[union-attr]
 
 
+class QuantizedExperts:
+    """A mixture-of-experts layer's quantized experts (`FusedMoE.quant`): per expert, its gate and up
+    projections as one QuantizedLinear (gate rows first, as w13) and its down projection as another."""
+
+    def __init__(self, layer: FusedMoE, name: str, config: QuantConfig, scheme: WeightScheme) -> None:
+        gate, up, down = layer.expert_names
+        inter, hidden = layer.intermediate_size, layer.hidden_size
+        self.scheme = scheme
+        self.w13 = [QuantizedLinear([(0, inter, f"{name}.{e}.{gate}"), (1, inter, f"{name}.{e}.{up}")], hidden,
+                                    config, scheme) for e in range(layer.num_experts)]
+        self.w2 = [QuantizedLinear([(None, hidden, f"{name}.{e}.{down}")], inter, config, scheme)
+                   for e in range(layer.num_experts)]
+
+    def placeholders(self, layer: FusedMoE, tensor: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """The two parameters the loader fills with every expert's checkpoint tensor `tensor`
+        (`E.gate_proj.weight_packed`, ...), each read into its expert's QuantizedLinear."""
+        gate, up, down = layer.expert_names
+        w13, w2 = _empty_parameter(), _empty_parameter()
+        w13.checkpoint_shards = [(f"{e}.{name}.{tensor}", (e, half))  # type: ignore[attr-defined]
+                                 for e in range(len(self.w13)) for half, name in enumerate((gate, up))]
+        w2.checkpoint_shards = [(f"{e}.{down}.{tensor}", e) for e in range(len(self.w2))]  # type: ignore[attr-defined]
+        set_weight_loader(w13, lambda p, loaded, sid=None: self.w13[sid[0]].tensor_loader(tensor)(p, loaded, sid[1]))
+        set_weight_loader(w2, lambda p, loaded, sid=None: self.w2[sid].tensor_loader(tensor)(p, loaded, None))
+        return w13, w2
+
+    def quantize(self, layer: FusedMoE, device: torch.device) -> None:
+        """Round each expert's dense weights to nearest (the load-time schemes)."""
+        for e, (w13, w2) in enumerate(zip(layer.w13_weight, layer.w2_weight)):
+            for quant, weight in ((self.w13[e], w13), (self.w2[e], w2)):
+                quant.set_weight(quantize_rtn(weight, self.scheme.bits, self.scheme.group_size,
+                                              self.scheme.symmetric, scale_dtype=weight.dtype), device)
+
+    def finish(self, device: torch.device) -> None:
+        for quant in (*self.w13, *self.w2):
+            quant.finish(device)
+
+    def prepack_for_cpu(self) -> bool:
+        return any([quant.prepack_for_cpu() for quant in (*self.w13, *self.w2)])
+
+    def stored_bytes(self) -> int:
+        return sum(quant.stored_bytes() for quant in (*self.w13, *self.w2))
+
+
+def _empty_parameter() -> nn.Parameter:
+    return nn.Parameter(torch.empty(0, dtype=torch.int32, device="cpu"), requires_grad=False)
+
+
+def checkpoint_module(model: nn.Module, name: str) -> str:
+    """Our module name `name` as the checkpoint spells it (Mixtral's `mlp` is `block_sparse_moe`):
+    the names the quantization config's targets and ignore list are written against."""
+    renamed: dict[str, str] = getattr(model, "checkpoint_module_names", {})
+    return ".".join(renamed.get(part, part) for part in name.split("."))
+
+
 def _checkpoint_shards(model: nn.Module, name: str, layer: LinearBase) -> list[tuple[ShardId, int, str]]:
     """(shard id, rows, checkpoint module name) of each checkpoint module fused into `layer`."""
+    name = checkpoint_module(model, name)
     prefix, _, ours = name.rpartition(".")
     # The model's checkpoint module -> (fused module, shard id) map (models/decoder.py), read by
     # name: layers sit below models and do not import them.
@@ -135,8 +192,9 @@ def _drop_dense_weight(layer: LinearBase) -> None:
 
 
 def prepare_model(model: nn.Module, config: QuantConfig) -> int:
-    """Before loading a quantized checkpoint: each quantized linear layer gets its format's tensors
-    in place of its dense weight. Returns how many layers are quantized."""
+    """Before loading a quantized checkpoint: each quantized linear layer, and each mixture-of-experts
+    layer whose experts are quantized, gets its format's tensors in place of its dense weights.
+    Returns how many layers are quantized."""
     if config.method == "rtn":
         return 0
     count = 0
@@ -149,10 +207,19 @@ def prepare_model(model: nn.Module, config: QuantConfig) -> int:
         quant = QuantizedLinear(shards, layer.input_size, config, scheme)
         _drop_dense_weight(layer)
         for tensor in config.tensor_names(scheme):
-            param = nn.Parameter(torch.empty(0, dtype=torch.int32, device="cpu"), requires_grad=False)
+            param = _empty_parameter()
             set_weight_loader(param, quant.tensor_loader(tensor))
             layer.register_parameter(tensor, param)
         layer.quant = quant
+        count += 1
+    for name, moe, scheme in _quantized_experts(model, config):
+        experts = QuantizedExperts(moe, checkpoint_module(model, name), config, scheme)
+        _drop_dense_experts(moe)
+        for tensor in config.tensor_names(scheme):
+            w13, w2 = experts.placeholders(moe, tensor)
+            moe.register_parameter(f"w13_{tensor}", w13)
+            moe.register_parameter(f"w2_{tensor}", w2)
+        moe.quant = experts
         count += 1
     return count
 
@@ -185,10 +252,49 @@ def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) ->
         else:
             continue
         count += 1
+    for name, moe, scheme in _quantized_experts(model, config):
+        if config.method == "rtn":
+            experts = QuantizedExperts(moe, checkpoint_module(model, name), config, scheme)
+            try:
+                experts.quantize(moe, device)
+            except ValueError as e:
+                raise ValueError(f"quantizing the experts of {name}: {e}") from e
+            _drop_dense_experts(moe)
+            moe.quant = experts
+        else:
+            for tensor in config.tensor_names(scheme):
+                delattr(moe, f"w13_{tensor}")
+                delattr(moe, f"w2_{tensor}")
+            moe.quant.finish(device)  # type: ignore[union-attr]
+        count += 1
     return count
 
 
-def _refuse_tensor_parallel(layer: LinearBase) -> None:
+def _quantized_experts(model: nn.Module, config: QuantConfig) -> list[tuple[str, FusedMoE, WeightScheme]]:
+    """The mixture-of-experts layers whose experts `config` quantizes, with their one scheme."""
+    out = []
+    for name, moe in model.named_modules():
+        if not isinstance(moe, FusedMoE):
+            continue
+        prefix = checkpoint_module(model, name)
+        modules = [f"{prefix}.{e}.{proj}" for e in range(moe.num_experts) for proj in moe.expert_names]
+        schemes = {config.scheme_for(module) for module in modules}
+        if len(schemes) > 1:
+            raise ValueError(f"the experts of {prefix} are quantized differently ({schemes}); every expert's "
+                             "projections must share one scheme (or all be left unquantized)")
+        scheme = schemes.pop()
+        if scheme is not None:
+            _refuse_tensor_parallel(moe)
+            out.append((name, moe, scheme))
+    return out
+
+
+def _drop_dense_experts(moe: FusedMoE) -> None:
+    moe.w13_weight = None  # type: ignore[assignment]  (registered names kept, as None)
+    moe.w2_weight = None  # type: ignore[assignment]
+
+
+def _refuse_tensor_parallel(layer: LinearBase | FusedMoE) -> None:
     if getattr(layer, "tp_size", 1) > 1:
         raise ValueError("quantized weights under tensor parallelism are not supported yet: run with "
                          "tensor_parallel_size=1")
