@@ -298,3 +298,16 @@ def test_refused_engine_values_are_reported_by_the_command_line(capsys: pytest.C
     assert "--pipeline-parallel-size is not supported by nanovllm (accepted: 1)" in err
     err = parse_error(subparser("serve"), ["--tokenizer-mode", "mistral"], capsys)
     assert "tokenizers load through transformers' AutoTokenizer" in err
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    """vLLM's --chat-template: a path to a template file, or the template text."""
+    from nanovllm.entrypoints.cli import _chat_template
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert _chat_template(str(tmp_path / "t.jinja")) == template
+    assert _chat_template(template) == template
+    assert _chat_template(None) is None
+    with pytest.raises(FileNotFoundError, match="--chat-template: no such file"):
+        _chat_template(str(tmp_path / "missing.jinja"))

@@ -226,8 +226,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _run_headless(args, model or str(ensure_default_model()))
     chat_template = _chat_template(args.chat_template)
     _check_port_free(args.host, args.port)
-    llm = _make_llm(args, model)
-    path = llm.engine.config.model
+    path = model or str(ensure_default_model())
+    llm = _make_llm(args, model)  # without a model: LLM() says the built-in model's weights are random
     names = args.served_model_name or [BUILTIN_NAME if model is None else model]
     config = ServerConfig(model_path=path, served_model_names=names, host=args.host, port=args.port,
                           api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
