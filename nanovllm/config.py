@@ -27,14 +27,20 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
 def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[Any, ...] | None = None,
-           metavar: str | None = None) -> Any:
-    """An engine option: its default and help text; `aliases` are extra command-line flags."""
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "metavar": metavar})
+           metavar: str | None = None, serve_only: bool = False) -> Any:
+    """An engine option: its default and help text; `aliases` are extra command-line flags (vLLM's
+    spellings); `serve_only` options (several machines) are flags of `serve` alone."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices, "metavar": metavar,
+                                            "serve_only": serve_only})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(metadata={"help": "a Hugging Face model directory (config.json, *.safetensors, tokenizer)"})
+    tokenizer: str | None = option(None, "a tokenizer directory, when not the model's (default: the model directory)")
+    trust_remote_code: bool = option(
+        False, "accepted for vLLM's command lines; changes nothing, since nanovllm never runs code from a model "
+        "directory: its own classes run the supported architectures, and tokenizers load without remote code")
     dtype: str | torch.dtype = option(
         "auto", "weights, activations and KV cache: auto (the checkpoint's; a bf16 checkpoint runs float32 on a "
         "CPU without AVX512-BF16/AMX), float32, bfloat16, float16 (GPU only)")
@@ -44,13 +50,22 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None, "tokens per step, prompts chunked to fit (default: 8192 on GPU, 512 on CPU, at least max_num_seqs)")
     block_size: int = option(16, "tokens per KV-cache block")
+    kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto, the model's (--dtype); fp8 KV caches are not "
+                                 "supported")
+    enable_chunked_prefill: bool = option(
+        True, "split prompts over steps to fit --max-num-batched-tokens; always on (the scheduler has no unchunked "
+        "mode, so turning it off is refused)")
+    max_logprobs: int = option(20, "the most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary "
+                               "size)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of cached prompt prefixes",
                                          aliases=("--no-prefix-caching",))
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory the engine may use (the KV cache "
-                                           "gets what the weights and a profiled step leave)")
+                                           "gets what the weights and a profiled step leave)",
+                                           aliases=("--device-memory-utilization",))
     kv_cache_memory_bytes: int | None = option(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: "
                                                "from gpu_memory_utilization)")
-    num_kvcache_blocks: int | None = option(None, "KV cache size in blocks (overrides the two above)")
+    num_kvcache_blocks: int | None = option(None, "KV cache size in blocks (overrides the two above)",
+                                            aliases=("--num-gpu-blocks-override",))
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")
     seed: int = option(0, "seed of the sampling generator for requests without their own seed")
     quantization: str | None = option(
@@ -62,11 +77,11 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, "split the model over this many GPUs (processes on CPU)", aliases=("-tp",))
     distributed_backend: str | None = option(None, "nccl or gloo (default: nccl on CUDA, gloo on CPU)",
                                              choices=("nccl", "gloo"))
-    nnodes: int = option(1, "machines the tensor-parallel ranks span")
-    node_rank: int = option(0, "this machine's index (0 runs the engine)")
-    master_addr: str = option("127.0.0.1", "node 0's address, reachable from every node")
+    nnodes: int = option(1, "machines the tensor-parallel ranks span", aliases=("-n",), serve_only=True)
+    node_rank: int = option(0, "this machine's index (0 runs the engine)", aliases=("-r",), serve_only=True)
+    master_addr: str = option("127.0.0.1", "node 0's address, reachable from every node", serve_only=True)
     master_port: int | None = option(None, "node 0's rendezvous port (default: a free one; required with "
-                                     "nnodes > 1)")
+                                     "nnodes > 1)", serve_only=True)
     parallel: ParallelConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +95,14 @@ class EngineConfig:
             positive(name)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.max_logprobs < -1 or isinstance(self.max_logprobs, bool):
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or >= 0, got {self.max_logprobs!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache is stored in the "
+                             "model's dtype (kv_cache_dtype='auto'; choose it with dtype)")
+        if not self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill=False is not supported: the scheduler always splits prompts "
+                             "longer than max_num_batched_tokens over steps")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         object.__setattr__(self, "parallel", ParallelConfig(

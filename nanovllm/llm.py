@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from nanovllm import unsupported_options
+from nanovllm.builtin_model import ensure_default_model
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.engine.beam_search import run_beam_search
@@ -14,23 +17,35 @@ from nanovllm.outputs import BeamSearchOutput, RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
+logger = logging.getLogger("nanovllm")
 
 
 class LLM:
-    def __init__(self, model: str, **options: Any) -> None:
-        """`model`: a Hugging Face model directory. `options`: the engine's (nanovllm.config.
-        EngineConfig's fields, each with its default and meaning there; vLLM's names): dtype,
-        max_model_len, max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
-        gpu_memory_utilization, kv_cache_memory_bytes, num_kvcache_blocks, enforce_eager, seed,
-        device, and tensor parallelism: tensor_parallel_size (> 1 splits the model over that many
-        GPUs, or processes on CPU), distributed_backend, and across machines nnodes, node_rank,
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        """`model`: a Hugging Face model directory; none: the built-in model (random weights,
+        created once in ~/.cache/nanovllm: for trying the engine out, its text is noise).
+        `options`: the engine's (nanovllm.config.EngineConfig's fields, each with its default and
+        meaning there; vLLM's names): dtype, tokenizer, max_model_len, max_num_seqs,
+        max_num_batched_tokens, block_size, enable_prefix_caching, gpu_memory_utilization,
+        kv_cache_memory_bytes, num_kvcache_blocks, max_logprobs, enforce_eager, seed, device,
+        quantization, and tensor parallelism: tensor_parallel_size (> 1 splits the model over that
+        many GPUs, or processes on CPU), distributed_backend, and across machines nnodes, node_rank,
         master_addr, master_port (this process is node 0; the others run `nanovllm serve ...
-        --node-rank N --headless`)."""
+        --node-rank N --headless`). vLLM's options this engine does not implement are a ValueError
+        naming the reason, unless the value asks for what it does anyway (pipeline_parallel_size=1)."""
         known = {f.name for f in EngineConfig.options()}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise TypeError(f"LLM() got unknown engine option(s) {', '.join(map(repr, unknown))}; the options are "
-                            f"{', '.join(sorted(known - {'model'}))}")
+        refused = {u.name: u for u in unsupported_options.refused_here(unsupported_options.LLM_API)}
+        for name in sorted(set(options) - known):
+            entry = refused.get(name)
+            if entry is None:
+                raise TypeError(f"LLM() got unknown engine option {name!r}; the options are "
+                                f"{', '.join(sorted(known - {'model'}))}")
+            if not entry.accepts(options.pop(name)):
+                raise ValueError(f"LLM({name}=...) is not supported: {entry.reason}")
+        if model is None:
+            model = str(ensure_default_model())
+            logger.warning("no model given: using nanovllm's built-in model (%s), a small Qwen3 with RANDOM weights "
+                           "and a trained tokenizer, for trying the engine out: its text is meaningless", model)
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
 
     def get_tokenizer(self) -> Any:
@@ -48,7 +63,7 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:
-            params_list = list(sampling_params)
+            params_list = _as_params_list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; pass one or one per prompt"
@@ -117,6 +132,19 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; only while no request runs. Returns whether it did."""
         return self.engine.reset_prefix_cache()
+
+
+def _as_params_list(params: object) -> list[SamplingParams]:
+    """As vLLM: SamplingParams objects only. A dict (the server's JSON habit) would otherwise be
+    read as a sequence of its keys."""
+    if isinstance(params, (dict, str, bytes)) or not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}"
+                        + (": write SamplingParams(**params)" if isinstance(params, dict) else ""))
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got a list holding "
+                            f"{type(p).__name__}" + (": write SamplingParams(**params)" if isinstance(p, dict) else ""))
+    return list(params)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,13 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+# What models/registry.py builds (tests/test_models_loader.py checks the two agree). Checked before
+# any other key: a GPT-2 or Mistral checkpoint is named as such, not as a config with a missing key.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# A Hugging Face Hub id: `org/name`, no further path parts.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read `<model_dir>/config.json`. Raises FileNotFoundError / ValueError naming the path."""
     path = Path(model_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {path}")
+        hint = ""
+        if _HUB_ID.fullmatch(str(model_dir)) and not path.exists():
+            hint = (f" ({str(model_dir)!r} looks like a Hugging Face Hub id: downloads are not supported: pass a local "
+                    f"directory, e.g. after `huggingface-cli download {model_dir} --local-dir DIR`)")
+        raise FileNotFoundError(f"model directory not found: {path}{hint}")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found in model directory: {cfg_file}")
@@ -93,6 +105,9 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise ValueError(f"{where}: missing 'architectures' (e.g. ['Qwen3ForCausalLM'])")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{where}: unsupported model architecture {archs[0]!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
     hidden_size = int(need("hidden_size"))
     num_heads = int(need("num_attention_heads"))

@@ -12,8 +12,6 @@ from typing import Any
 
 from nanovllm.quote import quote
 
-# As vLLM: how many top log-probabilities a request may ask for per token.
-MAX_LOGPROBS = 20
 # A seed seeds a torch.Generator, whose manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -155,8 +153,9 @@ class SamplingParams:
             fail("min_tokens", "an integer in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"None or an integer in [0, {MAX_LOGPROBS}]")
+            # The most a request may ask for is the engine's max_logprobs (checked at admission).
+            if value is not None and (not is_int(value) or value < 0):
+                fail(name, "None or an integer >= 0")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 if token < 0 or not is_number(bias) or not -100.0 <= bias <= 100.0:

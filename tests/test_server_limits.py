@@ -110,9 +110,11 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         return FakeLLM()
 
     monkeypatch.setattr(cli, "_make_llm", fake_make_llm)
+    monkeypatch.setattr(cli, "_check_port_free", lambda host, port: seen.setdefault("checked", []).append((host, port)))
     monkeypatch.setattr(api_server, "run_server", lambda engine, config: seen.update(config=config))
     monkeypatch.setenv("NANOVLLM_API_KEY", "from-env")
     assert cli.main(["serve", str(tmp_path), "--port", "1234"]) == 0
+    assert seen["checked"] == [("127.0.0.1", 1234)]  # before the model (tests/test_errors_name_the_cause.py)
     config = seen["config"]
     assert (config.api_key, config.host, config.port) == ("from-env", "127.0.0.1", 1234)
     assert config.served_model_names == [str(tmp_path)]

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import deque
 from itertools import repeat
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,6 +78,26 @@ def _freeze_startup_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
+# The files a tokenizer is read from: tokenizers' JSON, a sentencepiece model, or BPE vocab + merges.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
+    """The directory's tokenizer. Without tokenizer files transformers may build one from config.json
+    alone, with no tokens, and every prompt would then be "empty": refused here, naming the files."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer in {path}: none of {', '.join(TOKENIZER_FILES)} is there (copy the "
+                         "checkpoint's tokenizer files, or pass a tokenizer directory with tokenizer= / --tokenizer)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    # Special tokens alone (added from defaults) do not make a tokenizer: "a" must encode.
+    if tokenizer.vocab_size == 0 or not tokenizer.encode("a", add_special_tokens=False):
+        raise ValueError(f"the tokenizer in {path} has no tokens (its files are empty or unreadable)")
+    return tokenizer
+
+
 class LLMEngine:
     def __init__(self, options: EngineConfig) -> None:
         try:
@@ -91,7 +112,7 @@ class LLMEngine:
 
     def _build(self, options: EngineConfig) -> None:
         self.config = config = options.resolve()
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(options.tokenizer or config.model)
         torch.manual_seed(options.seed)
         model_config = config.model_config
         self.max_model_len = config.max_model_len
@@ -210,6 +231,14 @@ class LLMEngine:
             # A prompt's samples fan out together (they share its KV blocks) and each is a sequence.
             raise ValueError(f"n = {params.n} samples of one prompt can never run at once: this engine runs at "
                              f"most max_num_seqs = {max_num_seqs} sequences, and each sample is one; lower n")
+        most = self.config.options.max_logprobs
+        most = self.vocab_size if most == -1 else most
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > most:
+                # vLLM's check and limit (max_logprobs, 20 by default).
+                raise ValueError(f"{name} = {value} is more than this engine's max_logprobs = {most} (raise it with "
+                                 "max_logprobs / --max-logprobs)")
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:

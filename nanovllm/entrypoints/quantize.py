@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="a Hugging Face checkpoint directory (bf16 or fp32)")
     p.add_argument("out", help="the directory to write the quantized checkpoint to (must not exist)")
     p.add_argument("--scheme", choices=sorted(SCHEMES), default="w4a16",
-                   help="w4a16: int4 weights in groups of 128; w8a16: int8 weights per output channel")
+                   help="w4a16: int4 weights in groups of 128; w8a16: int8 weights per output channel (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None,
                    help="input columns per scale (default: 128 for w4a16, one per output channel for w8a16)")
     p.add_argument("--symmetric", action="store_true", help="no zero points (default: asymmetric)")

@@ -27,7 +27,7 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
+    return sorted(MODEL_REGISTRY)  # = model_config.SUPPORTED_ARCHITECTURES
 
 
 def get_model_class(architecture: str) -> ModelFactory:
