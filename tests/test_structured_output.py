@@ -56,7 +56,8 @@ def assert_clean(llm: LLM) -> None:
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_requests"] == 0
     apply_pending_changes(llm)
-    assert not llm.engine.executor.runner.token_sampler.state.grammars.matchers
+    grammars = llm.engine.executor.runner.token_sampler.state.grammars  # None until a grammar is admitted
+    assert grammars is None or not grammars.matchers
 
 
 def params(so: StructuredOutputsParams, **kw: object) -> SamplingParams:
