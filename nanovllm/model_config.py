@@ -35,7 +35,8 @@ _DTYPES: dict[str, torch.dtype] = {
 
 # What models/registry.py builds (tests/test_models_loader.py checks the two agree). Checked before
 # any other key: a GPT-2 or Mistral checkpoint is named as such, not as a config with a missing key.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM")
 # A Hugging Face Hub id: `org/name`, no further path parts.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
