@@ -23,6 +23,11 @@ using namespace nanovllm::binding;
 
 namespace {
 
+// A CpuDtype argument (0 fp32, 1 bf16) from Python.
+CpuDtype checked_dtype(int64_t dtype, const char* name) {
+  return static_cast<CpuDtype>(checked_int32(dtype, name, 0, 1));
+}
+
 void bind_cpu_attention(py::module_& m) {
   m.def(
       "paged_attention_cpu",
@@ -40,7 +45,7 @@ void bind_cpu_attention(py::module_& m) {
         a.block_table_stride = checked_int32(block_table_stride, "block_table_stride", 0);
         checked_int32(num_blocks, "num_blocks", 1);
         checked_int32(num_tokens, "num_tokens", 0);
-        a.dtype = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
+        a.dtype = checked_dtype(dtype, "dtype");
         if (!query || !k_cache || !v_cache || !out ||
             (a.num_seqs > 0 && (!block_tables || !context_lens || !cu_seqlens_q))) {
           value_error("null pointer passed to paged_attention_cpu");
@@ -120,7 +125,7 @@ void bind_cpu_fused_ops(py::module_& m) {
         const RmsNormArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(residual),
                             reinterpret_cast<const void*>(weight), reinterpret_cast<void*>(out),
                             reinterpret_cast<void*>(residual_out), rows, hidden, heads, x_stride,
-                            static_cast<float>(eps), static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+                            static_cast<float>(eps), checked_dtype(dtype, "dtype")};
         py::gil_scoped_release release;
         rms_norm(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
       },
@@ -134,7 +139,7 @@ void bind_cpu_fused_ops(py::module_& m) {
         if (rows < 0 || inner < 1 || x_stride < 2 * inner) value_error("silu_and_mul_cpu: bad sizes");
         if (rows > 0 && (!x || !out)) value_error("null pointer passed to silu_and_mul_cpu");
         const SiluAndMulArgs a{reinterpret_cast<const void*>(x), reinterpret_cast<void*>(out), rows, inner, x_stride,
-                               static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+                               checked_dtype(dtype, "dtype")};
         py::gil_scoped_release release;
         silu_and_mul(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
       },
@@ -153,7 +158,7 @@ void bind_cpu_fused_ops(py::module_& m) {
         const RotaryArgs a{reinterpret_cast<void*>(q), reinterpret_cast<void*>(k),
                            reinterpret_cast<const int32_t*>(positions), reinterpret_cast<const float*>(inv_freq),
                            tokens, q_heads, k_heads, head_dim, q_stride, k_stride,
-                           static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1))};
+                           checked_dtype(dtype, "dtype")};
         py::gil_scoped_release release;
         rotary(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
       },
@@ -257,7 +262,7 @@ void bind_cpu_gemm(py::module_& m) {
       [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
         if (n < 1 || k < 1 || w_stride < k) value_error("gemm_pack_cpu: bad sizes");
         if (!w || !packed) value_error("null pointer passed to gemm_pack_cpu");
-        const auto type = static_cast<CpuDtype>(checked_int32(dtype, "dtype", 0, 1));
+        const auto type = checked_dtype(dtype, "dtype");
         py::gil_scoped_release release;
         gemm_pack(reinterpret_cast<const void*>(w), type, n, k, w_stride, reinterpret_cast<void*>(packed));
       },
@@ -284,7 +289,7 @@ void bind_cpu_gemm(py::module_& m) {
         if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
         const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
                          reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                         y_stride, static_cast<CpuDtype>(checked_int32(packed_dtype, "packed_dtype", 0, 1))};
+                         y_stride, checked_dtype(packed_dtype, "packed_dtype")};
         py::gil_scoped_release release;
         gemm(a, clamp_threads(num_threads));
       },
@@ -336,10 +341,6 @@ void bind_cpu_gemm_quant(py::module_& m) {
       py::arg("zero_offset"), py::arg("isa") = 0, py::arg("num_threads") = 1, py::arg("x_bf16") = 0,
       "y [m, n] = x [m, k] dequant(W)^T (+ bias) in fp32 on a packed int4 / int8 weight, from raw pointers "
       "(nanovllm.layers.quantization.cpu_kernel checks the tensors).");
-}
-
-CpuDtype checked_dtype(int64_t dtype, const char* name) {
-  return static_cast<CpuDtype>(checked_int32(dtype, name, 0, 1));
 }
 
 // The routing arguments every MoE binding takes: the sizes, and that the ids fit int32 offsets.
