@@ -75,12 +75,9 @@ def test_structured_output_follows_the_schema(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("moe_server"), "--num-kvcache-blocks", "256",
-                        "--max-model-len", "512", "--served-model-name", "moe")
-    try:
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("moe_server"), "--num-kvcache-blocks", "256",
+                       "--max-model-len", "512", "--served-model-name", "moe") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_server_json_schema_chat_and_greedy_completion(server: ServerProcess, llm: LLM) -> None:

@@ -32,12 +32,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("server"), *CLI_ARGS,
-                        "--served-model-name", MODEL, "other-name")
-    try:
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("server"), *CLI_ARGS,
+                       "--served-model-name", MODEL, "other-name") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

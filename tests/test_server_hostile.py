@@ -41,14 +41,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("hostile"), "--num-kvcache-blocks", "2048",
-                        "--max-model-len", "4096", "--header-timeout", str(HEADER_TIMEOUT_S),
-                        "--timeout-keep-alive", "1", "--stream-stall-timeout", str(STALL_TIMEOUT_S),
-                        "--max-queued-requests", str(MAX_QUEUED), "--limit-concurrency", str(LIMIT_CONCURRENCY))
-    try:
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("hostile"), "--num-kvcache-blocks", "2048",
+                       "--max-model-len", "4096", "--header-timeout", str(HEADER_TIMEOUT_S),
+                       "--timeout-keep-alive", "1", "--stream-stall-timeout", str(STALL_TIMEOUT_S),
+                       "--max-queued-requests", str(MAX_QUEUED), "--limit-concurrency", str(LIMIT_CONCURRENCY)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 # Bodies -------------------------------------------------------------------------------------
@@ -262,14 +259,11 @@ LONG = {"prompt": "Tell me everything", "max_tokens": 4000, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def trusting(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("trusting"), "--num-kvcache-blocks", "1024",
-                        "--max-model-len", "4096", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
-                        "--shutdown-timeout", "3", "--header-timeout", str(HEADER_TIMEOUT_S),
-                        max_open_files=OPEN_FILES)
-    try:
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("trusting"), "--num-kvcache-blocks", "1024",
+                       "--max-model-len", "4096", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
+                       "--shutdown-timeout", "3", "--header-timeout", str(HEADER_TIMEOUT_S),
+                       max_open_files=OPEN_FILES) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_trusted_request_templates_render_sandboxed_and_time_limited(trusting: ServerProcess,

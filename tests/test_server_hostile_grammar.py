@@ -50,13 +50,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("hostile_grammar"), "--num-kvcache-blocks", "1024",
-                        "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S))
-    try:
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("hostile_grammar"), "--num-kvcache-blocks", "1024",
+                       "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
+                       "--grammar-compile-timeout", str(COMPILE_TIMEOUT_S)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _post(srv: ServerProcess, path: str, body: dict[str, Any], timeout: float = 60) -> httpx.Response:

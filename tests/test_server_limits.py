@@ -25,13 +25,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("limits_model"), "qwen3")
-    srv = ServerProcess(model_dir, tmp_path_factory.mktemp("limits"), "--num-kvcache-blocks", "128",
-                        "--max-model-len", "512", "--api-key", KEY, "--max-queued-requests", "2",
-                        "--max-num-seqs", "2")
-    try:
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("limits"), "--num-kvcache-blocks", "128",
+                       "--max-model-len", "512", "--api-key", KEY, "--max-queued-requests", "2",
+                       "--max-num-seqs", "2") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_api_key_required_on_v1_routes(server: ServerProcess) -> None:

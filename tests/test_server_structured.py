@@ -23,12 +23,9 @@ HI: Any = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model = make_tiny_model(tmp_path_factory.mktemp("structured_model"), "qwen3")
-    srv = ServerProcess(model, tmp_path_factory.mktemp("server"), "--num-kvcache-blocks", "256",
-                        "--max-model-len", "512", "--served-model-name", "tiny")
-    try:
+    with ServerProcess(model, tmp_path_factory.mktemp("server"), "--num-kvcache-blocks", "256",
+                       "--max-model-len", "512", "--served-model-name", "tiny") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
