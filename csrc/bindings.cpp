@@ -133,6 +133,28 @@ std::vector<ForkRequest> parse_forks(const Scheduler& s, py::handle forks) {
   return out;
 }
 
+py::list finished_list(const std::vector<FinishedSeq>& finished) {
+  py::list out;
+  for (const FinishedSeq& f : finished) {
+    const char* reason = f.reason == FinishReason::kStop ? "stop" : "length";
+    py::object stop_token = f.stop_token >= 0 ? py::object(py::int_(f.stop_token)) : py::object(py::none());
+    out.append(py::make_tuple(f.id, reason, stop_token));
+  }
+  return out;
+}
+
+// Prefix sums over `rows` rows of `total` items: rows + 1 non-decreasing values from 0 to total.
+std::vector<int32_t> offset_vector(py::handle obj, const char* name, int32_t rows, size_t total) {
+  const auto v = token_vector(obj, name, 0);
+  if (v.size() != static_cast<size_t>(rows) + 1 || v.front() != 0 || static_cast<size_t>(v.back()) != total) {
+    value_error(std::string(name) + " must be " + std::to_string(rows + 1) + " prefix sums from 0 to " + std::to_string(total));
+  }
+  for (size_t i = 1; i < v.size(); ++i) {
+    if (v[i] < v[i - 1]) value_error(std::string(name) + " must be non-decreasing");
+  }
+  return v;
+}
+
 py::dict scheduler_stats(const Scheduler& s) {
   const BlockPool& pool = s.kv().pool();
   py::dict d;
@@ -145,6 +167,10 @@ py::dict scheduler_stats(const Scheduler& s) {
   d["num_total_blocks"] = pool.num_blocks();
   d["num_waiting"] = s.num_waiting();
   d["num_running"] = s.num_running();
+  d["spec_num_drafts"] = s.stats().spec_num_drafts;
+  d["spec_num_draft_tokens"] = s.stats().spec_num_draft_tokens;
+  d["spec_num_accepted_tokens"] = s.stats().spec_num_accepted_tokens;
+  d["spec_num_accepted_tokens_per_pos"] = s.stats().spec_accepted_per_pos;
   return d;
 }
 
@@ -257,6 +283,13 @@ void bind_step_plan(py::module_& m) {
       .def_property_readonly("num_decode_tokens", &S::num_decode_tokens)
       .def_property_readonly("num_decode_seqs", &S::num_decode_seqs)
       .def_property_readonly("num_samples", &S::num_samples)
+      .def_property_readonly("num_draft_tokens", &S::num_draft_tokens)
+      .def_property_readonly("num_drafts",
+                             [](py::object self) {
+                               const S& p = self.cast<const S&>();
+                               return view<int32_t>(p.num_drafts().data(), {p.num_samples()}, self);
+                             },
+                             "Host only, per sample: its drafts, the tokens before its sample index.")
       .def_property_readonly("num_copies", &S::num_copies)
       .def_property_readonly("max_seqlen_q", &S::max_seqlen_q)
       .def_property_readonly("max_seqlen_k", &S::max_seqlen_k)
@@ -370,7 +403,9 @@ void bind_step_ring(py::module_& m) {
 void bind_scheduler(py::module_& m) {
   py::class_<Scheduler>(m, "Scheduler", "Continuous batching, chunked prefill, prefix caching, preemption.")
       .def(py::init([](int64_t num_blocks, int64_t block_size, int64_t max_num_seqs, int64_t max_num_batched_tokens,
-                       int64_t max_model_len, bool enable_prefix_caching, py::handle eos_token_ids, int64_t vocab_size) {
+                       int64_t max_model_len, bool enable_prefix_caching, py::handle eos_token_ids, int64_t vocab_size,
+                       const std::string& spec_method, int64_t num_speculative_tokens, int64_t prompt_lookup_min,
+                       int64_t prompt_lookup_max, int64_t disable_by_batch_size, bool adaptive_speculation) {
              SchedulerConfig c;
              c.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
              c.num_blocks = checked_int32(num_blocks, "num_blocks", 1, kInt32Max / c.block_size);
@@ -380,11 +415,30 @@ void bind_scheduler(py::module_& m) {
              c.vocab_size = checked_int32(vocab_size, "vocab_size", 0);
              c.enable_prefix_caching = enable_prefix_caching;
              c.eos_token_ids = token_vector(eos_token_ids, "eos_token_ids", c.vocab_size);
+             SpecConfig& spec = c.spec;
+             if (spec_method == "none") {
+               spec.method = SpecMethod::kNone;
+             } else if (spec_method == "ngram") {
+               spec.method = SpecMethod::kNgram;
+             } else if (spec_method == "external") {
+               spec.method = SpecMethod::kExternal;
+             } else {
+               value_error("spec_method must be 'none', 'ngram' or 'external', got '" + spec_method + "'");
+             }
+             if (spec.method != SpecMethod::kNone) {
+               spec.num_tokens = checked_int32(num_speculative_tokens, "num_speculative_tokens", 1, 64);
+               spec.ngram_min = checked_int32(prompt_lookup_min, "prompt_lookup_min", 1, 1024);
+               spec.ngram_max = checked_int32(prompt_lookup_max, "prompt_lookup_max", spec.ngram_min, 1024);
+               spec.disable_by_batch_size = checked_int32(disable_by_batch_size, "disable_by_batch_size", 0);
+               spec.adaptive = adaptive_speculation;
+             }
              return std::make_unique<Scheduler>(std::move(c));
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("max_num_seqs"), py::arg("max_num_batched_tokens"),
            py::arg("max_model_len"), py::arg("enable_prefix_caching") = true,
-           py::arg("eos_token_ids") = py::tuple(), py::arg("vocab_size") = 0)
+           py::arg("eos_token_ids") = py::tuple(), py::arg("vocab_size") = 0, py::arg("spec_method") = "none",
+           py::arg("num_speculative_tokens") = 0, py::arg("prompt_lookup_min") = 1, py::arg("prompt_lookup_max") = 1,
+           py::arg("disable_by_batch_size") = 0, py::arg("adaptive_speculation") = true)
       .def("add",
            [](Scheduler& s, int64_t id, py::handle prompt, int64_t max_tokens, int64_t min_tokens, bool ignore_eos,
               py::handle stop_token_ids, bool use_prefix_cache, int64_t num_samples) {
@@ -438,25 +492,61 @@ void bind_scheduler(py::module_& m) {
       .def("postprocess",
            [](Scheduler& s, py::handle sampled, py::handle forks) {
              if (!s.in_flight()) throw std::runtime_error("postprocess() called with no step in flight");
-             const int32_t vocab = s.config().vocab_size;
-             const auto tokens = token_vector(sampled, "sampled_token_ids", vocab);
+             const auto tokens = token_vector(sampled, "sampled_token_ids", s.config().vocab_size);
              if (static_cast<int64_t>(tokens.size()) != s.plan().num_samples()) {
                value_error("expected " + std::to_string(s.plan().num_samples()) + " sampled token ids, got " +
                            std::to_string(tokens.size()));
              }
              const std::vector<ForkRequest> fork_requests = parse_forks(s, forks);
-             py::list out;
-             for (const FinishedSeq& f : s.postprocess(tokens, fork_requests)) {
-               const char* reason = f.reason == FinishReason::kStop ? "stop" : "length";
-               py::object stop_token = f.stop_token >= 0 ? py::object(py::int_(f.stop_token)) : py::object(py::none());
-               out.append(py::make_tuple(f.id, reason, stop_token));
-             }
-             return out;
+             return finished_list(s.postprocess({.sampled = tokens, .forks = fork_requests}));
            },
            py::arg("sampled_token_ids"), py::arg("forks") = py::tuple(),
            "Appends one token per sample; `forks` is a sequence of (parent_id, child_id, token): each child "
            "shares its parent's blocks and takes `token` (the parent must be sampled in this step). Returns "
            "(seq_id, 'stop' | 'length', stop token or None) per finished sequence, children included.")
+      .def("postprocess_spec",
+           [](Scheduler& s, py::handle sampled, py::handle token_offsets, py::handle forks, py::handle drafts,
+              py::handle draft_offsets) {
+             if (!s.in_flight()) throw std::runtime_error("postprocess_spec() called with no step in flight");
+             const StepPlan& plan = s.plan();
+             const int32_t rows = plan.num_samples();
+             const auto tokens = token_vector(sampled, "sampled_token_ids", s.config().vocab_size);
+             const auto offsets = offset_vector(token_offsets, "token_offsets", rows, tokens.size());
+             for (int32_t r = 0; r < rows; ++r) {
+               const int32_t n = offsets[r + 1] - offsets[r];
+               if (n < 1 || n > 1 + plan.num_drafts()[r]) {
+                 value_error("row " + std::to_string(r) + " has " + std::to_string(n) + " tokens; it takes 1 to " +
+                             std::to_string(1 + plan.num_drafts()[r]) + " (its accepted drafts, then one more)");
+               }
+             }
+             const std::vector<ForkRequest> fork_requests = parse_forks(s, forks);
+             std::vector<int32_t> draft_tokens, draft_offs;
+             if (!drafts.is_none()) {
+               if (s.config().spec.method != SpecMethod::kExternal) value_error("drafts are handed in only with spec_method='external'");
+               draft_tokens = token_vector(drafts, "drafts", s.config().vocab_size);
+               draft_offs = offset_vector(draft_offsets, "draft_offsets", rows, draft_tokens.size());
+             }
+             py::array_t<int32_t> kept(rows);
+             std::fill(kept.mutable_data(), kept.mutable_data() + rows, 0);
+             auto finished = s.postprocess({.sampled = tokens, .offsets = offsets, .forks = fork_requests,
+                                            .drafts = draft_tokens, .draft_offsets = draft_offs,
+                                            .kept = std::span<int32_t>(kept.mutable_data(), rows)});
+             return py::make_tuple(finished_list(finished), kept);
+           },
+           py::arg("sampled_token_ids"), py::arg("token_offsets"), py::arg("forks") = py::tuple(),
+           py::arg("drafts") = py::none(), py::arg("draft_offsets") = py::none(),
+           "Several tokens per sample (speculative decoding): row r gained sampled_token_ids[token_offsets[r]:"
+           "token_offsets[r + 1]], its accepted drafts then one more; each is checked for a stop in order and the "
+           "rest dropped, rejected draft positions are rolled back. `drafts` / `draft_offsets` (spec_method "
+           "'external'): each row's proposals for its next step. Returns (finished as postprocess(), kept: int32 "
+           "[rows], the tokens each row took).")
+      .def("disable_spec",
+           [](Scheduler& s, int64_t id) {
+             const Sequence& seq = known(s, id);
+             if (seq.status != SeqStatus::kWaiting || seq.num_computed > 0) value_error("disable_spec() before the sequence first runs");
+             s.disable_spec(id);
+           },
+           py::arg("seq_id"), "This sequence never speculates (beam search).")
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
            "Forget every cached prefix; only while no block is in use. Returns whether it did.")

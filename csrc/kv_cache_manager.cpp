@@ -1,5 +1,6 @@
 #include "kv_cache_manager.h"
 
+#include <algorithm>
 #include <span>
 
 #include "xxhash64.h"
@@ -104,12 +105,24 @@ void KVCacheManager::fork(const Sequence& parent, Sequence& child) {
   child.tokens = parent.tokens;
   child.num_prompt_tokens = parent.num_prompt_tokens;
   child.num_computed = parent.num_computed;
-  child.block_table = parent.block_table;
+  const size_t computed_blocks = (static_cast<size_t>(parent.num_computed) + block_size_ - 1) / block_size_;
+  child.block_table.assign(parent.block_table.begin(),
+                           parent.block_table.begin() + std::min(computed_blocks, parent.block_table.size()));
   child.block_hashes = parent.block_hashes;
   child.num_registered_blocks = parent.num_registered_blocks;
   child.stop = parent.stop;
   child.table_epoch = new_epoch();
   for (const int32_t b : child.block_table) pool_.touch(b);
+}
+
+void KVCacheManager::trim(Sequence& seq) {
+  const size_t keep = (static_cast<size_t>(seq.num_computed) + block_size_ - 1) / block_size_;
+  if (seq.block_table.size() <= keep) return;
+  while (seq.block_table.size() > keep) {
+    pool_.free(seq.block_table.back());
+    seq.block_table.pop_back();
+  }
+  seq.table_epoch = new_epoch();  // a plan row holding the longer table must be rewritten
 }
 
 void KVCacheManager::free(Sequence& seq) {

@@ -42,8 +42,12 @@ class KVCacheManager {
   // Offers the sequence's newly full, computed blocks to the prefix cache.
   void cache_full_blocks(Sequence& seq);
 
-  // The child shares every block of the parent.
+  // The child shares every block of the parent that holds computed tokens.
   void fork(const Sequence& parent, Sequence& child);
+
+  // Frees the blocks past the sequence's computed tokens: slots of rejected drafts and of a draft
+  // model's lookahead. They were allocated for it alone this step, never hashed.
+  void trim(Sequence& seq);
 
   // Releases the blocks, tail first, so the tail is evicted before the head.
   void free(Sequence& seq);

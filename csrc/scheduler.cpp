@@ -19,6 +19,7 @@ Scheduler::Scheduler(SchedulerConfig config)
   batch_.reserve(config_.max_num_seqs);
   running_.reserve(config_.max_num_seqs);
   copies_.reserve(config_.max_num_seqs);
+  stats_.spec_accepted_per_pos.assign(static_cast<size_t>(config_.spec.num_tokens), 0);
 }
 
 int32_t Scheduler::max_seq_len() const {
@@ -41,6 +42,7 @@ void Scheduler::add(int64_t id, std::vector<int32_t> prompt, StopParams stop, bo
   seq->stop = std::move(stop);
   seq->use_prefix_cache = use_prefix_cache;
   seq->num_samples = num_samples;
+  seq->spec.k = config_.spec.num_tokens;
   waiting_.push_back(seq.get());
   seqs_.emplace(id, std::move(seq));
 }
@@ -70,6 +72,8 @@ void Scheduler::fork(int64_t parent_id, int64_t child_id) {
   auto child = std::make_unique<Sequence>();
   child->id = child_id;
   kv_.fork(parent, *child);
+  child->spec.enabled = parent.spec.enabled;
+  child->spec.k = config_.spec.num_tokens;
   child->status = parent.status;
   if (parent.status == SeqStatus::kRunning) {
     running_.push_back(child.get());
@@ -90,9 +94,14 @@ void Scheduler::preempt(Sequence& seq) {
 void Scheduler::schedule_running(int32_t& budget, bool& preempted) {
   for (size_t i = 0; i < running_.size() && budget > 0 && batch_.size() < plan_capacity(); ++i) {
     Sequence* seq = running_[i];
-    const int32_t num_new = std::min(seq->num_tokens() - seq->num_computed, budget);
+    const int32_t pending = seq->num_tokens() - seq->num_computed;
+    int32_t num_new = std::min(pending, budget);
+    const bool sample = num_new == pending;
+    const int32_t drafts = spec_this_step_ && pending == 1 ? take_drafts(*seq, budget - 1) : 0;
+    num_new += drafts;
+    const int32_t extra = lookahead(*seq, num_new, sample);
     bool fits = true;
-    while (!kv_.allocate_slots(*seq, num_new, copies_)) {
+    while (!kv_.allocate_slots(*seq, num_new + extra, copies_)) {
       // The newest running sequence sits last and has not been scheduled this step.
       Sequence* victim = running_.back();
       running_.pop_back();
@@ -104,7 +113,7 @@ void Scheduler::schedule_running(int32_t& budget, bool& preempted) {
       }
     }
     if (!fits) break;
-    batch_.push_back({seq, num_new, seq->num_computed + num_new == seq->num_tokens()});
+    batch_.push_back({seq, num_new, sample, drafts});
     budget -= num_new;
   }
 }
@@ -120,7 +129,8 @@ void Scheduler::schedule_waiting(int32_t& budget) {
     const std::vector<int32_t> hits = kv_.find_cached_prefix(*seq);
     const int32_t hit_tokens = static_cast<int32_t>(hits.size()) * config_.block_size;
     const int32_t num_new = std::min(seq->num_tokens() - hit_tokens, budget);
-    if (!kv_.allocate_with_prefix(*seq, hits, num_new, copies_)) break;
+    const bool sample = hit_tokens + num_new == seq->num_tokens();
+    if (!kv_.allocate_with_prefix(*seq, hits, num_new + lookahead(*seq, hit_tokens + num_new, sample), copies_)) break;
     if (config_.enable_prefix_caching) {
       stats_.prefix_cache_queries += seq->num_tokens();
       stats_.prefix_cache_hits += hit_tokens;
@@ -129,8 +139,59 @@ void Scheduler::schedule_waiting(int32_t& budget) {
     seq->status = SeqStatus::kRunning;
     running_.push_back(seq);
     slots += seq->num_samples;
-    batch_.push_back({seq, num_new, seq->num_computed + num_new == seq->num_tokens()});
+    batch_.push_back({seq, num_new, sample, 0});
     budget -= num_new;
+  }
+}
+
+int32_t Scheduler::take_drafts(Sequence& seq, int32_t room) {
+  SpecState& sp = seq.spec;
+  if (!sp.enabled) return 0;
+  if (sp.cooldown > 0) {
+    --sp.cooldown;
+    return 0;
+  }
+  // Every token a row emits is one of its drafts or the one after them: never past max_tokens
+  // or the longest a sequence may grow.
+  const int32_t cap = std::min({sp.k, room, seq.stop.max_tokens - seq.num_output_tokens() - 1,
+                                max_seq_len() - seq.num_tokens() - 1});
+  const SpecConfig& c = config_.spec;
+  if (c.method == SpecMethod::kNgram) {
+    sp.draft.clear();
+    if (cap > 0) sp.ngram.propose(seq.tokens, c.ngram_min, c.ngram_max, cap, sp.draft);
+  } else if (static_cast<int32_t>(sp.draft.size()) > std::max(cap, 0)) {
+    sp.draft.resize(std::max(cap, 0));
+  }
+  return static_cast<int32_t>(sp.draft.size());
+}
+
+int32_t Scheduler::lookahead(const Sequence& seq, int32_t num_new, bool sample) const {
+  // A draft model proposes after this step's tokens, writing its own KV at the positions that
+  // follow them: those slots must exist (and are trimmed again by postprocess).
+  if (!sample || config_.spec.method != SpecMethod::kExternal || !seq.spec.enabled) return 0;
+  const int32_t end = seq.num_computed + num_new;
+  return std::max(0, std::min(config_.spec.num_tokens, max_seq_len() - end));
+}
+
+void Scheduler::record_verification(Sequence& seq, int32_t drafted, int32_t accepted) {
+  ++stats_.spec_num_drafts;
+  stats_.spec_num_draft_tokens += drafted;
+  stats_.spec_num_accepted_tokens += accepted;
+  for (int32_t i = 0; i < accepted; ++i) ++stats_.spec_accepted_per_pos[i];
+  if (!config_.spec.adaptive) return;
+  // As Hugging Face's assisted generation: two more after a fully accepted row, one fewer after
+  // any rejection; a sequence that keeps accepting nothing stops drafting for a while, for twice as
+  // long after each failed retry, so a workload it does not suit pays (almost) nothing for it.
+  SpecState& sp = seq.spec;
+  const int32_t k = config_.spec.num_tokens;
+  sp.k = accepted == drafted ? std::min(k, sp.k + 2) : std::max(1, sp.k - 1);
+  if (accepted > 0) {
+    sp.misses = 0;
+    sp.backoff = 1;
+  } else if (++sp.misses >= 2) {
+    sp.misses = 0;
+    sp.cooldown = sp.backoff;
+    sp.backoff = std::min(64, 2 * sp.backoff);
   }
 }
 
@@ -139,6 +200,9 @@ const StepPlan& Scheduler::schedule() {
   copies_.clear();
   int32_t budget = config_.max_num_batched_tokens;
   bool preempted = false;
+  const SpecConfig& spec = config_.spec;
+  spec_this_step_ = spec.method != SpecMethod::kNone && spec.num_tokens > 0 &&
+                    (spec.disable_by_batch_size == 0 || static_cast<int32_t>(running_.size()) < spec.disable_by_batch_size);
   schedule_running(budget, preempted);
   // Admitting while evicting would only preempt the newcomers again.
   if (!preempted) schedule_waiting(budget);
@@ -152,7 +216,7 @@ const StepPlan& Scheduler::schedule() {
       plan_.mark_decodes_done();
       decodes_done = true;
     }
-    plan_.add_sequence(*s.seq, s.num_new, s.sample);
+    plan_.add_sequence(*s.seq, s.num_new, s.sample, s.num_drafts);
     s.seq->in_batch = true;
   }
   if (!decodes_done) plan_.mark_decodes_done();
@@ -192,33 +256,68 @@ void Scheduler::fork_in_step(const Sequence& parent, int64_t child_id, int32_t t
   auto child = std::make_unique<Sequence>();
   child->id = child_id;
   kv_.fork(parent, *child);
+  child->spec.enabled = parent.spec.enabled;
+  child->spec.k = config_.spec.num_tokens;
   if (append_and_check(*child, token, finished)) return;  // done at once: never runs
   child->status = SeqStatus::kRunning;
   running_.push_back(child.get());
   seqs_.emplace(child_id, std::move(child));
 }
 
-std::vector<FinishedSeq> Scheduler::postprocess(std::span<const int32_t> sampled, std::span<const ForkRequest> forks) {
+std::vector<FinishedSeq> Scheduler::postprocess(const StepTokens& in) {
   std::vector<FinishedSeq> finished;
   size_t next_sample = 0;
   bool any_removed = false;
+  const bool external = config_.spec.method == SpecMethod::kExternal;
   for (const Scheduled& s : batch_) {
     Sequence& seq = *s.seq;
     seq.in_batch = false;
-    seq.num_computed += s.num_new;
-    kv_.cache_full_blocks(seq);
-    if (seq.abort_pending) {
-      release(seq);
-      any_removed = true;
-      next_sample += s.sample;
+    if (!s.sample) {
+      seq.num_computed += s.num_new;
+      kv_.cache_full_blocks(seq);
+      if (seq.abort_pending) {
+        release(seq);
+        any_removed = true;
+      }
       continue;
     }
-    if (!s.sample) continue;
-    seq.num_samples = 1;  // its first sample fanned out (the forks below): one slot each now
-    for (const ForkRequest& f : forks) {
-      if (f.parent == seq.id) fork_in_step(seq, f.child, f.token, finished);
+    const size_t row = next_sample++;
+    const size_t lo = in.offsets.empty() ? row : static_cast<size_t>(in.offsets[row]);
+    const size_t hi = in.offsets.empty() ? row + 1 : static_cast<size_t>(in.offsets[row + 1]);
+    if (seq.abort_pending) {
+      seq.num_computed += s.num_new - s.num_drafts;
+      kv_.cache_full_blocks(seq);
+      release(seq);
+      any_removed = true;
+      continue;
     }
-    any_removed |= append_and_check(seq, sampled[next_sample++], finished);
+    const int32_t accepted = static_cast<int32_t>(hi - lo) - 1;
+    if (s.num_drafts > 0) record_verification(seq, s.num_drafts, accepted);
+    // The positions whose KV holds the right tokens: the row's own, then its accepted drafts.
+    seq.num_computed += s.num_new - s.num_drafts + accepted;
+    int32_t taken = 0;
+    bool done = false;
+    for (size_t j = lo; j + 1 < hi && !done; ++j, ++taken) done = append_and_check(seq, in.sampled[j], finished);
+    if (!done) {
+      kv_.cache_full_blocks(seq);
+      seq.num_samples = 1;  // its first sample fanned out (the forks below): one slot each now
+      for (const ForkRequest& f : in.forks) {
+        if (f.parent == seq.id) fork_in_step(seq, f.child, f.token, finished);
+      }
+      done = append_and_check(seq, in.sampled[hi - 1], finished);
+      ++taken;
+    }
+    if (!in.kept.empty()) in.kept[row] = taken;
+    if (done) {
+      any_removed = true;
+      continue;
+    }
+    kv_.trim(seq);  // rejected drafts' and lookahead slots
+    if (external) {
+      const auto first = in.drafts.begin() + (in.draft_offsets.empty() ? 0 : in.draft_offsets[row]);
+      const auto last = in.drafts.begin() + (in.draft_offsets.empty() ? 0 : in.draft_offsets[row + 1]);
+      seq.spec.draft.assign(first, last);
+    }
   }
   if (any_removed) {
     std::erase_if(running_, [](const Sequence* s) { return s->status == SeqStatus::kFinished; });

@@ -20,6 +20,19 @@
 
 namespace nanovllm {
 
+enum class SpecMethod : uint8_t { kNone, kNgram, kExternal };
+
+// Speculative decoding (docs/design.md, "Speculative decoding"). kNgram: the core drafts from each
+// sequence's own tokens; kExternal: drafts are handed in with postprocess (a draft model), and every
+// sampled row gets `num_tokens` lookahead slots past its tokens for the drafter's KV.
+struct SpecConfig {
+  SpecMethod method = SpecMethod::kNone;
+  int32_t num_tokens = 0;  // k: drafts per sequence and step, at most
+  int32_t ngram_min = 1, ngram_max = 1;
+  int32_t disable_by_batch_size = 0;  // no drafts in a step with at least this many running; 0: never
+  bool adaptive = true;               // per sequence, fewer drafts (down to none) while few are accepted
+};
+
 struct SchedulerConfig {
   int32_t num_blocks = 0;
   int32_t block_size = 16;
@@ -29,6 +42,7 @@ struct SchedulerConfig {
   bool enable_prefix_caching = true;
   std::vector<int32_t> eos_token_ids;
   int32_t vocab_size = 0;  // 0: unknown
+  SpecConfig spec;
 };
 
 enum class FinishReason : uint8_t { kStop, kLength };
@@ -47,8 +61,27 @@ struct ForkRequest {
   int32_t token;
 };
 
+// What a step produced, for postprocess. Row r (the r-th sample of the plan) gained
+// sampled[offsets[r], offsets[r + 1]) (no offsets: sampled[r] alone): its accepted drafts, then
+// one more token. Each is checked for a stop in order and the rest dropped (kept[r], if given,
+// gets the number it took); rejected draft positions are rolled back. `forks` name parents
+// sampled in this step: each child is forked after the parent's tokens of this step are computed
+// and before the parent appends its own sample. `drafts` (SpecMethod::kExternal): row r's
+// proposals for its next step, drafts[draft_offsets[r], draft_offsets[r + 1]).
+struct StepTokens {
+  std::span<const int32_t> sampled = {};
+  std::span<const int32_t> offsets = {};
+  std::span<const ForkRequest> forks = {};
+  std::span<const int32_t> drafts = {}, draft_offsets = {};
+  std::span<int32_t> kept = {};
+};
+
 struct SchedulerStats {
   int64_t num_preemptions = 0;
+  int64_t spec_num_drafts = 0;          // rows verified with at least one draft
+  int64_t spec_num_draft_tokens = 0;    // drafts verified
+  int64_t spec_num_accepted_tokens = 0;
+  std::vector<int64_t> spec_accepted_per_pos;  // [k]: drafts accepted at position i
   int64_t prefix_cache_queries = 0;  // tokens looked up on admission
   int64_t prefix_cache_hits = 0;     // of those, tokens served from the cache
 };
@@ -71,10 +104,10 @@ class Scheduler {
   void abort(int64_t id);
   void fork(int64_t parent_id, int64_t child_id);
   const StepPlan& schedule();
-  // One token per sample of the plan in flight, in plan order. `forks` name parents sampled in
-  // this step; each child is forked after the parent's tokens of this step are computed and
-  // before the parent appends its own sample.
-  std::vector<FinishedSeq> postprocess(std::span<const int32_t> sampled, std::span<const ForkRequest> forks = {});
+  // The tokens of the plan in flight, in plan order, and what else postprocess takes (StepTokens).
+  std::vector<FinishedSeq> postprocess(const StepTokens& in);
+  // A sequence that must not speculate (beam search): call before its first schedule.
+  void disable_spec(int64_t id) { seqs_.at(id)->spec.enabled = false; }
 
   // Forget every cached prefix (vLLM's reset_prefix_cache): only when no block is in use, so no
   // running sequence's blocks change under it. Returns whether it did.
@@ -90,8 +123,9 @@ class Scheduler {
  private:
   struct Scheduled {
     Sequence* seq;
-    int32_t num_new;
+    int32_t num_new;  // its drafts included
     bool sample;
+    int32_t num_drafts;
   };
 
   void schedule_running(int32_t& budget, bool& preempted);
@@ -101,6 +135,10 @@ class Scheduler {
   bool append_and_check(Sequence& seq, int32_t token, std::vector<FinishedSeq>& finished);
   void fork_in_step(const Sequence& parent, int64_t child_id, int32_t token, std::vector<FinishedSeq>& finished);
   bool check_finished(const Sequence& seq, FinishedSeq& out) const;
+  // Drafts for a decode of `seq` (into seq.spec.draft), at most `room`; returns how many.
+  int32_t take_drafts(Sequence& seq, int32_t room);
+  int32_t lookahead(const Sequence& seq, int32_t num_new, bool sample) const;
+  void record_verification(Sequence& seq, int32_t drafted, int32_t accepted);
   size_t plan_capacity() const { return static_cast<size_t>(config_.max_num_seqs); }
   void release(Sequence& seq);
 
@@ -113,6 +151,7 @@ class Scheduler {
   std::vector<Scheduled> batch_;    // the plan in flight, in plan order
   std::vector<std::pair<int32_t, int32_t>> copies_;
   bool in_flight_ = false;
+  bool spec_this_step_ = false;
   SchedulerStats stats_;
 };
 

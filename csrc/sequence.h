@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "ngram_proposer.h"
+
 namespace nanovllm {
 
 enum class SeqStatus : uint8_t { kWaiting, kRunning, kFinished };
@@ -13,6 +15,17 @@ struct StopParams {
   int32_t min_tokens = 0;
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;
+};
+
+// Speculative decoding's per-sequence state (docs/design.md, "Speculative decoding").
+struct SpecState {
+  bool enabled = true;        // false: never drafts (beam search)
+  int32_t k = 0;              // drafts it may take next (adapts to its acceptance)
+  int32_t misses = 0;         // verifications in a row that accepted nothing
+  int32_t cooldown = 0;       // steps left without drafting
+  int32_t backoff = 1;        // the next cooldown
+  std::vector<int32_t> draft; // proposed tokens for its next decode (drafted or handed in)
+  NgramIndex ngram;
 };
 
 struct Sequence {
@@ -36,6 +49,7 @@ struct Sequence {
   // Running slots it takes (of max_num_seqs): n for a prompt whose first sample fans out into
   // n sequences, reserved from admission so the fan-out never runs past the cap; then 1.
   int32_t num_samples = 1;
+  SpecState spec;
   bool in_batch = false;       // scheduled in the plan in flight
   bool abort_pending = false;  // aborted while in flight: released by postprocess
 

@@ -21,19 +21,20 @@ StepPlan::StepPlan(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks_per_
   std::fill(buffer_.begin() + offset_[kBlockTables], buffer_.end(), -1);
   seq_ids_.assign(max_seqs, 0);
   sampled_seq_ids_.assign(max_seqs, 0);
+  num_drafts_.assign(max_seqs, 0);
   row_epoch_.assign(max_seqs, 0);
   row_len_.assign(max_seqs, 0);
 }
 
 void StepPlan::begin() {
-  num_seqs_ = num_tokens_ = num_samples_ = num_copies_ = 0;
+  num_seqs_ = num_tokens_ = num_samples_ = num_copies_ = num_draft_tokens_ = 0;
   num_decode_seqs_ = num_decode_tokens_ = 0;
   max_seqlen_q_ = max_seqlen_k_ = 0;
   at(kCuSeqlensQ)[0] = 0;
   at(kCuSeqlensK)[0] = 0;
 }
 
-void StepPlan::add_sequence(const Sequence& seq, int32_t num_new, bool sample) {
+void StepPlan::add_sequence(const Sequence& seq, int32_t num_new, bool sample, int32_t num_drafts) {
   const int32_t row = num_seqs_++;
   const int32_t start = seq.num_computed;
   const int32_t context = start + num_new;
@@ -41,9 +42,10 @@ void StepPlan::add_sequence(const Sequence& seq, int32_t num_new, bool sample) {
   int32_t* pos = at(kPositions) + num_tokens_;
   int32_t* slots = at(kSlotMapping) + num_tokens_;
   const int32_t* table = seq.block_table.data();
+  const int32_t num_known = num_new - num_drafts;
   for (int32_t i = 0; i < num_new; ++i) {
     const int32_t p = start + i;
-    ids[i] = seq.tokens[p];
+    ids[i] = i < num_known ? seq.tokens[p] : seq.spec.draft[i - num_known];
     pos[i] = p;
     slots[i] = table[p / block_size_] * block_size_ + p % block_size_;
   }
@@ -55,6 +57,8 @@ void StepPlan::add_sequence(const Sequence& seq, int32_t num_new, bool sample) {
   if (sample) {
     at(kSampleIndices)[num_samples_] = num_tokens_ - 1;
     sampled_seq_ids_[num_samples_] = seq.id;
+    num_drafts_[num_samples_] = num_drafts;
+    num_draft_tokens_ += num_drafts;
     ++num_samples_;
   }
   max_seqlen_q_ = std::max(max_seqlen_q_, num_new);

@@ -29,9 +29,10 @@ class StepPlan {
   StepPlan(int32_t max_tokens, int32_t max_seqs, int32_t max_blocks_per_seq, int32_t block_size);
 
   void begin();
-  // Appends `num_new` tokens of `seq` starting at seq.num_computed; `sample` marks its last token
-  // as one that produces a sampled token.
-  void add_sequence(const Sequence& seq, int32_t num_new, bool sample);
+  // Appends `num_new` tokens of `seq` starting at seq.num_computed, the last `num_drafts` of them
+  // its drafts (seq.spec.draft); `sample` marks its last token as one that produces a sampled token
+  // (with drafts, every draft position's logits are verified too: logits_indices()).
+  void add_sequence(const Sequence& seq, int32_t num_new, bool sample, int32_t num_drafts = 0);
   void add_copy(int32_t src, int32_t dst);
   // Call after the decodes (query length 1), which come first in the batch.
   void mark_decodes_done() { num_decode_seqs_ = num_seqs_; num_decode_tokens_ = num_tokens_; }
@@ -42,6 +43,7 @@ class StepPlan {
   int32_t num_decode_seqs() const { return num_decode_seqs_; }
   int32_t num_prefill_tokens() const { return num_tokens_ - num_decode_tokens_; }
   int32_t num_samples() const { return num_samples_; }
+  int32_t num_draft_tokens() const { return num_draft_tokens_; }
   int32_t num_copies() const { return num_copies_; }
   int32_t max_seqlen_q() const { return max_seqlen_q_; }
   int32_t max_seqlen_k() const { return max_seqlen_k_; }
@@ -59,6 +61,8 @@ class StepPlan {
   const std::vector<int32_t>& buffer() const { return buffer_; }
   const std::vector<int64_t>& seq_ids() const { return seq_ids_; }
   const std::vector<int64_t>& sampled_seq_ids() const { return sampled_seq_ids_; }
+  // Host only, per sample: its drafts, verified at the num_drafts tokens before its sample index.
+  const std::vector<int32_t>& num_drafts() const { return num_drafts_; }
 
  private:
   int32_t* at(Section s) { return buffer_.data() + offset_[s]; }
@@ -69,10 +73,11 @@ class StepPlan {
   std::vector<int32_t> buffer_;
   std::vector<int64_t> seq_ids_;          // [num_seqs] (capacity max_seqs)
   std::vector<int64_t> sampled_seq_ids_;  // [num_samples]
+  std::vector<int32_t> num_drafts_;       // [num_samples]
   std::vector<uint64_t> row_epoch_;       // which table each block-table row holds
   std::vector<int32_t> row_len_;          // and how many of its entries
 
-  int32_t num_seqs_ = 0, num_tokens_ = 0, num_samples_ = 0, num_copies_ = 0;
+  int32_t num_seqs_ = 0, num_tokens_ = 0, num_samples_ = 0, num_copies_ = 0, num_draft_tokens_ = 0;
   int32_t num_decode_seqs_ = 0, num_decode_tokens_ = 0;
   int32_t max_seqlen_q_ = 0, max_seqlen_k_ = 0;
 };

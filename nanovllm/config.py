@@ -10,6 +10,7 @@ tensor-parallel worker for itself); everything below the engine takes the resolv
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,6 +25,83 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # rows (the activations stay in cache): a batch prefill of 64 prompts of the built-in model took
 # 1.07-1.2 s at 512 against 1.2-1.7 s at 2048-8192 (benchmarks/RESULTS.md).
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` as vLLM names it (docs/design.md, "Speculative decoding"): "ngram" drafts
+    from each sequence's own tokens (the longest suffix of prompt_lookup_min..max tokens seen before,
+    and what followed it), "draft_model" from a smaller model with the same vocabulary (`model`).
+    `disable_by_batch_size`: no drafts in a step with at least that many running sequences;
+    `adaptive` (ours): each sequence drafts fewer tokens, down to none for a while, when few of its
+    drafts are accepted."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
+        """From a dict or its JSON (the command line's --speculative-config); ValueError naming the field."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} is not a field this engine takes "
+                             f"(it takes {', '.join(sorted(known))})")
+        v = dict(value)
+        method = v.get("method") or ("draft_model" if v.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {', '.join(SPEC_METHODS)}, got {method!r}")
+        v["method"] = method
+
+        def integer(name: str, lo: int, required: bool = False) -> int | None:
+            x = v.get(name)
+            if x is None:
+                if required:
+                    raise ValueError(f"speculative_config.{name} is required")
+                return None
+            if not isinstance(x, int) or isinstance(x, bool) or x < lo:
+                raise ValueError(f"speculative_config.{name} must be an integer >= {lo}, got {x!r}")
+            return x
+
+        integer("num_speculative_tokens", 1, required=True)
+        if v["num_speculative_tokens"] > 64:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be at most 64, got "
+                             f"{v['num_speculative_tokens']}")
+        integer("disable_by_batch_size", 1)
+        if not isinstance(v.get("adaptive", True), bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {v['adaptive']!r}")
+        if method == "ngram":
+            if v.get("model") is not None:
+                raise ValueError("speculative_config.model is for method 'draft_model'; 'ngram' drafts from the "
+                                 "sequence's own tokens")
+            # vLLM's defaults: either bound alone sets both; neither gives 5.
+            lo, hi = integer("prompt_lookup_min", 1), integer("prompt_lookup_max", 1)
+            lo, hi = lo or hi or 5, hi or lo or 5
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) is larger than prompt_lookup_max ({hi})")
+            v["prompt_lookup_min"], v["prompt_lookup_max"] = lo, hi
+        else:
+            if not isinstance(v.get("model"), str) or not v["model"]:
+                raise ValueError("speculative_config.model (the draft model's directory) is required for method "
+                                 "'draft_model'")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if v.get(name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method 'ngram'")
+        return cls(**v)
 
 
 def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[Any, ...] | None = None,
@@ -68,6 +146,11 @@ class EngineConfig:
                                             aliases=("--num-gpu-blocks-override",))
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")
     seed: int = option(0, "seed of the sampling generator for requests without their own seed")
+    speculative_config: dict[str, Any] | str | None = option(
+        None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", \"model\": DIR, "
+        "\"num_speculative_tokens\": 4}; optional disable_by_batch_size, adaptive (default true)",
+        aliases=("-sc",), metavar="JSON")
     quantization: str | None = option(
         None, "int8 or int4: quantize the linear layers while loading (weight-only, round to nearest: int8 per "
         "output channel, int4 in groups of 128, as `nanovllm quantize`); a quantized checkpoint (compressed-tensors, "
@@ -83,6 +166,7 @@ class EngineConfig:
     master_port: int | None = option(None, "node 0's rendezvous port (default: a free one; required with "
                                      "nnodes > 1)", serve_only=True)
     parallel: ParallelConfig = field(init=False, repr=False, compare=False)
+    speculative: SpeculativeConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -105,6 +189,8 @@ class EngineConfig:
                              "longer than max_num_batched_tokens over steps")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        spec = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative", spec)
         object.__setattr__(self, "parallel", ParallelConfig(
             self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr, self.master_port,
             self.distributed_backend))
@@ -137,8 +223,14 @@ class EngineConfig:
         # Chunked prefill splits long prompts, so the budget need not cover max_model_len.
         default = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
         budget = self.max_num_batched_tokens or max(default, self.max_num_seqs)
+        draft = None
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            draft = load_model_config(self.speculative.model)
+            if draft.vocab_size != model_config.vocab_size:
+                raise ValueError(f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the model "
+                                 f"{model_config.vocab_size}: a draft model must share the model's vocabulary")
         return ResolvedConfig(self, model_config, device, resolve_dtype(model_config, self.dtype, device),
-                              max_model_len, budget)
+                              max_model_len, budget, draft)
 
 
 @dataclass(frozen=True)
@@ -151,6 +243,11 @@ class ResolvedConfig:
     dtype: torch.dtype
     max_model_len: int
     max_num_batched_tokens: int
+    draft_model_config: ModelConfig | None = None  # speculative decoding's draft model
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return self.options.speculative
 
     @property
     def model(self) -> str:

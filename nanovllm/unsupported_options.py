@@ -148,8 +148,8 @@ UNSUPPORTED: dict[str, Unsupported] = {u.name: u for u in [
             "watermark_config"),
     *_group("quantized checkpoints are recognized from their quantization_config; --quantization takes int8 or "
             "int4 (quantize while loading)", "quantization_config", "allow_deprecated_quantization?=false"),
-    *_group("speculative decoding is not implemented", "speculative_config/-sc", "spec_method", "spec_model",
-            "spec_tokens"),
+    *_group("speculative decoding is configured as one JSON object: --speculative-config '{\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 4}'", "spec_method", "spec_model", "spec_tokens"),
     *_group("structured output always uses xgrammar", "structured_outputs_config"),
     *_group("sampling defaults come from each request (SamplingParams), not the model's generation_config.json",
             "generation_config=vllm", "override_generation_config"),

@@ -312,7 +312,8 @@ class LLMEngine:
         self.scheduler.fail_step()
 
     def _outputs(self, out: RunnerOutput, finished: list[Finished]) -> list[RequestOutput]:
-        sids, tokens = out.seq_ids, out.last_tokens()
+        # Speculative decoding: row r gained tokens[offsets[r]:offsets[r + 1]] (None: one each).
+        sids, tokens, offsets = out.seq_ids, out.tokens, out.token_offsets
         if out.forks:
             # A prompt's first sample fanned out: its other samples join as completions.
             for parent, child, _ in out.forks:
@@ -321,12 +322,14 @@ class LLMEngine:
                 self._add_completion(req, child, parent=parent)
             sids = np.concatenate([sids, np.array([f[1] for f in out.forks], dtype=sids.dtype)])
             tokens = np.concatenate([tokens, np.array([f[2] for f in out.forks], dtype=tokens.dtype)])
+            if offsets is not None:
+                offsets = np.concatenate([offsets, offsets[-1] + np.arange(1, len(out.forks) + 1, dtype=offsets.dtype)])
         self._record(sids, out)
         if out.prompt_logprobs is not None:
             rows = out.prompt_logprobs
             for sid, entry in zip(rows.seq_ids.tolist(), build_entries(rows.refs, self.token_table)):
                 self._by_seq[sid][0].prompt_logprobs.append(entry)
-        return self._finish_step(sids, tokens, finished, out)
+        return self._finish_step(sids, tokens, offsets, finished, out)
 
     def _record(self, sids: np.ndarray, out: RunnerOutput) -> None:
         """First-token times and logprobs of the tokens just sampled."""
@@ -338,12 +341,15 @@ class LLMEngine:
         if block is None:
             return
         lp_sids = out.logprob_seq_ids
-        self._seqs.cum_logprob[lp_sids] += block.chosen_logprob
+        if out.token_offsets is None:
+            self._seqs.cum_logprob[lp_sids] += block.chosen_logprob
+        else:  # a sequence's several tokens: its rows repeat
+            np.add.at(self._seqs.cum_logprob, lp_sids, block.chosen_logprob)
         # Each row's (block, row) onto its completion's list; map() keeps the loop in C.
         deque(map(list.append, self._seqs.lp_refs[lp_sids], zip(repeat(block), range(len(lp_sids)))), maxlen=0)
 
-    def _finish_step(self, sids: np.ndarray, tokens: np.ndarray, finished: list[Finished],
-                     out: RunnerOutput) -> list[RequestOutput]:
+    def _finish_step(self, sids: np.ndarray, tokens: np.ndarray, offsets: np.ndarray | None,
+                     finished: list[Finished], out: RunnerOutput) -> list[RequestOutput]:
         """Text deltas and stop strings (one Cython call; only streamed sequences and stop-string
         matches come back), then the finishes: a stop string, like a grammar that terminated,
         ends the sequence in the scheduler at once (its blocks are freed); the core's own finishes
@@ -353,7 +359,7 @@ class LLMEngine:
         by_seq = self._by_seq
         streamed: dict[str, Request] = {}
         done_reqs: list[Request] = []
-        for sid, delta, stop_str in self.detokenizer.process(sids, tokens):
+        for sid, delta, stop_str in self.detokenizer.process(sids, tokens, offsets):
             req, comp = by_seq[sid]
             comp.text += delta
             if req.stream:
@@ -412,6 +418,12 @@ class LLMEngine:
         comp.finish_reason, comp.stop_reason = reason, stop
         comp.text += self.detokenizer.flush(comp.seq_id)
         self._collect(req, comp)
+        if comp.lp_refs is not None and len(comp.lp_refs) > len(comp.token_ids):
+            # Several tokens in its last step (speculative decoding), and it stopped before the last:
+            # the logprobs of the tokens it dropped go too.
+            dropped = comp.lp_refs[len(comp.token_ids):]
+            del comp.lp_refs[len(comp.token_ids):]
+            comp.cumulative_logprob = float(comp.cumulative_logprob - sum(b.chosen_logprob[i] for b, i in dropped))
         self._release(comp)
         if req.finished:
             done_reqs.append(req)

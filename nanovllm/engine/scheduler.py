@@ -42,11 +42,17 @@ class SequenceIds:
 
 class Scheduler:
     def __init__(self, config: ResolvedConfig, num_blocks: int, eos_token_ids: Sequence[int]) -> None:
+        spec = config.speculative
+        spec_args = {} if spec is None else dict(
+            spec_method="ngram" if spec.method == "ngram" else "external",
+            num_speculative_tokens=spec.num_speculative_tokens,
+            prompt_lookup_min=max(1, spec.prompt_lookup_min), prompt_lookup_max=max(1, spec.prompt_lookup_max),
+            disable_by_batch_size=spec.disable_by_batch_size or 0, adaptive_speculation=spec.adaptive)
         self.core = _C.Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_prefix_caching=config.options.enable_prefix_caching, eos_token_ids=list(eos_token_ids),
-            vocab_size=config.model_config.vocab_size)
+            vocab_size=config.model_config.vocab_size, **spec_args)
         self._ids = SequenceIds()
         self._reserved: dict[int, tuple[int, ...]] = {}  # a prompt's ids for its n - 1 other samples
         self._admitted: dict[int, Admission] = {}  # by id, in admission order
@@ -63,13 +69,16 @@ class Scheduler:
         """Queues a prompt; returns its sequence id. `num_samples` > 1 reserves the ids its other
         samples take when its first token fans out (the runner forks them), and the core keeps that
         many running slots for it until then. `max_tokens` and `ignore_eos` default to the params';
-        `grammar_utf8`, `candidates`, `logprob_temperature`: see Admission."""
+        `grammar_utf8`, `candidates`, `logprob_temperature`: see Admission. A sequence that reports
+        candidates (beam search) never speculates: it chooses its tokens outside the sampler."""
         sid = self._ids.acquire()
         try:
             self.core.add(sid, token_ids, max_tokens=params.max_tokens if max_tokens is None else max_tokens,
                           min_tokens=params.min_tokens, ignore_eos=params.ignore_eos if ignore_eos is None else ignore_eos,
                           stop_token_ids=params.stop_token_ids, use_prefix_cache=use_prefix_cache,
                           num_samples=num_samples)
+            if candidates:
+                self.core.disable_spec(sid)
         except BaseException:
             self._ids.release(sid)
             raise
@@ -124,12 +133,19 @@ class Scheduler:
         the runner: their children's sampling state is forked with the next plan); returns the
         sequences the core finished (EOS, a stop id, max_tokens, max_model_len), whose ids are
         free again once the caller has recorded them."""
-        if not (out.forks or forks):
-            return self._after_step(self.core.postprocess(out.last_tokens()))
+        if not (out.forks or forks or out.token_offsets is not None or out.drafts is not None):
+            return self._after_step(self.core.postprocess(out.tokens))
         for parent, child, _ in out.forks:
             self._reserved.pop(parent, None)
         self._forked += [(parent, child, i + 1) for i, (parent, child, _) in enumerate(forks)]
-        return self._after_step(self.core.postprocess(out.last_tokens(), forks=[*out.forks, *forks]))
+        all_forks = [*out.forks, *forks]
+        if out.token_offsets is None and out.drafts is None:
+            return self._after_step(self.core.postprocess(out.tokens, forks=all_forks))
+        offsets = out.offsets()
+        finished, kept = self.core.postprocess_spec(out.tokens, offsets, forks=all_forks, drafts=out.drafts,
+                                                    draft_offsets=out.draft_offsets)
+        out.keep(kept)
+        return self._after_step(finished)
 
     def fail_step(self) -> None:
         """The step in flight failed after schedule(): the core takes no tokens (its sequences were

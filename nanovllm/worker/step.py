@@ -77,6 +77,9 @@ class RunnerOutput:
     logprob_seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     grammar_ends: GrammarEnds = field(default_factory=GrammarEnds)
     prompt_logprobs: PromptLogprobRows | None = None
+    # A draft model's proposals for each row's next step: drafts[draft_offsets[r]:draft_offsets[r + 1]].
+    drafts: np.ndarray | None = None  # int32
+    draft_offsets: np.ndarray | None = None  # int32 [R + 1]
 
     @classmethod
     def empty(cls) -> RunnerOutput:
@@ -86,3 +89,23 @@ class RunnerOutput:
     def last_tokens(self) -> np.ndarray:
         """Each row's last new token."""
         return self.tokens if self.token_offsets is None else self.tokens[self.token_offsets[1:] - 1]
+
+    def offsets(self) -> np.ndarray:
+        """token_offsets, also when every row has one token."""
+        if self.token_offsets is not None:
+            return self.token_offsets
+        return np.arange(len(self.tokens) + 1, dtype=np.int32)
+
+    def keep(self, kept: np.ndarray) -> None:
+        """Row r keeps its first kept[r] tokens (the scheduler stopped it there: EOS, a stop id,
+        max_tokens); rows with none kept (aborted in flight) keep theirs. Logprob rows past a kept
+        token are dropped when the sequence's output is collected."""
+        offsets = self.offsets()
+        counts = np.diff(offsets)
+        cut = (kept > 0) & (kept < counts)
+        if not cut.any():
+            return
+        new_counts = np.where(cut, kept, counts)
+        take = np.arange(len(self.tokens)) - np.repeat(offsets[:-1], counts) < np.repeat(new_counts, counts)
+        self.tokens = self.tokens[take]
+        self.token_offsets = np.concatenate([[0], np.cumsum(new_counts)]).astype(np.int32)

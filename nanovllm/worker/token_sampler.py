@@ -11,6 +11,15 @@ first sample its logits row is repeated n times (one sampler pass, so a seeded p
 tokens come from its generator in order), the children's sampling rows are forked from it, and the
 forks come back in RunnerOutput.forks for the scheduler (the core forks their blocks
 copy-on-write) and the engine (their completions).
+
+Speculative decoding (docs/design.md, "Speculative decoding"): a row with drafts is verified at
+every position, in order: position j's logits are processed with the state its tokens before j
+left (penalties, min_tokens, grammar), sampled as any row, and recorded; the row goes on to j + 1
+only while its token equals its draft. So every emitted token is a sample of the distribution the
+same step without drafts would have drawn it from, with the same draws (a seeded row's tokens do
+not change), and a draft is accepted exactly with the probability the model gives it (drafts
+are point masses: Leviathan et al.'s rule for them). Rows that sample nothing and process nothing
+(greedy, no processors) are verified at once: argmax everywhere, then the longest matching prefix.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch
 from nanovllm._C import StepPlan
 from nanovllm.sample import Sampler, SamplingState, gather_logprobs
 from nanovllm.sample.logprobs import LogprobBlock, logprob_columns, unpack_logprobs
+from nanovllm.sample.state import GrammarEnds
 from nanovllm.staging import to_device, to_host
 from nanovllm.worker.step import PromptLogprobRows, RunnerOutput, SchedulerOutput
 
@@ -87,6 +97,10 @@ class TokenSampler:
             out = RunnerOutput.empty()
             out.prompt_logprobs = prompt_logprobs
             return out
+        if plan.num_draft_tokens:
+            out = self._verify(plan, hidden, sids)
+            out.prompt_logprobs = prompt_logprobs
+            return out
         raw = self._logits(hidden, sample_indices, None)
         rows, repeats = sids, None
         if self._children:
@@ -132,6 +146,96 @@ class TokenSampler:
         ends = state.record(rows, tokens, host)
         return RunnerOutput(sids, first, None, forks, logprobs, rows[lp_rows] if logprobs is not None else _NO_ROWS,
                             ends, prompt_logprobs)
+
+    def _verify(self, plan: StepPlan, hidden: torch.Tensor, sids: np.ndarray) -> RunnerOutput:
+        """A step with drafts: every row's tokens, its accepted drafts then one more."""
+        state = self.state
+        drafts = plan.num_drafts.astype(np.int64)
+        counts = drafts + 1
+        first = np.cumsum(counts) - counts  # each row's first logits row
+        row_of = np.repeat(np.arange(len(sids)), counts)
+        local = np.arange(len(row_of)) - first[row_of]
+        positions = plan.sample_indices.astype(np.int64)[row_of] - drafts[row_of] + local
+        raw = self._logits(hidden, to_device(positions, hidden.device), positions)
+        # Position j's draft is the input token at j + 1; -1 where a row's drafts end.
+        is_draft = local < drafts[row_of]
+        draft_at = np.where(is_draft, plan.input_ids[np.where(is_draft, positions + 1, positions)], -1)
+        emitted = np.full(len(row_of), -1, dtype=np.int64)
+        ends = GrammarEnds()
+        forks: list[tuple[int, int, int]] = []
+        fan = [int(s) for s in sids if int(s) in self._children] if self._children else []
+        if not (state.users.sampled or state.users.processed or fan):
+            tokens = self.sampler(raw, None)
+            host, = to_host(tokens)
+            match = host == draft_at
+            # Each row's first mismatch (its last position never matches: draft -1).
+            misses = np.flatnonzero(~match)
+            stop = misses[np.searchsorted(misses, first)]
+            taken = local <= (stop - first)[row_of]
+            emitted[taken] = host[taken]
+        else:
+            alive = np.arange(len(sids))
+            for j in range(int(drafts.max()) + 1):
+                idx = first[alive] + j
+                rows = sids[alive]
+                host, step_ends, forks_j = self._draw(raw[to_device(idx, raw.device)], rows, fan if j == 0 else [])
+                forks += forks_j
+                emitted[idx] = host
+                ends.terminated += step_ends.terminated
+                ends.rejected += step_ends.rejected
+                stopped = np.isin(rows, step_ends.terminated + step_ends.rejected) if step_ends.terminated or \
+                    step_ends.rejected else np.zeros(len(rows), dtype=bool)
+                alive = alive[(host == draft_at[idx]) & ~stopped]
+                if not len(alive):
+                    break
+        keep = np.flatnonzero(emitted >= 0)
+        tokens_out = emitted[keep].astype(np.int32)
+        offsets = np.zeros(len(sids) + 1, dtype=np.int32)
+        np.cumsum(np.bincount(row_of[keep], minlength=len(sids)), out=offsets[1:])
+        out = RunnerOutput(sids, tokens_out, offsets, forks, grammar_ends=ends)
+        if state.users.logprobs:
+            self._verified_logprobs(out, raw, keep, row_of, first)
+        return out
+
+    def _draw(self, raw: torch.Tensor, rows: np.ndarray, fan: list[int]
+              ) -> tuple[np.ndarray, GrammarEnds, list[tuple[int, int, int]]]:
+        """One verification position: rows' logits (a copy, processed in place) -> their tokens,
+        recorded. `fan`: rows whose prompt fans out into n samples here (position 0 only)."""
+        repeats = None
+        sample_rows = rows
+        if fan:
+            repeats = np.array([1 + len(self._children.get(int(s), ())) for s in rows])
+            sample_rows = np.repeat(rows, repeats)
+            raw = raw.index_select(0, to_device(np.repeat(np.arange(len(rows)), repeats), raw.device))
+        processed = self.state.process(raw, sample_rows, keep_input=False)
+        tokens = self.sampler(processed, self.state.batch(sample_rows))
+        host, = to_host(tokens)
+        host = host.astype(np.int64)
+        forks: list[tuple[int, int, int]] = []
+        if repeats is not None:
+            starts = np.cumsum(repeats) - repeats
+            forks = self._fan_out(rows, repeats, starts, sample_rows, host)
+            ends = self.state.record(sample_rows, tokens, host)
+            return host[starts], ends, forks
+        return host, self.state.record(sample_rows, tokens, host), forks
+
+    def _verified_logprobs(self, out: RunnerOutput, raw: torch.Tensor, keep: np.ndarray, row_of: np.ndarray,
+                           first: np.ndarray) -> None:
+        """Logprobs of every emitted token (from its position's raw logits), and of fanned-out
+        children's first tokens, for the sequences that asked."""
+        sids = np.concatenate([out.seq_ids[row_of[keep]], [c for _, c, _ in out.forks]]).astype(np.int64)
+        logit_rows = np.concatenate([keep, [first[np.flatnonzero(out.seq_ids == p)[0]] for p, _, _ in out.forks]])
+        chosen = np.concatenate([out.tokens, [t for _, _, t in out.forks]]).astype(np.int64)
+        wanted = self.state.rows.logprobs[sids]
+        asked = np.flatnonzero(wanted >= 0)
+        if not len(asked):
+            return
+        lp_raw = raw[to_device(logit_rows[asked].astype(np.int64), raw.device)]
+        if self._logprob_scale:
+            scale = np.array([self._logprob_scale.get(int(s), 1.0) for s in sids[asked]], dtype=np.float32)
+            lp_raw = lp_raw * to_device(scale, raw.device)[:, None]
+        out.logprobs = gather_logprobs(lp_raw, to_device(chosen[asked], raw.device), wanted[asked])
+        out.logprob_seq_ids = sids[asked]
 
     def _fan_out(self, sids: np.ndarray, repeats: np.ndarray, starts: np.ndarray, rows: np.ndarray,
                  tokens: np.ndarray) -> list[tuple[int, int, int]]:
