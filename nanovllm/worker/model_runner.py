@@ -31,6 +31,7 @@ from nanovllm.models.loader import load_model_from_config
 from nanovllm.sample import make_sampling_batch
 from nanovllm.staging import to_device
 from nanovllm.worker.cuda_graph import DecodeGraphs
+from nanovllm.worker.draft_proposer import DraftProposer
 from nanovllm.worker.plan_tensors import PlanTensors, PlanViews
 from nanovllm.worker.step import RunnerOutput, SchedulerOutput
 from nanovllm.worker.token_sampler import TokenSampler
@@ -106,9 +107,13 @@ class ModelRunner:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.token_sampler: TokenSampler | None = None
+        # Speculative decoding's draft model runs on rank 0 alone, whole (it is small).
+        self.drafter: DraftProposer | None = None
         if tp is None or tp.rank == 0:
             self.token_sampler = TokenSampler(self.logits, device, self.model_config.vocab_size, eos_token_ids,
                                               self.max_num_seqs)
+            if config.draft_model_config is not None:
+                self.drafter = DraftProposer(config, device, self.dtype, backend)
         # Under tensor parallelism every rank computes its share of the LM head for the same rows:
         # rank 0's executor tells the workers which, before each logits call (host row indices,
         # None for the step's sample indices).
@@ -144,7 +149,7 @@ class ModelRunner:
         """KV blocks for the configuration (num_kvcache_blocks, kv_cache_memory_bytes, or on CUDA the
         profiled memory left); under tensor parallelism the minimum over ranks, so that every rank
         holds the same pool (each rank calls this at the same point of its startup)."""
-        per_block = self.kv_spec.bytes_per_block
+        per_block = self.kv_spec.bytes_per_block + (self.drafter.bytes_per_block if self.drafter else 0)
         options = self.config.options
         if options.num_kvcache_blocks is not None:
             blocks = options.num_kvcache_blocks
@@ -180,7 +185,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(dev)
         outside_torch = (total - free) - torch.cuda.memory_reserved(dev)
         budget = int(total * gpu_memory_utilization) - outside_torch - peak
-        return max(0, budget // self.kv_spec.bytes_per_block)
+        per_block = self.kv_spec.bytes_per_block + (self.drafter.bytes_per_block if self.drafter else 0)
+        return max(0, budget // per_block)
 
     @torch.inference_mode()
     def _dummy_forward(self, num_tokens: int) -> int:
@@ -231,11 +237,15 @@ class ModelRunner:
             (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=self.device
         )
         bind_kv_cache(self.model, self.kv_cache)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
 
     def release_kv_cache(self) -> None:
         """Drop the cache, the layers' views of it and the graphs that read it."""
         self.graphs = None
         self.kv_cache = None
+        if self.drafter is not None:
+            self.drafter.release()
         for layer in attention_layers(self.model):
             layer.k_cache = torch.empty(0)
             layer.v_cache = torch.empty(0)
@@ -269,8 +279,15 @@ class ModelRunner:
         self.token_sampler.apply(so)
         plan = so.plan
         v = self.plan_views(plan)
-        hidden = self.forward(v, HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens))
-        return self.token_sampler.sample(plan, hidden, v.sample_indices)
+        host = HostSeqLens(cu_seqlens_q=plan.cu_seqlens_q, context_lens=plan.context_lens)
+        hidden = self.forward(v, host)
+        if self.drafter is None:
+            return self.token_sampler.sample(plan, hidden, v.sample_indices)
+        self.drafter.forward(v.input_ids, v.positions, self._metadata(v, host))
+        out = self.token_sampler.sample(plan, hidden, v.sample_indices)
+        if len(out.seq_ids):
+            out.drafts, out.draft_offsets = self.drafter.propose(plan, out)
+        return out
 
     def plan_views(self, plan: _C.StepPlan) -> PlanViews:
         """The plan as tensors on this runner's device (one copy; views on CPU)."""
@@ -283,6 +300,8 @@ class ModelRunner:
     def _copy_blocks(self, copies: torch.Tensor) -> None:
         src, dst = copies[:, 0].long(), copies[:, 1].long()
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        if self.drafter is not None:
+            self.drafter.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def forward(self, v: PlanViews, host: HostSeqLens) -> torch.Tensor:
@@ -292,13 +311,15 @@ class ModelRunner:
             self._copy_blocks(v.block_copies)
         if self.graphs is not None and self.graphs.can_run(v):
             return self.graphs.run(v)
-        meta = AttentionMetadata(
+        return self.model(v.input_ids, v.positions, self._metadata(v, host))
+
+    def _metadata(self, v: PlanViews, host: HostSeqLens) -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=v.slot_mapping, cu_seqlens_q=v.cu_seqlens_q, cu_seqlens_k=v.cu_seqlens_k,
             context_lens=v.context_lens, block_tables=v.block_tables, max_seqlen_q=v.max_seqlen_q,
             max_seqlen_k=v.max_seqlen_k, num_prefill_tokens=v.num_prefill_tokens,
             num_decode_tokens=v.num_decode_tokens, block_size=self.block_size, host=host,
         )
-        return self.model(v.input_ids, v.positions, meta)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> torch.Tensor:
