@@ -1,7 +1,9 @@
 """A hypothesis state machine over the core: add (often sharing prefixes), fork (between steps
 and within postprocess), abort, schedule and postprocess in random interleavings, checking the
 core's invariants after every operation against a Python model of each sequence and of the KV
-cache contents."""
+cache contents. With speculative decoding (n-gram drafts, or drafts handed in as a draft model
+does), postprocess accepts a random prefix of each row's drafts: rejected positions must never
+read as computed, and n-gram drafts must be what the reference proposer finds."""
 
 import math
 
@@ -24,9 +26,15 @@ class CoreMachine(RuleBasedStateMachine):
         budget=st.integers(min_value=1, max_value=24),
         max_num_seqs=st.integers(min_value=1, max_value=6),
         prefix_caching=st.booleans(),
+        spec=st.sampled_from(["none", "ngram", "external"]),
+        k=st.integers(1, 4),
+        lookup=st.sampled_from([(1, 1), (1, 3), (2, 4)]),
     )
-    def setup(self, block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool) -> None:
+    def setup(self, block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool,
+              spec: str, k: int, lookup: tuple[int, int]) -> None:
         self.bs = block_size
+        self.spec, self.k, self.lookup = spec, k, lookup
+        self.handed: dict[int, list[int]] = {}  # external drafts handed in for each sequence's next step
         self.num_blocks = num_blocks
         self.max_model_len = 24
         self.core = _C.Scheduler(
@@ -38,6 +46,10 @@ class CoreMachine(RuleBasedStateMachine):
             enable_prefix_caching=prefix_caching,
             eos_token_ids=[EOS],
             vocab_size=VOCAB,
+            spec_method=spec,
+            num_speculative_tokens=k if spec != "none" else 0,
+            prompt_lookup_min=lookup[0],
+            prompt_lookup_max=lookup[1],
         )
         self.tokens: dict[int, list[int]] = {}  # the model of every live sequence
         self.next_id = 0
@@ -108,22 +120,40 @@ class CoreMachine(RuleBasedStateMachine):
             b = self.bs
             self.kv[dst * b : (dst + 1) * b] = self.kv[src * b : (src + 1) * b]
         sampled = []
+        self.drafts: dict[int, list[int]] = {}
         for row, sid in enumerate(seq_ids):
             toks = self.tokens[sid]
             table = self.core.block_table(sid)
             assert plan.block_tables[row].tolist() == table + [-1] * (plan.max_blocks_per_seq - len(table))
-            assert len(table) == math.ceil(ctx[row] / self.bs)
+            # A draft model's rows hold lookahead slots past their tokens.
+            assert len(table) == math.ceil(ctx[row] / self.bs) or \
+                (self.spec == "external" and len(table) <= math.ceil((ctx[row] + self.k) / self.bs))
+            start = int(ctx[row] - (cu_q[row + 1] - cu_q[row]))  # the row's first position
+            drafts = [int(t) for t in plan.input_ids[cu_q[row] + len(toks) - start : cu_q[row + 1]]] \
+                if ctx[row] > len(toks) else []
+            full = toks + drafts
             for i in range(cu_q[row], cu_q[row + 1]):
                 pos = int(plan.positions[i])
                 assert pos == ctx[row] - (cu_q[row + 1] - i)
-                assert plan.input_ids[i] == toks[pos]
+                assert plan.input_ids[i] == full[pos]
                 assert slots[i] // self.bs == table[pos // self.bs], "slot outside the sequence's own block"
                 assert slots[i] % self.bs == pos % self.bs
-                self.kv[slots[i]] = hash(tuple(toks[: pos + 1]))
-            if ctx[row] == len(toks):
+                self.kv[slots[i]] = hash(tuple(full[: pos + 1]))
+            if ctx[row] - len(drafts) == len(toks):
                 sampled.append(sid)
+                self.drafts[sid] = drafts
+                if drafts:
+                    assert cu_q[row + 1] - cu_q[row] == 1 + len(drafts), "drafts only on decode rows"
+                    assert len(drafts) <= self.k
+                    reference = ngram_proposal(toks, *self.lookup) if self.spec == "ngram" else self.handed[sid]
+                    assert drafts == reference[: len(drafts)], "not the proposer's drafts"
+            else:
+                assert not drafts
         assert plan.sampled_seq_ids.tolist() == sampled
+        assert plan.num_drafts.tolist() == [len(self.drafts[sid]) for sid in sampled]
+        assert plan.num_draft_tokens == sum(plan.num_drafts.tolist())
         assert plan.sample_indices.tolist() == [int(cu_q[seq_ids.index(sid) + 1]) - 1 for sid in sampled]
+        self.handed = {}
         assert plan.num_copies <= s
 
     @precondition(lambda self: self.plan is not None)
@@ -131,6 +161,8 @@ class CoreMachine(RuleBasedStateMachine):
     def postprocess(self, data: st.DataObject) -> None:
         plan = self.plan
         sampled = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=plan.num_samples, max_size=plan.num_samples))
+        if self.spec != "none":
+            return self.postprocess_spec(data, sampled)
         # Parallel samples / beams: some sampled parents fork children that take other tokens.
         forkable = [sid for sid in plan.sampled_seq_ids.tolist() if sid not in self.aborted_in_flight]
         forks = []
@@ -150,6 +182,49 @@ class CoreMachine(RuleBasedStateMachine):
             assert reason in ("stop", "length")
             assert (stop is not None) == (reason == "stop")
             del self.tokens[sid]
+        self.plan = None
+        self.in_batch = set()
+        self.aborted_in_flight = set()
+
+    def postprocess_spec(self, data: st.DataObject, last: list[int]) -> None:
+        """Each row takes a random prefix of its drafts, then one more token (`last`); a draft model's
+        next drafts are handed in; parents without drafts may fork."""
+        plan = self.plan
+        sids = plan.sampled_seq_ids.tolist()
+        rows = []
+        for sid, tok in zip(sids, last):
+            drafts = self.drafts[sid]
+            rows.append(drafts[: data.draw(st.integers(0, len(drafts)))] + [tok])
+        offsets = np.cumsum([0] + [len(r) for r in rows]).astype(np.int32)
+        forkable = [sid for sid in sids if sid not in self.aborted_in_flight and not self.drafts[sid]]
+        forks = []
+        for parent in data.draw(st.lists(st.sampled_from(forkable), max_size=2)) if forkable else []:
+            forks.append((parent, self.next_id, data.draw(st.integers(0, VOCAB - 1))))
+            self.next_id += 1
+        handed = {sid: data.draw(st.lists(st.integers(0, VOCAB - 1), max_size=self.k)) for sid in sids} \
+            if self.spec == "external" else {}
+        parent_tokens = {sid: list(self.tokens[sid]) for sid in forkable}
+        extra = {}
+        if handed:
+            extra = {"drafts": np.array([t for sid in sids for t in handed[sid]], dtype=np.int32),
+                     "draft_offsets": np.cumsum([0] + [len(handed[sid]) for sid in sids]).astype(np.int32)}
+        tokens = np.array([t for r in rows for t in r], dtype=np.int32)
+        finished, kept = self.core.postprocess_spec(tokens, offsets, forks=forks, **extra)
+        done = {sid for sid, _, _ in finished}
+        for r, sid in enumerate(sids):
+            if sid in self.aborted_in_flight:
+                continue
+            assert 1 <= kept[r] <= len(rows[r])
+            assert kept[r] == len(rows[r]) or sid in done, "a row stopped early without finishing"
+            self.tokens[sid] += rows[r][: kept[r]]
+        for parent, child, tok in forks:
+            self.tokens[child] = parent_tokens[parent] + [tok]
+        for sid in self.aborted_in_flight:
+            del self.tokens[sid]
+        for sid, reason, stop in finished:
+            assert reason in ("stop", "length")
+            del self.tokens[sid]
+        self.handed = {sid: d for sid, d in handed.items() if sid in self.tokens}
         self.plan = None
         self.in_batch = set()
         self.aborted_in_flight = set()
@@ -181,6 +256,16 @@ class CoreMachine(RuleBasedStateMachine):
         if not self.tokens:
             assert stats["num_free_blocks"] == self.num_blocks
             assert not self.core.has_unfinished()
+
+
+def ngram_proposal(tokens: list[int], lo: int, hi: int) -> list[int]:
+    """What follows the latest earlier occurrence of the longest suffix of lo..hi tokens."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end + 1 - n : end + 1] == suffix:
+                return tokens[end + 1:]
+    return []
 
 
 CoreMachine.TestCase.settings = settings(

@@ -1,0 +1,153 @@
+"""Speculative decoding in the core, through its bindings: the n-gram proposer's choice, the
+checks on a step's tokens, rollback of rejected drafts (blocks freed, nothing hashed past the
+accepted tokens), stops inside a row, per-sequence adaptation and the draft model's lookahead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanovllm import _C
+
+
+def make(method: str = "ngram", k: int = 4, lookup: tuple[int, int] = (1, 3), **kwargs: object) -> _C.Scheduler:
+    args = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                vocab_size=100, eos_token_ids=[99], spec_method=method, num_speculative_tokens=k,
+                prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1])
+    args.update(kwargs)
+    return _C.Scheduler(**args)
+
+
+def prefill(s: _C.Scheduler, sid: int, prompt: list[int], first: int, **kwargs: object) -> None:
+    s.add(sid, prompt, **kwargs)
+    plan = s.schedule()
+    assert plan.num_draft_tokens == 0  # a prompt never has drafts
+    s.postprocess([first])
+
+
+def drafts_of(s: _C.Scheduler) -> list[int]:
+    plan = s.schedule()
+    n = int(plan.num_drafts[0])
+    return plan.input_ids[len(plan.input_ids) - n:].tolist()
+
+
+@pytest.mark.parametrize("tokens, lookup, expected", [
+    ([1, 2, 3, 9, 8, 1, 2], (1, 3), [3, 9, 8, 1]),        # the suffix [1, 2] seen before: what followed
+    ([5, 6, 7, 5, 6, 8, 5], (1, 1), [6, 8, 5]),           # the latest occurrence of [5]
+    ([1, 2, 3, 4, 9, 2, 3, 4, 7, 1, 2, 3], (2, 4), [4, 9, 2, 3]),  # the longest suffix wins ([1, 2, 3])
+    ([1, 2, 3, 4, 5, 6], (1, 3), []),                     # nothing repeats
+    ([4, 4], (1, 2), [4]),                                # drafts stop at the sequence's end
+])
+def test_ngram_proposals(tokens: list[int], lookup: tuple[int, int], expected: list[int]) -> None:
+    s = make(lookup=lookup)
+    prefill(s, 0, tokens[:-1], tokens[-1], max_tokens=50)
+    assert drafts_of(s) == expected
+
+
+def test_step_tokens_are_checked() -> None:
+    s = make()
+    prefill(s, 0, [1, 2, 3, 1, 2], 3, max_tokens=50)
+    plan = s.schedule()
+    assert plan.num_drafts.tolist() == [3]  # all that follows the earlier [1, 2, 3]
+    with pytest.raises(ValueError, match="takes 1 to 4"):
+        s.postprocess_spec([1, 2, 3, 4, 5], [0, 5])
+    with pytest.raises(ValueError, match="takes 1 to 4"):
+        s.postprocess_spec([], [0, 0])
+    with pytest.raises(ValueError, match="token_offsets must be 2 prefix sums"):
+        s.postprocess_spec([1, 2], [0, 1])
+    with pytest.raises(ValueError, match="drafts are handed in only"):
+        s.postprocess_spec([1], [0, 1], drafts=[1], draft_offsets=[0, 1])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.postprocess_spec([100], [0, 1])
+    finished, kept = s.postprocess_spec([1, 50], [0, 2])  # nothing changed by the refusals above
+    assert finished == [] and kept.tolist() == [2]
+    assert s.token_ids(0) == [1, 2, 3, 1, 2, 3, 1, 50]
+
+
+def test_rejected_drafts_roll_back() -> None:
+    s = make(k=8, lookup=(1, 1), block_size=2)
+    prefill(s, 0, [7, 1, 2, 3, 4, 5, 6, 8, 9], 7, max_tokens=50)
+    plan = s.schedule()
+    drafts = plan.input_ids[1:].tolist()
+    assert drafts == [1, 2, 3, 4, 5, 6, 8, 9]
+    used = s.stats()["num_used_blocks"]
+    finished, kept = s.postprocess_spec([1, 2, 42], [0, 3])  # two accepted, then another token
+    assert kept.tolist() == [3] and not finished
+    assert s.token_ids(0) == [7, 1, 2, 3, 4, 5, 6, 8, 9, 7, 1, 2, 42]
+    assert s.num_computed_tokens(0) == 12
+    # Blocks that held only rejected drafts are free again; every full block of accepted tokens is cached.
+    assert len(s.block_table(0)) == 6 and s.stats()["num_used_blocks"] == 6 < used
+    assert s.stats()["num_cached_blocks"] == 6
+    stats = s.stats()
+    assert (stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]) == (8, 2)
+    assert stats["spec_num_accepted_tokens_per_pos"][:3] == [1, 1, 0]
+
+
+def test_stop_inside_a_row() -> None:
+    s = make()
+    prefill(s, 0, [5, 6, 5, 99, 6, 5], 6, max_tokens=50)  # EOS (99) among the drafts
+    assert drafts_of(s) == [5, 99, 6, 5]
+    finished, kept = s.postprocess_spec([5, 99, 6, 5, 7], [0, 5])
+    assert finished == [(0, "stop", 99)] and kept.tolist() == [2]
+    assert s.stats()["num_used_blocks"] == 0
+    s = make()
+    prefill(s, 0, [5, 6, 5], 6, max_tokens=3)
+    plan = s.schedule()
+    assert plan.num_drafts.tolist() == [1]  # max_tokens 3: one draft, then one more token at most
+    finished, kept = s.postprocess_spec([5, 6], [0, 2])
+    assert finished == [(0, "length", None)] and kept.tolist() == [2]
+
+
+def test_adaptive_drafting_backs_off() -> None:
+    s = make(k=4, lookup=(1, 1))
+    prefill(s, 0, list(range(3, 13)) * 3, 3, max_tokens=200)
+    seen = []
+    for _ in range(12):
+        plan = s.schedule()
+        seen.append(int(plan.num_drafts[0]))
+        s.postprocess_spec([3], [0, 1])  # reject every draft (there is always one: what followed the last 3)
+    # Shrinks after each rejection, then stops drafting for a while (cooldowns that double).
+    assert seen[0] == 4 and 0 in seen, seen
+    assert seen[seen.index(0):].count(0) < len(seen) - seen.index(0), "never drafts again"
+    fixed = make(k=4, lookup=(1, 1), adaptive_speculation=False)
+    prefill(fixed, 0, [3, 4] * 10, 3, max_tokens=200)
+    plan = fixed.schedule()
+    fixed.postprocess_spec([60], [0, 1])
+    assert fixed.schedule().num_drafts.tolist() in ([0], [4])
+
+
+def test_draft_model_lookahead() -> None:
+    s = make("external", k=3, block_size=2)
+    s.add(0, [1, 2, 3], max_tokens=50)
+    s.schedule()
+    # The prompt row holds 3 lookahead slots past its tokens for the draft model's passes.
+    assert len(s.block_table(0)) == 3
+    s.postprocess_spec([4], [0, 1], drafts=[5, 6, 7], draft_offsets=[0, 3])
+    assert len(s.block_table(0)) == 2  # trimmed back to the computed tokens
+    plan = s.schedule()
+    assert plan.input_ids.tolist() == [4, 5, 6, 7] and plan.num_drafts.tolist() == [3]
+    assert len(s.block_table(0)) == 5  # (3 + 1 + 3 drafts) tokens + 3 lookahead slots
+    finished, kept = s.postprocess_spec([5, 9], [0, 2], drafts=[1], draft_offsets=[0, 1])
+    assert s.token_ids(0) == [1, 2, 3, 4, 5, 9] and s.num_computed_tokens(0) == 5
+    assert len(s.block_table(0)) == 3
+
+
+def test_beam_rows_never_draft() -> None:
+    s = make(k=4, lookup=(1, 1))
+    s.add(0, [3, 4, 3, 4, 3], max_tokens=20)
+    s.disable_spec(0)
+    s.schedule()
+    s.postprocess([4])
+    assert s.schedule().num_draft_tokens == 0
+    with pytest.raises(ValueError, match="before the sequence first runs"):
+        s.disable_spec(0)
+
+
+def test_bad_spec_arguments() -> None:
+    with pytest.raises(ValueError, match="spec_method"):
+        make("eagle")
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        make(lookup=(3, 2))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make(k=0)
+    assert np.array_equal(make("none", k=0).schedule().num_drafts, np.zeros(0))
