@@ -70,6 +70,19 @@ class EngineStatsCollector(Collector):
         yield self._counter("nanovllm:prefix_cache_hits", "Prefix cache lookups that hit.", hits)
         yield self._counter("nanovllm:num_preemptions", "Sequences preempted (to be recomputed).",
                             s.get("num_preemptions", 0))
+        # Speculative decoding (vLLM's names): rows verified with drafts, drafts, accepted drafts, and
+        # accepted drafts by position in their row.
+        yield self._counter("nanovllm:spec_decode_num_drafts", "Rows verified with drafts.", s.get("spec_num_drafts", 0))
+        yield self._counter("nanovllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                            s.get("spec_num_draft_tokens", 0))
+        yield self._counter("nanovllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            s.get("spec_num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily("nanovllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position in the row.",
+                                      labels=[*self._labels, "position"])
+        for position, count in enumerate(s.get("spec_num_accepted_tokens_per_pos", [])):
+            per_pos.add_metric([*self._labels.values(), str(position)], count)
+        yield per_pos
 
 
 @dataclass
