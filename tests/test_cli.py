@@ -3,6 +3,7 @@ throughput workload and reports tokens/s, and bad input exits with a clear error
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -79,3 +80,24 @@ def test_engine_flags_come_from_the_one_declaration_of_options() -> None:
     with pytest.raises(TypeError, match="unknown engine option 'max_num_seq'"):
         LLM("unused", max_num_seq=3)
     assert dataclasses.replace(EngineConfig(model="m", **kwargs)).parallel.tensor_parallel_size == 2
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+PROMPT = "ab ab ab ab ab ab ab ab ab"
+
+
+def test_generate_with_speculative_config(model_dir: Path) -> None:
+    res = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "24",
+                  "--num-kvcache-blocks", "64", "--max-model-len", "256", "--device", "cpu",
+                  "--speculative-config", json.dumps(SPEC))
+    assert res.returncode == 0, res.stderr
+    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256)
+    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    assert res.stdout == expected + "\n"
+
+
+def test_bad_speculative_config_names_the_field(model_dir: Path) -> None:
+    res = run_cli("generate", "--model", str(model_dir), "--prompt", "x", "--device", "cpu",
+                  "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}')
+    assert res.returncode != 0
+    assert "speculative_config.num_speculative_tokens" in res.stderr and "Traceback" not in res.stderr
