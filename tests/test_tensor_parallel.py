@@ -128,3 +128,21 @@ def test_a_gloo_transport_error_counts_as_a_lost_peer() -> None:
     assert _is_collective_failure(RuntimeError(gone))
     assert not _is_collective_failure(RuntimeError("the prompt is too long"))
     assert not _is_collective_failure(ValueError("connection closed by peer"))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_over_two_ranks(tmp_path: Path, method: str) -> None:
+    """Rows of 1 + k tokens through the step channel (drafts in the plan's inputs, every position's
+    logits gathered from both ranks; a draft model on rank 0 alone): the one-rank engine's tokens."""
+    path = make_tp_model(tmp_path, "qwen3")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2} \
+        if method == "ngram" else {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    prompts = [p * 3 for p in random_prompts([5, 9, 13], 512, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = make_llm(path, 2, speculative_config=spec)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["spec_num_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
+    assert got == [o.outputs[0].token_ids for o in make_llm(path, 1).generate(prompts, params, use_tqdm=False)]
