@@ -22,35 +22,41 @@ uint64_t ngram_key(const int32_t* first, int32_t n) {
 void NgramIndex::Table::insert(uint64_t key, int32_t end) {
   if (2 * (size + 1) > keys.size()) {
     std::vector<uint64_t> old_keys(std::max<size_t>(64, 2 * keys.size()), 0);
-    std::vector<int32_t> old_ends(old_keys.size(), -1);
+    std::vector<Ends> old_ends(old_keys.size());
     old_keys.swap(keys);
     old_ends.swap(ends);
     size = 0;
-    for (size_t i = 0; i < old_keys.size(); ++i) {
-      if (old_keys[i] != 0) insert(old_keys[i], old_ends[i]);
+    const size_t mask = keys.size() - 1;
+    for (size_t j = 0; j < old_keys.size(); ++j) {
+      if (old_keys[j] == 0) continue;
+      size_t i = old_keys[j] & mask;
+      while (keys[i] != 0) i = (i + 1) & mask;
+      keys[i] = old_keys[j];
+      ends[i] = old_ends[j];
+      ++size;
     }
   }
   const size_t mask = keys.size() - 1;
   for (size_t i = key & mask;; i = (i + 1) & mask) {
     if (keys[i] == key) {
-      ends[i] = end;  // a later occurrence replaces the earlier one
+      ends[i].last = end;
       return;
     }
     if (keys[i] == 0) {
       keys[i] = key;
-      ends[i] = end;
+      ends[i] = {end, end};
       ++size;
       return;
     }
   }
 }
 
-int32_t NgramIndex::Table::find(uint64_t key) const {
-  if (keys.empty()) return -1;
+NgramIndex::Table::Ends NgramIndex::Table::find(uint64_t key) const {
+  if (keys.empty()) return {};
   const size_t mask = keys.size() - 1;
   for (size_t i = key & mask;; i = (i + 1) & mask) {
     if (keys[i] == key) return ends[i];
-    if (keys[i] == 0) return -1;
+    if (keys[i] == 0) return {};
   }
 }
 
@@ -74,7 +80,8 @@ void NgramIndex::propose(std::span<const int32_t> tokens, int32_t min_n, int32_t
   index_up_to(tokens, min_n, len - 1);
   for (int32_t n = std::min(max_n, len - 1); n >= min_n; --n) {
     const int32_t* suffix = tokens.data() + len - n;
-    const int32_t e = tables_[n - min_n].find(ngram_key(suffix, n));
+    const Table::Ends found = tables_[n - min_n].find(ngram_key(suffix, n));
+    const int32_t e = len - 1 - found.last >= max_drafts ? found.last : found.first;
     if (e < 0 || !std::equal(suffix, suffix + n, tokens.data() + e + 1 - n)) continue;
     const int32_t stop = std::min(len, e + 1 + max_drafts);
     out.insert(out.end(), tokens.begin() + e + 1, tokens.begin() + stop);

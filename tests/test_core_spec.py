@@ -33,7 +33,8 @@ def drafts_of(s: _C.Scheduler) -> list[int]:
 
 @pytest.mark.parametrize("tokens, lookup, expected", [
     ([1, 2, 3, 9, 8, 1, 2], (1, 3), [3, 9, 8, 1]),        # the suffix [1, 2] seen before: what followed
-    ([5, 6, 7, 5, 6, 8, 5], (1, 1), [6, 8, 5]),           # the latest occurrence of [5]
+    ([5, 6, 7, 5, 6, 8, 5], (1, 1), [6, 7, 5, 6]),        # the latest [5] has 3 after it: the first
+    ([5, 6, 7, 5, 6, 8, 9, 1, 5], (1, 1), [6, 8, 9, 1]),  # the latest [5], with 4 after it
     ([1, 2, 3, 4, 9, 2, 3, 4, 7, 1, 2, 3], (2, 4), [4, 9, 2, 3]),  # the longest suffix wins ([1, 2, 3])
     ([1, 2, 3, 4, 5, 6], (1, 3), []),                     # nothing repeats
     ([4, 4], (1, 2), [4]),                                # drafts stop at the sequence's end

@@ -145,7 +145,8 @@ class CoreMachine(RuleBasedStateMachine):
                 if drafts:
                     assert cu_q[row + 1] - cu_q[row] == 1 + len(drafts), "drafts only on decode rows"
                     assert len(drafts) <= self.k
-                    reference = ngram_proposal(toks, *self.lookup) if self.spec == "ngram" else self.handed[sid]
+                    reference = ngram_proposal(toks, *self.lookup, len(drafts)) if self.spec == "ngram" \
+                        else self.handed[sid]
                     assert drafts == reference[: len(drafts)], "not the proposer's drafts"
             else:
                 assert not drafts
@@ -258,13 +259,15 @@ class CoreMachine(RuleBasedStateMachine):
             assert not self.core.has_unfinished()
 
 
-def ngram_proposal(tokens: list[int], lo: int, hi: int) -> list[int]:
-    """What follows the latest earlier occurrence of the longest suffix of lo..hi tokens."""
+def ngram_proposal(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """What follows an earlier occurrence of the longest suffix of lo..hi tokens: the latest when k
+    tokens follow it, else the first."""
     for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
         suffix = tokens[-n:]
-        for end in range(len(tokens) - 2, n - 2, -1):
-            if tokens[end + 1 - n : end + 1] == suffix:
-                return tokens[end + 1:]
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e + 1 - n : e + 1] == suffix]
+        if ends:
+            end = ends[-1] if len(tokens) - 1 - ends[-1] >= k else ends[0]
+            return tokens[end + 1 : end + 1 + k]
     return []
 
 
