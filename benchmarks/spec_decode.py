@@ -97,12 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
                    help=f"the python of vLLM's virtual environment (default: ${VLLM_PYTHON_ENV})")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
+                   help="smoke run, where not given: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick:  # the smoke run's sizes, where the command line left the default
         for name, value in QUICK.items():
-            setattr(args, name, value)
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     try:
         args.batches = _ints(args.batches)
         args.ks = _ints(args.ks)
