@@ -27,6 +27,12 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 SPEC_METHODS = ("ngram", "draft_model")
+# With `adaptive` speculation and no disable_by_batch_size: no drafts in steps with this many running
+# sequences. A draft costs a step what a token does once its GEMMs are compute-bound, which on a
+# CPU is a handful of tokens (bytes / bandwidth = flops / peak at ~6 tokens for bf16 weights, ~12
+# for fp32, on the 2-core dev machine: benchmarks/RESULTS.md): past a small batch every rejected
+# draft is pure cost. A GPU stays memory-bound far longer.
+SPEC_AUTO_DISABLE_BATCH = {"cpu": 16, "cuda": 128}
 
 
 @dataclass(frozen=True)
@@ -248,6 +254,15 @@ class ResolvedConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return self.options.speculative
+
+    @property
+    def spec_disable_batch(self) -> int:
+        """No drafts in a step with this many running sequences (0: never): the option, else with
+        adaptive speculation the device's default."""
+        spec = self.speculative
+        if spec is None or spec.disable_by_batch_size is not None or not spec.adaptive:
+            return 0 if spec is None or spec.disable_by_batch_size is None else spec.disable_by_batch_size
+        return SPEC_AUTO_DISABLE_BATCH.get(self.device.type, SPEC_AUTO_DISABLE_BATCH["cuda"])
 
     @property
     def model(self) -> str:

@@ -47,7 +47,7 @@ class Scheduler:
             spec_method="ngram" if spec.method == "ngram" else "external",
             num_speculative_tokens=spec.num_speculative_tokens,
             prompt_lookup_min=max(1, spec.prompt_lookup_min), prompt_lookup_max=max(1, spec.prompt_lookup_max),
-            disable_by_batch_size=spec.disable_by_batch_size or 0, adaptive_speculation=spec.adaptive)
+            disable_by_batch_size=config.spec_disable_batch, adaptive_speculation=spec.adaptive)
         self.core = _C.Scheduler(
             num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
