@@ -150,6 +150,27 @@ def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: Sampl
     return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
 
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution each sampled row draws from, over the whole vocabulary, `[S, V]`:
+    temperature, top-k, top-p, min-p, as the sampler applies them (speculative decoding's
+    rejection rule needs the probabilities themselves). Rows must not be greedy."""
+    dev = logits.device
+    x = logits.float() / to_device(batch.temperatures, dev)[:, None]
+    vocab = x.shape[1]
+    k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, vocab)
+    if (k < vocab).any():
+        kth = x.topk(int(k.max()), dim=-1).values.gather(1, to_device(k - 1, dev)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if (batch.top_p < 1.0).any():
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        x = torch.empty_like(x).scatter_(1, order, apply_top_p_sorted(sorted_x, to_device(batch.top_p, dev)))
+    probs = torch.softmax(x, dim=-1)
+    if (batch.min_p > 0.0).any():
+        probs = apply_min_p(probs, to_device(batch.min_p, dev))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
 def apply_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) what lies outside each row's nucleus: the smallest prefix of the descending
     row whose probability mass reaches top_p. The most likely token is always kept; rows with

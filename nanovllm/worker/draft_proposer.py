@@ -12,8 +12,13 @@ own. Each step it runs twice:
   core allocated past the row's tokens (its lookahead) and the next step's `forward` rewrites them;
   a row without such slots (a beam, a sequence at max_model_len) gets fewer drafts or none.
 
-Drafts are greedy, point masses for the verifier (worker/token_sampler.py), so sampled requests
-keep their exact distribution (and a seeded request its tokens) whatever the draft proposes.
+A greedy request's drafts are the draft's argmax (point masses). A sampled request's are drawn
+from the draft's distribution q under the request's temperature, top-k, top-p and min-p (not its
+penalties or grammar, which depend on the tokens before each position), with the request's
+generator, and
+q goes to the verifier (`TokenSampler.draft_probs`), which accepts a draft d with probability
+min(1, p(d) / q(d)) and otherwise draws from max(p - q, 0): Leviathan et al.'s rule, exact for any
+q, and where the draft agrees with the model (q close to p) nearly every draft passes.
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ from nanovllm.config import ResolvedConfig
 from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.models.loader import load_model_from_config
+from nanovllm.sample import GREEDY_EPS, SamplingBatch, SamplingState
+from nanovllm.sample.sampler import exponential_race, filtered_probs
 from nanovllm.staging import to_device, to_host
 from nanovllm.worker.step import RunnerOutput
+
+# A sampled row's drafts and the draft's distribution at each: tokens [d], probabilities [d, vocab].
+DraftProbs = dict[int, tuple[np.ndarray, torch.Tensor]]
 
 
 class DraftProposer:
@@ -73,8 +83,10 @@ class DraftProposer:
         self.model(input_ids, positions, meta)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, out: RunnerOutput) -> tuple[np.ndarray, np.ndarray]:
-        """Each sampled row's drafts for its next step (`RunnerOutput.drafts`, `draft_offsets`)."""
+    def propose(self, plan: StepPlan, out: RunnerOutput, state: SamplingState) -> tuple[np.ndarray, np.ndarray,
+                                                                                         DraftProbs]:
+        """Each sampled row's drafts for its next step (`RunnerOutput.drafts`, `draft_offsets`), and
+        for rows that sample, the distribution each was drawn from."""
         rows = len(out.seq_ids)
         offsets = out.offsets()
         emitted = np.diff(offsets).astype(np.int64)
@@ -86,18 +98,33 @@ class DraftProposer:
         steps = np.clip(room, 0, self.k)
         tokens = out.tokens[offsets[1:] - 1].astype(np.int64)
         drafts = np.zeros((rows, self.k), dtype=np.int32)
+        temperature = state.rows.temperature[out.seq_ids] if state.users.sampled else np.zeros(rows, np.float32)
+        probs: dict[int, list[torch.Tensor]] = {}
         for j in range(int(steps.max(initial=0))):
             active = np.flatnonzero(steps > j)
-            p = pos[active] + j
-            next_tokens = self._decode(tokens[active], p, tables[active])
-            drafts[active, j] = next_tokens
-            tokens[active] = next_tokens
+            logits = self._decode(tokens[active], pos[active] + j, tables[active])
+            next_tokens = logits.argmax(dim=-1)
+            sampled = np.flatnonzero(temperature[active] > GREEDY_EPS)
+            if len(sampled):
+                sids = out.seq_ids[active[sampled]]
+                r = state.rows
+                q = filtered_probs(logits[to_device(sampled, logits.device)], SamplingBatch(
+                    r.temperature[sids], r.top_k[sids], r.top_p[sids], r.min_p[sids]))
+                gens = {i: state.generators[int(sid)] for i, sid in enumerate(sids) if int(sid) in state.generators}
+                next_tokens = next_tokens.index_copy(0, to_device(sampled, logits.device), exponential_race(q, gens))
+                for i, sid in enumerate(sids.tolist()):
+                    probs.setdefault(sid, []).append(q[i])
+            host = to_host(next_tokens)[0].astype(np.int32)
+            drafts[active, j] = host
+            tokens[active] = host
         draft_offsets = np.zeros(rows + 1, dtype=np.int32)
         np.cumsum(steps, out=draft_offsets[1:])
-        return drafts[np.arange(self.k)[None, :] < steps[:, None]], draft_offsets
+        row_of = {int(sid): r for r, sid in enumerate(out.seq_ids)}
+        draft_probs = {sid: (drafts[row_of[sid], :len(qs)].copy(), torch.stack(qs)) for sid, qs in probs.items()}
+        return drafts[np.arange(self.k)[None, :] < steps[:, None]], draft_offsets, draft_probs
 
-    def _decode(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> np.ndarray:
-        """One decode pass over rows: their greedy next tokens (KV written at `positions`)."""
+    def _decode(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """One decode pass over rows: their next-token logits, fp32 (KV written at `positions`)."""
         dev = self.device
         bs = self.block_size
         slots = tables[np.arange(len(positions)), positions // bs].astype(np.int64) * bs + positions % bs
@@ -112,4 +139,5 @@ class DraftProposer:
             block_size=bs, host=HostSeqLens(cu_seqlens_q=cu_q, context_lens=context))
         hidden = self.model(to_device(tokens, dev, np.int32), to_device(positions, dev, np.int32), meta)
         logits = self.model.compute_logits(hidden)
-        return to_host(logits.argmax(dim=-1))[0].astype(np.int32)
+        assert logits is not None
+        return logits

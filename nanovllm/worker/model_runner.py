@@ -286,7 +286,8 @@ class ModelRunner:
         self.drafter.forward(v.input_ids, v.positions, self._metadata(v, host))
         out = self.token_sampler.sample(plan, hidden, v.sample_indices)
         if len(out.seq_ids):
-            out.drafts, out.draft_offsets = self.drafter.propose(plan, out)
+            out.drafts, out.draft_offsets, probs = self.drafter.propose(plan, out, self.token_sampler.state)
+            self.token_sampler.draft_probs.update(probs)
         return out
 
     def plan_views(self, plan: _C.StepPlan) -> PlanViews:

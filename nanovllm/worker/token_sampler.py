@@ -15,11 +15,14 @@ copy-on-write) and the engine (their completions).
 Speculative decoding (docs/design.md, "Speculative decoding"): a row with drafts is verified at
 every position, in order: position j's logits are processed with the state its tokens before j
 left (penalties, min_tokens, grammar), sampled as any row, and recorded; the row goes on to j + 1
-only while its token equals its draft. So every emitted token is a sample of the distribution the
-same step without drafts would have drawn it from, with the same draws (a seeded row's tokens do
-not change), and a draft is accepted exactly with the probability the model gives it (drafts
-are point masses: Leviathan et al.'s rule for them). Rows that sample nothing and process nothing
-(greedy, no processors) are verified at once: argmax everywhere, then the longest matching prefix.
+only while its token equals its draft. For a draft that is a point mass (n-gram drafts, a greedy
+request's draft-model drafts) this is Leviathan et al.'s rejection rule, and every emitted token is
+the draw the same step without drafts would have taken: greedy and seeded outputs do not change.
+A draft the draft model drew from its distribution q is kept with probability min(1, p / q) and
+otherwise replaced by a draw from max(p - q, 0), p being the distribution the sampler draws from:
+exact as well, and nearly every draft passes where the draft agrees with the model. Rows that
+sample nothing and process nothing (greedy, no processors) are verified at once: argmax
+everywhere, then the longest matching prefix.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import numpy as np
 import torch
 
 from nanovllm._C import StepPlan
-from nanovllm.sample import Sampler, SamplingState, gather_logprobs
+from nanovllm.sample import Sampler, SamplingBatch, SamplingState, gather_logprobs
 from nanovllm.sample.logprobs import LogprobBlock, logprob_columns, unpack_logprobs
+from nanovllm.sample.sampler import exponential_race, filtered_probs
 from nanovllm.sample.state import GrammarEnds
 from nanovllm.staging import to_device, to_host
 from nanovllm.worker.step import PromptLogprobRows, RunnerOutput, SchedulerOutput
@@ -65,6 +69,9 @@ class TokenSampler:
         self._children: dict[int, tuple[int, ...]] = {}  # prompts whose first sample fans out
         self._prompt_logprobs: dict[int, _PromptLogprobs] = {}
         self._logprob_scale: dict[int, float] = {}  # 1 / Admission.logprob_temperature
+        # A draft model's sampled drafts and the distributions they were drawn from, by sequence,
+        # for the step that verifies them (worker/draft_proposer.py).
+        self.draft_probs: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 
     def apply(self, so: SchedulerOutput) -> None:
         """The plan's sampling-state changes: forks first (a parent may end in the same step as it
@@ -76,6 +83,7 @@ class TokenSampler:
                 self._logprob_scale[child] = self._logprob_scale[parent]
         for sid in so.finished:
             state.remove(sid)
+            self.draft_probs.pop(sid, None)
             self._children.pop(sid, None)
             self._prompt_logprobs.pop(sid, None)
             self._logprob_scale.pop(sid, None)
@@ -175,10 +183,13 @@ class TokenSampler:
             emitted[taken] = host[taken]
         else:
             alive = np.arange(len(sids))
+            q_of = self._draft_distributions(sids, drafts, first, draft_at)
             for j in range(int(drafts.max()) + 1):
                 idx = first[alive] + j
                 rows = sids[alive]
-                host, step_ends, forks_j = self._draw(raw[to_device(idx, raw.device)], rows, fan if j == 0 else [])
+                with_q = [(i, q_of[r][j]) for i, r in enumerate(alive.tolist()) if r in q_of and j < drafts[r]]
+                host, step_ends, forks_j = self._draw(raw[to_device(idx, raw.device)], rows, fan if j == 0 else [],
+                                                      with_q, draft_at[idx])
                 forks += forks_j
                 emitted[idx] = host
                 ends.terminated += step_ends.terminated
@@ -197,10 +208,28 @@ class TokenSampler:
             self._verified_logprobs(out, raw, keep, row_of, first)
         return out
 
-    def _draw(self, raw: torch.Tensor, rows: np.ndarray, fan: list[int]
-              ) -> tuple[np.ndarray, GrammarEnds, list[tuple[int, int, int]]]:
+    def _draft_distributions(self, sids: np.ndarray, drafts: np.ndarray, first: np.ndarray,
+                             draft_at: np.ndarray) -> dict[int, torch.Tensor]:
+        """By row: the draft model's distributions of the row's drafts, where it drew them (a
+        sampled row), and only if they are the drafts the plan holds (else they are verified as
+        point masses, which is exact too)."""
+        q_of = {}
+        for r, sid in enumerate(sids.tolist()):
+            entry = self.draft_probs.pop(sid, None)
+            d = int(drafts[r])
+            if entry is None or d == 0 or len(entry[0]) < d:
+                continue
+            if np.array_equal(entry[0][:d], draft_at[first[r]:first[r] + d]):
+                q_of[r] = entry[1]
+        return q_of
+
+    def _draw(self, raw: torch.Tensor, rows: np.ndarray, fan: list[int], with_q: list[tuple[int, torch.Tensor]],
+              draft_tokens: np.ndarray) -> tuple[np.ndarray, GrammarEnds, list[tuple[int, int, int]]]:
         """One verification position: rows' logits (a copy, processed in place) -> their tokens,
-        recorded. `fan`: rows whose prompt fans out into n samples here (position 0 only)."""
+        recorded. `fan`: rows whose prompt fans out into n samples here (position 0 only).
+        `with_q`: (row, the draft model's distribution q) of rows whose draft (`draft_tokens[row]`)
+        was drawn from q: accepted with probability min(1, p / q), else replaced by a draw from
+        max(p - q, 0)."""
         repeats = None
         sample_rows = rows
         if fan:
@@ -208,7 +237,14 @@ class TokenSampler:
             sample_rows = np.repeat(rows, repeats)
             raw = raw.index_select(0, to_device(np.repeat(np.arange(len(rows)), repeats), raw.device))
         processed = self.state.process(raw, sample_rows, keep_input=False)
-        tokens = self.sampler(processed, self.state.batch(sample_rows))
+        batch = self.state.batch(sample_rows)
+        tokens = self.sampler(processed, batch)
+        if with_q:
+            assert batch is not None, "only sampled rows draw their drafts"
+            at = np.array([i for i, _ in with_q]) if repeats is None else \
+                (np.cumsum(repeats) - repeats)[[i for i, _ in with_q]]
+            tokens = tokens.index_copy(0, to_device(at, tokens.device), self._rejection_sample(
+                processed, batch, at, draft_tokens[[i for i, _ in with_q]], torch.stack([q for _, q in with_q])))
         host, = to_host(tokens)
         host = host.astype(np.int64)
         forks: list[tuple[int, int, int]] = []
@@ -218,6 +254,25 @@ class TokenSampler:
             ends = self.state.record(sample_rows, tokens, host)
             return host[starts], ends, forks
         return host, self.state.record(sample_rows, tokens, host), forks
+
+    def _rejection_sample(self, processed: torch.Tensor, batch: SamplingBatch, at: np.ndarray, drafts: np.ndarray,
+                          q: torch.Tensor) -> torch.Tensor:
+        """Rows `at` of a position: each draft kept with probability min(1, p(d) / q(d)), else a
+        draw from the residual max(p - q, 0) (never d); p is the distribution the sampler draws
+        from. Seeded rows draw from their own generators."""
+        dev = processed.device
+        idx = to_device(at, dev)
+        gens = {j: batch.generators[int(r)] for j, r in enumerate(at.tolist()) if int(r) in batch.generators}
+        sub = SamplingBatch(batch.temperatures[at], batch.top_k[at], batch.top_p[at], batch.min_p[at], gens)
+        p = filtered_probs(processed[idx], sub)
+        q = q.to(dev)
+        d = to_device(drafts.astype(np.int64), dev)[:, None]
+        uniform = torch.rand(len(at), device=dev, dtype=torch.float64)
+        for j, gen in gens.items():
+            uniform[j] = torch.rand(1, generator=gen, device=dev, dtype=torch.float64)
+        accept = uniform * q.gather(1, d).squeeze(1).double() < p.gather(1, d).squeeze(1).double()
+        residual = (p - q).clamp_min_(0.0)
+        return torch.where(accept, d.squeeze(1), exponential_race(residual, gens))
 
     def _verified_logprobs(self, out: RunnerOutput, raw: torch.Tensor, keep: np.ndarray, row_of: np.ndarray,
                            first: np.ndarray) -> None:
