@@ -50,6 +50,7 @@ class StepPlan:
     num_decode_tokens: int   # decodes (query length 1) come first in the batch
     num_decode_seqs: int
     num_samples: int
+    num_draft_tokens: int  # speculative decoding: drafts in this plan
     num_copies: int
     max_seqlen_q: int
     max_seqlen_k: int
@@ -65,6 +66,7 @@ class StepPlan:
     block_tables: npt.NDArray[np.int32]    # [num_seqs, max_blocks_per_seq], -1 padded
     seq_ids: npt.NDArray[np.int64]         # [num_seqs] batch order
     sampled_seq_ids: npt.NDArray[np.int64] # [num_samples]
+    num_drafts: npt.NDArray[np.int32]  # [num_samples], host only: drafts verified before each sample index
     # The whole persistent buffer and where each array lives in it, so a runner can move a plan
     # to the device with one copy of buffer[:used_size] and take views there.
     buffer: npt.NDArray[np.int32]
@@ -121,6 +123,12 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         eos_token_ids: Seq[int] = (),
         vocab_size: int = 0,   # 0: token ids only checked >= 0
+        spec_method: str = "none",  # speculative decoding: "none", "ngram" (drafted here), "external" (handed in)
+        num_speculative_tokens: int = 0,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 1,
+        disable_by_batch_size: int = 0,  # no drafts in a step with this many running; 0: never
+        adaptive_speculation: bool = True,
     ) -> None: ...
     def add(
         self,
@@ -147,6 +155,20 @@ class Scheduler:
         the parent's blocks (copy-on-write) and takes `token` (parallel sampling, beam search).
         Returns (seq_id, "stop" | "length", stop token id or None) for each sequence that
         finished, forked children included."""
+    def postprocess_spec(
+        self,
+        sampled_token_ids: npt.NDArray[np.integer] | Seq[int],
+        token_offsets: npt.NDArray[np.integer] | Seq[int],
+        forks: Seq[tuple[int, int, int]] = (),
+        drafts: npt.NDArray[np.integer] | Seq[int] | None = None,
+        draft_offsets: npt.NDArray[np.integer] | Seq[int] | None = None,
+    ) -> tuple[list[tuple[int, str, int | None]], npt.NDArray[np.int32]]:
+        """Several tokens per sample (speculative decoding): row r gained
+        sampled_token_ids[token_offsets[r]:token_offsets[r + 1]], its accepted drafts then one more.
+        Each is checked for a stop in order and the rest dropped; rejected draft positions are rolled
+        back (their blocks freed). `drafts`/`draft_offsets` (spec_method "external"): each row's
+        proposals for its next step. Returns (finished as postprocess(), kept: the tokens each row took)."""
+    def disable_spec(self, seq_id: int) -> None: ...  # never drafts (beam search); before it first runs
     def has_unfinished(self) -> bool: ...
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no block is in use. Returns whether it did."""
