@@ -201,8 +201,11 @@ const StepPlan& Scheduler::schedule() {
   int32_t budget = config_.max_num_batched_tokens;
   bool preempted = false;
   const SpecConfig& spec = config_.spec;
+  // vLLM's rule: the requests in the engine (running and waiting), so that a burst of arrivals,
+  // whose prefills fill the steps anyway, turns drafting off before they all run.
+  const size_t enqueued = running_.size() + waiting_.size();
   spec_this_step_ = spec.method != SpecMethod::kNone && spec.num_tokens > 0 &&
-                    (spec.disable_by_batch_size == 0 || static_cast<int32_t>(running_.size()) < spec.disable_by_batch_size);
+                    (spec.disable_by_batch_size == 0 || enqueued < static_cast<size_t>(spec.disable_by_batch_size));
   schedule_running(budget, preempted);
   // Admitting while evicting would only preempt the newcomers again.
   if (!preempted) schedule_waiting(budget);

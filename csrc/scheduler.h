@@ -29,7 +29,7 @@ struct SpecConfig {
   SpecMethod method = SpecMethod::kNone;
   int32_t num_tokens = 0;  // k: drafts per sequence and step, at most
   int32_t ngram_min = 1, ngram_max = 1;
-  int32_t disable_by_batch_size = 0;  // no drafts in a step with at least this many running; 0: never
+  int32_t disable_by_batch_size = 0;  // no drafts while this many sequences run or wait; 0: never
   bool adaptive = true;               // per sequence, fewer drafts (down to none) while few are accepted
 };
 

@@ -27,12 +27,13 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 SPEC_METHODS = ("ngram", "draft_model")
-# With `adaptive` speculation and no disable_by_batch_size: no drafts in steps with this many running
-# sequences. A draft costs a step what a token does once its GEMMs are compute-bound, which on a
-# CPU is a handful of tokens (bytes / bandwidth = flops / peak at ~6 tokens for bf16 weights, ~12
-# for fp32, on the 2-core dev machine: benchmarks/RESULTS.md): past a small batch every rejected
-# draft is pure cost. A GPU stays memory-bound far longer.
-SPEC_AUTO_DISABLE_BATCH = {"cpu": 16, "cuda": 128}
+# With `adaptive` speculation and no disable_by_batch_size: no drafts while this many sequences run
+# or wait. A draft costs a step what a token does once its GEMMs are compute-bound, which on a CPU
+# is a handful of tokens (bytes / bandwidth = flops / peak at ~6 tokens for bf16 weights, ~12 for
+# fp32, on the 2-core dev machine): measured there (benchmarks/RESULTS.md, "Speculative decoding"),
+# n-gram speculation already lost 9-20% at batch 8, on vLLM's CPU engine too. A GPU stays
+# memory-bound far longer.
+SPEC_AUTO_DISABLE_BATCH = {"cpu": 8, "cuda": 128}
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class SpeculativeConfig:
     """`speculative_config` as vLLM names it (docs/design.md, "Speculative decoding"): "ngram" drafts
     from each sequence's own tokens (the longest suffix of prompt_lookup_min..max tokens seen before,
     and what followed it), "draft_model" from a smaller model with the same vocabulary (`model`).
-    `disable_by_batch_size`: no drafts in a step with at least that many running sequences;
+    `disable_by_batch_size`: no drafts while at least that many sequences run or wait (vLLM's rule);
     `adaptive` (ours): each sequence drafts fewer tokens, down to none for a while, when few of its
     drafts are accepted."""
 
@@ -257,7 +258,7 @@ class ResolvedConfig:
 
     @property
     def spec_disable_batch(self) -> int:
-        """No drafts in a step with this many running sequences (0: never): the option, else with
+        """No drafts while this many sequences run or wait (0: never): the option, else with
         adaptive speculation the device's default."""
         spec = self.speculative
         if spec is None or spec.disable_by_batch_size is not None or not spec.adaptive:
