@@ -53,6 +53,7 @@ class Scheduler:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             enable_prefix_caching=config.options.enable_prefix_caching, eos_token_ids=list(eos_token_ids),
             vocab_size=config.model_config.vocab_size, **spec_args)
+        self._spec_disable_batch = config.spec_disable_batch
         self._ids = SequenceIds()
         self._reserved: dict[int, tuple[int, ...]] = {}  # a prompt's ids for its n - 1 other samples
         self._admitted: dict[int, Admission] = {}  # by id, in admission order
@@ -125,6 +126,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = self.core.schedule()
         so = SchedulerOutput(plan, self._finished, list(self._admitted.values()), self._forked)
+        if self._spec_disable_batch:
+            so.propose_drafts = self.core.num_running + self.core.num_waiting < self._spec_disable_batch
         self._finished, self._admitted, self._forked = [], {}, []
         return so
 

@@ -285,7 +285,7 @@ class ModelRunner:
             return self.token_sampler.sample(plan, hidden, v.sample_indices)
         self.drafter.forward(v.input_ids, v.positions, self._metadata(v, host))
         out = self.token_sampler.sample(plan, hidden, v.sample_indices)
-        if len(out.seq_ids):
+        if len(out.seq_ids) and so.propose_drafts:
             out.drafts, out.draft_offsets, probs = self.drafter.propose(plan, out, self.token_sampler.state)
             self.token_sampler.draft_probs.update(probs)
         return out

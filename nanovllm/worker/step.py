@@ -49,6 +49,9 @@ class SchedulerOutput:
     # (parent, child, sample index): forks decided outside the runner (beam search); the runner's
     # own n > 1 fan-out comes back in RunnerOutput.forks instead.
     forked: list[tuple[int, int, int]] = field(default_factory=list)
+    # A draft model proposes for this step's sampled rows only while the core drafts (it stops at
+    # disable_by_batch_size sequences): its k decode passes would be wasted.
+    propose_drafts: bool = True
 
 
 @dataclass
