@@ -1,6 +1,6 @@
 """Train `builtin-code`, the small code model shipped with nanovllm, and its 1-layer draft.
 
-    python scripts/train_tiny_model.py            # the shipped models: ~10 minutes on 2 cores
+    python scripts/train_tiny_model.py     # the shipped models: ~9 minutes on 2 unshared cores
 
 Data: the `.py` files of this Python's standard library (nanovllm.builtin_code.stdlib_sources:
 tests, installed packages, the IDE, demos and generated tables left out), sorted; one file in 16,
@@ -31,8 +31,8 @@ shipped.
 Deterministic: fixed seeds, fixed data order, `torch.set_num_threads(--threads)`: the same command
 on the same machine and Python gives the same weights (another CPU's kernels or another Python's
 library give other, equally good ones): torch's CPU kernels are deterministic for a fixed thread
-count (checked by running twice; `torch.use_deterministic_algorithms` is not needed and cost 15-40%
-here).
+count (two short runs wrote byte-identical weights; `torch.use_deterministic_algorithms` is not
+needed and cost 15-40% here).
 Writes `<out>/code` and `<out>/code-draft` (Hugging Face directories: config.json,
 model.safetensors, the tokenizer), the split (`stdlib_split.json`) and the run's record
 (`training.json`) beside the target.
