@@ -15,6 +15,8 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -113,9 +115,7 @@ def create_model_dir(
     """
     spec = spec or TinyModelSpec(arch=arch, **overrides)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with staged_model_dir(path, keep_existing) as tmp:
         tokenizer = build_tokenizer(tokenizer_vocab or spec.vocab_size, spec.seed)
         tokenizer.save_pretrained(tmp)
         eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
@@ -125,16 +125,27 @@ def create_model_dir(
             model.config.torch_dtype = dtype
         model.save_pretrained(tmp, safe_serialization=True)
         (tmp / SPEC_FILE).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
+    return path
+
+
+@contextmanager
+def staged_model_dir(path: Path, keep_existing: bool = False) -> Iterator[Path]:
+    """A temporary directory beside `path` to write a model into: renamed to `path` when the block
+    ends (replacing what is there, unless `keep_existing` and a complete model is there: then
+    dropped), removed if the block fails."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
         if keep_existing and (path / "config.json").is_file():
             shutil.rmtree(tmp)
-            return path
+            return
         if path.exists():
             shutil.rmtree(path)
         tmp.rename(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
 
 
 def build_hf_model(spec: TinyModelSpec, eos_token_id: int) -> Any:
@@ -194,8 +205,9 @@ def build_hf_model(spec: TinyModelSpec, eos_token_id: int) -> Any:
     return model
 
 
-@lru_cache(maxsize=8)
-def _train_tokenizer_json(vocab_size: int, seed: int) -> str:
+def train_bpe_json(texts: Iterable[str], vocab_size: int) -> str:
+    """The project's tokenizer recipe, trained on `texts`: byte-level BPE with `vocab_size` tokens,
+    the special tokens first (`<|endoftext|>` is id 0), as a tokenizers JSON string."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
@@ -211,7 +223,7 @@ def _train_tokenizer_json(vocab_size: int, seed: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer)
+    tok.train_from_iterator(texts, trainer)
     # A small corpus can run out of merges; fill up with reserved tokens (as real models do) so
     # the tokenizer's size equals the model's vocab_size and every id decodes.
     missing = vocab_size - tok.get_vocab_size()
@@ -220,15 +232,27 @@ def _train_tokenizer_json(vocab_size: int, seed: int) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0) -> Any:
-    """A `PreTrainedTokenizerFast` with `vocab_size` tokens, EOS `<|endoftext|>` and a chat template."""
+@lru_cache(maxsize=8)
+def _train_tokenizer_json(vocab_size: int, seed: int) -> str:
+    return train_bpe_json(_corpus(seed), vocab_size)
+
+
+def tokenizer_from_json(tokenizer_json: str) -> Any:
+    """A `PreTrainedTokenizerFast` over a tokenizers JSON string, with EOS `<|endoftext|>` and the
+    chat template."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer.from_str(_train_tokenizer_json(vocab_size, seed))
+    tok = Tokenizer.from_str(tokenizer_json)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0) -> Any:
+    """A `PreTrainedTokenizerFast` with `vocab_size` tokens, EOS `<|endoftext|>` and a chat template,
+    trained on pseudo-text from `seed`."""
+    return tokenizer_from_json(_train_tokenizer_json(vocab_size, seed))
 
 
 _SYLLABLES = [

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from nanovllm.builtin_code import resolve_builtin
 from nanovllm.distributed.parallel_state import ParallelConfig
 from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
 
@@ -121,8 +122,11 @@ def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: t
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = field(metadata={"help": "a Hugging Face model directory (config.json, *.safetensors, tokenizer)"})
-    tokenizer: str | None = option(None, "a tokenizer directory, when not the model's (default: the model directory)")
+    model: str = field(metadata={"help": "a Hugging Face model directory (config.json, *.safetensors, tokenizer), "
+                                         "or builtin-code / builtin-code-draft: the small code model shipped with "
+                                         "nanovllm and its draft"})
+    tokenizer: str | None = option(None, "a tokenizer directory (or builtin-code), when not the model's (default: the "
+                                   "model directory)")
     trust_remote_code: bool = option(
         False, "accepted for vLLM's command lines; changes nothing, since nanovllm never runs code from a model "
         "directory: its own classes run the supported architectures, and tokenizers load without remote code")
@@ -176,6 +180,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # The shipped models' names become their directories here, once, for every entry point.
+        object.__setattr__(self, "model", resolve_builtin(self.model))
+        if self.tokenizer is not None:
+            object.__setattr__(self, "tokenizer", resolve_builtin(self.tokenizer))
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

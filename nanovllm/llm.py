@@ -22,7 +22,9 @@ logger = logging.getLogger("nanovllm")
 
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        """`model`: a Hugging Face model directory; none: the built-in model (random weights,
+        """`model`: a Hugging Face model directory, or "builtin-code": the small code model shipped
+        with the package (trained on Python's standard library by scripts/train_tiny_model.py;
+        "builtin-code-draft" is its 1-layer draft); none: the built-in model (random weights,
         created once in ~/.cache/nanovllm: for trying the engine out, its text is noise).
         `options`: the engine's (nanovllm.config.EngineConfig's fields, each with its default and
         meaning there; vLLM's names): dtype, tokenizer, max_model_len, max_num_seqs,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nanovllm import unsupported_options
+from nanovllm.builtin_code import BUILTIN_CODE, BUILTIN_CODE_DRAFT
 from nanovllm.builtin_model import BUILTIN_NAME, default_model_dir, ensure_default_model
 from nanovllm.config import EngineConfig
 
@@ -226,10 +227,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _run_headless(args, model or str(ensure_default_model()))
     chat_template = _chat_template(args.chat_template)
     _check_port_free(args.host, args.port)
-    path = model or str(ensure_default_model())
     llm = _make_llm(args, model)  # without a model: LLM() says the built-in model's weights are random
     names = args.served_model_name or [BUILTIN_NAME if model is None else model]
-    config = ServerConfig(model_path=path, served_model_names=names, host=args.host, port=args.port,
+    config = ServerConfig(model_path=llm.engine.config.model, served_model_names=names, host=args.host, port=args.port,
                           api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
                           access_log=not args.disable_access_log, max_request_bytes=args.max_request_bytes,
@@ -248,9 +248,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0 if code is None else code
 
 
+MODEL_HELP = (f"a Hugging Face model directory, or {BUILTIN_CODE}: the small code model shipped with nanovllm "
+              f"({BUILTIN_CODE_DRAFT}: its draft)")
+
+
 def _model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a Hugging Face model directory (default: the built-in model, "
-                   f"random weights, created in {default_model_dir()})")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (default: the built-in model, random weights, created "
+                   f"in {default_model_dir()})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = command("serve", "OpenAI-compatible HTTP server (built-in model unless MODEL_DIR or --model)")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL_DIR",
-                       help="a Hugging Face model directory (default: the built-in model, random weights)")
+                       help=f"{MODEL_HELP} (default: the built-in model, random weights)")
     serve.add_argument("--model", default=None, help="the same as MODEL_DIR, vLLM's spelling (default: none)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only, %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="checked before the model loads (default: %(default)s)")

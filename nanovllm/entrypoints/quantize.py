@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from nanovllm.builtin_code import resolve_builtin
 from nanovllm.layers.quantization import compressed_tensors
 from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES
 from nanovllm.layers.quantization.weights import quantize_rtn
@@ -39,7 +40,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="a Hugging Face checkpoint directory (bf16 or fp32)")
+    p.add_argument("model", help="a Hugging Face checkpoint directory (bf16 or fp32), or builtin-code")
     p.add_argument("out", help="the directory to write the quantized checkpoint to (must not exist)")
     p.add_argument("--scheme", choices=sorted(SCHEMES), default="w4a16",
                    help="w4a16: int4 weights in groups of 128; w8a16: int8 weights per output channel (default: %(default)s)")
@@ -126,7 +127,7 @@ def _quantize_file(file: Path, bits: int, group: int | None, symmetric: bool) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    out = quantize_checkpoint(args.model, args.out, args.scheme, args.group_size, args.symmetric)
+    out = quantize_checkpoint(resolve_builtin(args.model), args.out, args.scheme, args.group_size, args.symmetric)
     print(f"wrote {out}: {args.scheme}, {'symmetric' if args.symmetric else 'asymmetric'}, compressed-tensors "
           "pack-quantized")
     return 0
