@@ -106,6 +106,7 @@ class SpeculativeConfig:
             if not isinstance(v.get("model"), str) or not v["model"]:
                 raise ValueError("speculative_config.model (the draft model's directory) is required for method "
                                  "'draft_model'")
+            v["model"] = resolve_builtin(v["model"])  # "builtin-code-draft": the shipped draft
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if v.get(name) is not None:
                     raise ValueError(f"speculative_config.{name} is for method 'ngram'")

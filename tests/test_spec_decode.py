@@ -363,3 +363,17 @@ def test_draft_with_another_vocabulary_is_refused(qwen3_dir: Path, tmp_path: Pat
                            speculative_config={"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="speculative_config.model has a vocabulary of 640"):
         options.resolve()
+
+
+def test_builtin_code_with_its_draft() -> None:
+    """The shipped pair by name: `builtin-code` with `builtin-code-draft` (and n-gram drafts) gives
+    the greedy output of `builtin-code` alone, with drafts accepted."""
+    prompt = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef "
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = LLM("builtin-code", device="cpu").generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    for spec in ({"method": "draft_model", "model": "builtin-code-draft", "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}):
+        llm = LLM("builtin-code", device="cpu", speculative_config=spec)
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected
+        stats = llm.stats()
+        assert 0 < stats["spec_num_accepted_tokens"] <= stats["spec_num_draft_tokens"]
