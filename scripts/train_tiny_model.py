@@ -31,8 +31,8 @@ shipped.
 Deterministic: fixed seeds, fixed data order, `torch.set_num_threads(--threads)`: the same command
 on the same machine and Python gives the same weights (another CPU's kernels or another Python's
 library give other, equally good ones): torch's CPU kernels are deterministic for a fixed thread
-count (two short runs wrote byte-identical weights; `torch.use_deterministic_algorithms` is not
-needed and cost 15-40% here).
+count (a second run of the shipped command wrote byte-identical weights and tokenizer;
+`torch.use_deterministic_algorithms` is not needed and cost 15-40% here).
 Writes `<out>/code` and `<out>/code-draft` (Hugging Face directories: config.json,
 model.safetensors, the tokenizer), the split (`stdlib_split.json`) and the run's record
 (`training.json`) beside the target.
