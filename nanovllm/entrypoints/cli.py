@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nanovllm import unsupported_options
-from nanovllm.builtin_code import BUILTIN_CODE, BUILTIN_CODE_DRAFT
+from nanovllm.builtin_code import BUILTIN_CODE, BUILTIN_CODE_DRAFT, resolve_builtin
 from nanovllm.builtin_model import BUILTIN_NAME, default_model_dir, ensure_default_model
 from nanovllm.config import EngineConfig
 
@@ -229,7 +229,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)
     llm = _make_llm(args, model)  # without a model: LLM() says the built-in model's weights are random
     names = args.served_model_name or [BUILTIN_NAME if model is None else model]
-    config = ServerConfig(model_path=llm.engine.config.model, served_model_names=names, host=args.host, port=args.port,
+    path = resolve_builtin(model) if model is not None else str(default_model_dir())  # what the engine loaded
+    config = ServerConfig(model_path=path, served_model_names=names, host=args.host, port=args.port,
                           api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
                           access_log=not args.disable_access_log, max_request_bytes=args.max_request_bytes,
