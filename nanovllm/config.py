@@ -271,9 +271,11 @@ class ResolvedConfig:
         """No drafts while this many sequences run or wait (0: never): the option, else with
         adaptive speculation the device's default."""
         spec = self.speculative
-        if spec is None or spec.disable_by_batch_size is not None or not spec.adaptive:
-            return 0 if spec is None or spec.disable_by_batch_size is None else spec.disable_by_batch_size
-        return SPEC_AUTO_DISABLE_BATCH.get(self.device.type, SPEC_AUTO_DISABLE_BATCH["cuda"])
+        if spec is None:
+            return 0
+        if spec.disable_by_batch_size is not None:
+            return spec.disable_by_batch_size
+        return SPEC_AUTO_DISABLE_BATCH.get(self.device.type, SPEC_AUTO_DISABLE_BATCH["cuda"]) if spec.adaptive else 0
 
     @property
     def model(self) -> str:

@@ -175,17 +175,7 @@ class CoreMachine(RuleBasedStateMachine):
         for sid, tok in zip(plan.sampled_seq_ids.tolist(), sampled):
             if sid in self.tokens and sid not in self.aborted_in_flight:
                 self.tokens[sid].append(tok)
-        for parent, child, tok in forks:
-            self.tokens[child] = parent_tokens[parent] + [tok]
-        for sid in self.aborted_in_flight:
-            del self.tokens[sid]
-        for sid, reason, stop in finished:
-            assert reason in ("stop", "length")
-            assert (stop is not None) == (reason == "stop")
-            del self.tokens[sid]
-        self.plan = None
-        self.in_batch = set()
-        self.aborted_in_flight = set()
+        self.end_step(forks, parent_tokens, finished)
 
     def postprocess_spec(self, data: st.DataObject, last: list[int]) -> None:
         """Each row takes a random prefix of its drafts, then one more token (`last`); a draft model's
@@ -218,14 +208,21 @@ class CoreMachine(RuleBasedStateMachine):
             assert 1 <= kept[r] <= len(rows[r])
             assert kept[r] == len(rows[r]) or sid in done, "a row stopped early without finishing"
             self.tokens[sid] += rows[r][: kept[r]]
+        self.end_step(forks, parent_tokens, finished)
+        self.handed = {sid: d for sid, d in handed.items() if sid in self.tokens}
+
+    def end_step(self, forks: list[tuple[int, int, int]], parent_tokens: dict[int, list[int]],
+                 finished: list[tuple[int, str, int | None]]) -> None:
+        """The model after a postprocess: forked children, sequences aborted in flight and finished
+        ones leave; no step in flight."""
         for parent, child, tok in forks:
             self.tokens[child] = parent_tokens[parent] + [tok]
         for sid in self.aborted_in_flight:
             del self.tokens[sid]
         for sid, reason, stop in finished:
             assert reason in ("stop", "length")
+            assert (stop is not None) == (reason == "stop")
             del self.tokens[sid]
-        self.handed = {sid: d for sid, d in handed.items() if sid in self.tokens}
         self.plan = None
         self.in_batch = set()
         self.aborted_in_flight = set()
