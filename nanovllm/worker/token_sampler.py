@@ -110,16 +110,7 @@ class TokenSampler:
             out.prompt_logprobs = prompt_logprobs
             return out
         raw = self._logits(hidden, sample_indices, None)
-        rows, repeats = sids, None
-        if self._children:
-            repeats = np.array([1 + len(self._children.get(int(s), ())) for s in sids])
-            if (repeats > 1).any():
-                # Row i of the fan-out is sample position fan_rows[i]; an index gather with a
-                # host-built index (repeat_interleave would read the repeats' sum back).
-                rows = np.repeat(rows, repeats)
-                raw = raw.index_select(0, to_device(np.repeat(np.arange(len(sids)), repeats), raw.device))
-            else:
-                repeats = None
+        rows, raw, repeats = self._fan_rows(sids, raw) if self._children else (sids, raw, None)
         state = self.state
         lp_rows, wanted = _NO_ROWS, _NO_ROWS
         if state.users.logprobs:
@@ -230,12 +221,7 @@ class TokenSampler:
         `with_q`: (row, the draft model's distribution q) of rows whose draft (`draft_tokens[row]`)
         was drawn from q: accepted with probability min(1, p / q), else replaced by a draw from
         max(p - q, 0)."""
-        repeats = None
-        sample_rows = rows
-        if fan:
-            repeats = np.array([1 + len(self._children.get(int(s), ())) for s in rows])
-            sample_rows = np.repeat(rows, repeats)
-            raw = raw.index_select(0, to_device(np.repeat(np.arange(len(rows)), repeats), raw.device))
+        sample_rows, raw, repeats = self._fan_rows(rows, raw) if fan else (rows, raw, None)
         processed = self.state.process(raw, sample_rows, keep_input=False)
         batch = self.state.batch(sample_rows)
         tokens = self.sampler(processed, batch)
@@ -291,6 +277,16 @@ class TokenSampler:
             lp_raw = lp_raw * to_device(scale, raw.device)[:, None]
         out.logprobs = gather_logprobs(lp_raw, to_device(chosen[asked], raw.device), wanted[asked])
         out.logprob_seq_ids = sids[asked]
+
+    def _fan_rows(self, sids: np.ndarray, raw: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, np.ndarray | None]:
+        """A prompt whose first sample fans out takes 1 + its children's rows: (the rows' sequences,
+        their logits, the repeats; None when no row fans out)."""
+        repeats = np.array([1 + len(self._children.get(int(s), ())) for s in sids])
+        if not (repeats > 1).any():
+            return sids, raw, None
+        # An index gather with a host-built index (repeat_interleave would read the repeats' sum back).
+        return np.repeat(sids, repeats), raw.index_select(0, to_device(np.repeat(np.arange(len(sids)), repeats),
+                                                                        raw.device)), repeats
 
     def _fan_out(self, sids: np.ndarray, repeats: np.ndarray, starts: np.ndarray, rows: np.ndarray,
                  tokens: np.ndarray) -> list[tuple[int, int, int]]:
