@@ -1,6 +1,7 @@
 """CPU GEMMs of the bench models' shapes: plain `F.linear` against weights prepacked once (oneDNN's
-matmul on a reordered weight as the engine calls it, MKL's packed sgemm, and nanovllm's own AVX2
-`gemm_cpu`), in fp32 and bf16. A variant the CPU cannot run (oneDNN bf16 needs AVX512-BW or
+matmul on a reordered weight as the engine calls it, MKL's packed sgemm, and nanovllm's own
+`gemm_cpu`: AVX-512 or AVX2 tiles, bf16 weights on the AVX512-BF16 pair tiles where the CPU has
+them), in fp32 and bf16. A variant the CPU cannot run (oneDNN bf16 needs AVX512-BW or
 AVX-NE-CONVERT; ours needs AVX2 + FMA) is reported as such.
 
 Median microseconds of `--repeats` calls per shape; nanovllm/cpu/gemm.py says which variant

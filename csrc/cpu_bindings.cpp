@@ -283,20 +283,42 @@ void bind_cpu_gemm(py::module_& m) {
   m.def(
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-         int64_t y_stride, int64_t packed_dtype, int64_t num_threads) {
+         int64_t y_stride, int64_t packed_dtype, int64_t num_threads, int64_t isa) {
         if (!has_avx2_fma()) value_error("gemm_cpu needs a CPU with AVX2 and FMA");
+        const auto tiles = static_cast<GemmIsa>(checked_int32(isa, "isa", 0, 1));
         if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_cpu: bad sizes");
         if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
         const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
                          reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                         y_stride, checked_dtype(packed_dtype, "packed_dtype")};
+                         y_stride, checked_dtype(packed_dtype, "packed_dtype"), tiles};
         py::gil_scoped_release release;
         gemm(a, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("y_stride"), py::arg("packed_dtype"), py::arg("num_threads") = 1,
+      py::arg("isa") = 0,
       "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W, from raw pointers "
-      "(nanovllm.cpu.gemm checks the tensors).");
+      "(nanovllm.cpu.gemm checks the tensors). isa 0: the best tiles for an fp32 weight (AVX-512's "
+      "where the CPU has it), 1: the AVX2 ones.");
+  m.def(
+      "gemm_bf16_cpu",
+      [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
+         int64_t y_stride, int64_t num_threads) {
+        if (!has_avx512_bf16()) value_error("gemm_bf16_cpu needs a CPU with AVX512-BF16");
+        if (m < 0 || n < 1 || k < 2 || k % 2 != 0 || x_stride < k || y_stride < n) {
+          value_error("gemm_bf16_cpu: bad sizes (k even)");
+        }
+        if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_bf16_cpu");
+        const GemmBf16Args a{reinterpret_cast<const Bf16*>(x), reinterpret_cast<const Bf16*>(packed),
+                             reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
+                             y_stride};
+        py::gil_scoped_release release;
+        gemm_bf16(a, clamp_threads(num_threads));
+      },
+      py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1,
+      "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_bf16_pairs_cpu's copy of W (AVX512-BF16), "
+      "from raw pointers (nanovllm.cpu.gemm checks the tensors).");
 }
 
 void bind_cpu_gemm_quant(py::module_& m) {

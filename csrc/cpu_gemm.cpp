@@ -3,11 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "cpu_attention_avx2.h"
+#include "cpu_isa.h"
 #include "cpu_parallel.h"
 
 #define NANOVLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
+#define NANOVLLM_AVX512F __attribute__((target("avx512f")))
 
 namespace nanovllm {
 namespace {
@@ -46,7 +49,8 @@ void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed, b
 }
 
 #if defined(__x86_64__)
-// The register tiles: c[R x cols] (+)= a[R x kc] * b[kc x 16], a's rows lda apart, b a panel's
+// The register tiles: c[R x cols] (+)= a[R x kc] * b[kc x 16], a the tile's rows packed by pack_rows
+// (element (r, i) at a[i * R + r * kUnit]; a single row is its own packing), b a panel's
 // slice. The first pass over k (accumulate = false) starts from the bias (or zero) instead of c.
 // Each prefetches prefetch_rows rows of 16 weights from `prefetch` on the way.
 
@@ -55,11 +59,15 @@ template <typename TW>
 struct WidenedTiles {
   using X = float;
   using W = TW;
+  static constexpr int kRows = 6;  // 6 x 16 outputs: 12 of the 16 ymm registers
+  static constexpr int kUnit = 1;
+  static constexpr int kPanels = 1;
 
-  template <int R>
-  static NANOVLLM_AVX2 void tile(const float* a, int64_t lda, const TW* b, int64_t kc, float* c, int64_t ldc,
+  template <int R, int P>
+  static NANOVLLM_AVX2 void tile(const float* a, const TW* b, int64_t kc, float* c, int64_t ldc,
                                  int cols, bool accumulate, const float* bias, const TW* prefetch,
                                  int64_t prefetch_rows) {
+    static_assert(P == 1);
     __m256 lo[R], hi[R];
     // Every loop over r unrolled, or the accumulators live on the stack instead of in registers.
 #pragma GCC unroll 8
@@ -70,7 +78,7 @@ struct WidenedTiles {
       const __m256 b1 = avx2::load8(b + i * kGemmPanel + 8);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256 x = _mm256_broadcast_ss(a + r * lda + i);
+        const __m256 x = _mm256_broadcast_ss(a + i * R + r);
         lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
         hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
       }
@@ -97,68 +105,160 @@ struct WidenedTiles {
 };
 
 // AVX512-BF16: bf16 rows of x on pair-packed bf16 weights, each vdpbf16ps two products per fp32
-// lane (twice an FMA's), summed in fp32. No bias (the MoE experts have none).
+// lane (twice an FMA's), summed in fp32. Up to two panels per tile (P, 32 columns: 24
+// accumulators), so that each broadcast of x feeds two dot products: with one panel the loads set
+// the pace (one per vdpbf16ps). 6 x 4 and 8 x 3 tiles measured no better on Zen 4.
 struct Bf16PairTiles {
   using X = Bf16;
   using W = Bf16;
+  static constexpr int kRows = 12;
+  static constexpr int kUnit = 2;  // a k pair
+  static constexpr int kPanels = 2;
 
-  template <int R>
-  static NANOVLLM_AVX512_BF16 void tile(const Bf16* a, int64_t lda, const Bf16* b, int64_t kc, float* c,
-                                        int64_t ldc, int cols, bool accumulate, const float* /*bias*/,
+  // P panels, each slice kc * kGemmPanel weights after the previous one's (as slice_offset lays
+  // them out); `cols` counts the columns of all. The prefetch region may span P slices.
+  template <int R, int P>
+  static NANOVLLM_AVX512_BF16 void tile(const Bf16* a, const Bf16* b, int64_t kc, float* c,
+                                        int64_t ldc, int cols, bool accumulate, const float* bias,
                                         const Bf16* prefetch, int64_t prefetch_rows) {
-    __m512 acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < kc; i += 2) {  // one k pair: 16 columns x 2 weights, one cache line
-      if (i < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGemmPanel), _MM_HINT_T0);
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(b + i * kGemmPanel);
-#pragma GCC unroll 8
+    __m512 acc[P][R];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < kc; i += 2) {  // one k pair: 16 columns x 2 weights, one cache line a panel
+      __m512bh w[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        if (i + p * kc < prefetch_rows) {
+          _mm_prefetch(reinterpret_cast<const char*>(prefetch + (i + p * kc) * kGemmPanel), _MM_HINT_T0);
+        }
+        w[p] = (__m512bh)_mm512_loadu_si512(b + (p * kc + i) * kGemmPanel);
+      }
+#pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, a + r * lda + i, sizeof(pair));
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w);
+        int32_t pair;
+        std::memcpy(&pair, a + i * R + 2 * r, sizeof(pair));
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) acc[p][r] = _mm512_dpbf16_ps(acc[p][r], x, w[p]);
       }
     }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const int n = std::clamp(cols - p * static_cast<int>(kGemmPanel), 0, static_cast<int>(kGemmPanel));
+      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+      const __m512 start = !accumulate && bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + p * kGemmPanel)
+                                                          : _mm512_setzero_ps();
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) {
+        float* out = c + r * ldc + p * kGemmPanel;
+        const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : start;
+        _mm512_mask_storeu_ps(out, keep, _mm512_add_ps(acc[p][r], base));
+      }
+    }
+  }
+};
+
+// AVX-512: fp32 rows of x on fp32 weights, one zmm of 16 columns per row. Twelve rows per weight
+// load: each FMA needs only its row's broadcast, so the FMA units, not the loads, set the pace (the
+// AVX2 tiles' 6 x 16 ran 15-30% below oneDNN's past a few rows on an AVX-512 CPU).
+struct Fp32Avx512Tiles {
+  using X = float;
+  using W = float;
+  static constexpr int kRows = 12;
+  static constexpr int kUnit = 1;
+  static constexpr int kPanels = 1;
+
+  template <int R, int P>
+  static NANOVLLM_AVX512F void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc,
+                                    int cols, bool accumulate, const float* bias, const float* prefetch,
+                                    int64_t prefetch_rows) {
+    static_assert(P == 1);
+    __m512 acc[R];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kc; ++i) {
+      if (i < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGemmPanel), _MM_HINT_T0);
+      const __m512 w = _mm512_loadu_ps(b + i * kGemmPanel);
+#pragma GCC unroll 12
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[i * R + r]), w, acc[r]);
+    }
     const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-#pragma GCC unroll 8
+    const __m512 start = !accumulate && bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       float* out = c + r * ldc;
-      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : _mm512_setzero_ps();
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : start;
       _mm512_mask_storeu_ps(out, keep, _mm512_add_ps(acc[r], base));
     }
   }
 };
 
-constexpr int kRows = 6;  // rows of one register tile (6 x 16 outputs: 12 of the 16 ymm registers)
+// The last rows - r < Tiles::kRows of a panel slice, in one tile of that many rows.
+template <typename Tiles, int P, int R = Tiles::kRows - 1>
+void remainder_tile(int64_t rows, const typename Tiles::X* x, const typename Tiles::W* b, int64_t kc,
+                    float* c, int64_t ldc, int cols, bool accumulate, const float* bias,
+                    const typename Tiles::W* prefetch, int64_t prefetch_rows) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      Tiles::template tile<R, P>(x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
+    } else {
+      remainder_tile<Tiles, P, R - 1>(rows, x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
+    }
+  }
+}
 
-// Rows [0, rows) of x against one panel slice, kRows at a time and the rest in one smaller tile;
-// the tiles share the prefetch of prefetch_rows rows at `prefetch`, so that it streams in while
-// this slice is multiplied.
+// Rows [0, rows) of x, kc deep, copied tile by tile (Tiles::kRows rows, then the rest) so that each
+// tile reads one contiguous stream: a tile of rt rows holds kc / U groups of [rt][U] (U = Tiles::kUnit
+// elements multiplied together: 1, or a bf16 k pair), i.e. element (r, i) at i * rt + r * U, each
+// address a constant offset from the tile's start. In place, the rows of a tile would lie a
+// power-of-two stride apart and evict each other from L1.
 template <typename Tiles>
-void panel_rows(const typename Tiles::X* x, int64_t lda, int64_t rows, const typename Tiles::W* b, int64_t kc,
+void pack_rows(const typename Tiles::X* x, int64_t lda, int64_t rows, int64_t kc, typename Tiles::X* out) {
+  // A unit is 4 bytes either way (an fp32 value, a bf16 pair): copied as one uint32.
+  constexpr int64_t kUnit = Tiles::kUnit;
+  static_assert(kUnit * sizeof(typename Tiles::X) == sizeof(uint32_t));
+  const int64_t units = kc / kUnit;
+  for (int64_t r0 = 0; r0 < rows; r0 += Tiles::kRows) {
+    const int64_t rt = std::min<int64_t>(Tiles::kRows, rows - r0);
+    auto* tile = reinterpret_cast<unsigned char*>(out + r0 * kc);
+    for (int64_t r = 0; r < rt; ++r) {
+      const auto* src = reinterpret_cast<const unsigned char*>(x + (r0 + r) * lda);
+      for (int64_t j = 0; j < units; ++j) {
+        std::memcpy(tile + (j * rt + r) * sizeof(uint32_t), src + j * sizeof(uint32_t), sizeof(uint32_t));
+      }
+    }
+  }
+}
+
+template <typename Tiles, int P>
+void panel_rows(const typename Tiles::X* x, int64_t rows, const typename Tiles::W* b, int64_t kc,
                 float* c, int64_t ldc, int cols, bool accumulate, const float* bias,
                 const typename Tiles::W* prefetch, int64_t prefetch_rows) {
+  constexpr int64_t kRows = Tiles::kRows;
   const int64_t tiles = (rows + kRows - 1) / kRows;
   const int64_t share = (prefetch_rows + tiles - 1) / tiles;
   const auto prefetch_of = [&](int64_t r) { return prefetch + std::min(r / kRows * share, prefetch_rows) * kGemmPanel; };
   const auto prefetch_rows_of = [&](int64_t r) { return std::clamp<int64_t>(prefetch_rows - r / kRows * share, 0, share); };
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    Tiles::template tile<kRows>(x + r * lda, lda, b, kc, c + r * ldc, ldc, cols, accumulate, bias, prefetch_of(r),
-                                prefetch_rows_of(r));
+    Tiles::template tile<kRows, P>(x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias, prefetch_of(r),
+                                   prefetch_rows_of(r));
   }
   const auto* pf = prefetch_of(r);
   const int64_t pf_rows = prefetch_rows_of(r);
-  x += r * lda;
-  c += r * ldc;
-  switch (rows - r) {
-    case 5: Tiles::template tile<5>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 4: Tiles::template tile<4>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 3: Tiles::template tile<3>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 2: Tiles::template tile<2>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    case 1: Tiles::template tile<1>(x, lda, b, kc, c, ldc, cols, accumulate, bias, pf, pf_rows); break;
-    default: break;
+  remainder_tile<Tiles, P>(rows - r, x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias, pf, pf_rows);
+}
+
+// panel_rows for np (1 .. Tiles::kPanels) panels.
+template <typename Tiles, int P = Tiles::kPanels, typename... Args>
+void panels_rows(int64_t np, Args... args) {
+  if constexpr (P > 1) {
+    if (np < P) return panels_rows<Tiles, P - 1>(np, args...);
   }
+  panel_rows<Tiles, P>(args...);
 }
 
 // The GEMM's operands as the walk below reads them.
@@ -185,17 +285,29 @@ void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
     }
     return {a.packed + slice_offset(panels, a.k, q, k0), std::min(kKc, a.k - k0)};
   };
+  thread_local std::vector<typename Tiles::X> rows;
+  rows.resize(kMc * kKc);
   for (int64_t k0 = 0; k0 < a.k; k0 += kKc) {
     const int64_t kc = std::min(kKc, a.k - k0);
     for (int64_t m0 = 0; m0 < a.m; m0 += kMc) {
       const int64_t mc = std::min(kMc, a.m - m0);
-      for (int64_t p = p0; p < p1; ++p) {
+      const typename Tiles::X* xs = a.x + m0 * a.x_stride + k0;
+      if (mc > 1) {  // copied once per block, read by every panel of the thread
+        pack_rows<Tiles>(xs, a.x_stride, mc, kc, rows.data());
+        xs = rows.data();
+      }
+      for (int64_t p = p0; p < p1; p += Tiles::kPanels) {
+        const int64_t np = std::min<int64_t>(Tiles::kPanels, p1 - p);  // the thread's last panel may be alone
         const int64_t col0 = p * kGemmPanel;
-        const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
-        const auto [next, next_rows] = ahead(k0, m0, p);
-        panel_rows<Tiles>(a.x + m0 * a.x_stride + k0, a.x_stride, mc, a.packed + slice_offset(panels, a.k, p, k0), kc,
-                          a.y + m0 * a.y_stride + col0, a.y_stride, cols, k0 > 0,
-                          a.bias == nullptr ? nullptr : a.bias + col0, next, next_rows);
+        const int cols = static_cast<int>(std::min(np * kGemmPanel, a.n - col0));
+        const auto [next, next_rows] = ahead(k0, m0, p + np - 1);
+        const auto* b = a.packed + slice_offset(panels, a.k, p, k0);
+        float* c = a.y + m0 * a.y_stride + col0;
+        const float* bias = a.bias == nullptr ? nullptr : a.bias + col0;
+        // The prefetch covers the next tile's np slices, as far as the packed weight goes.
+        const int64_t left = a.packed + panels * a.k * kGemmPanel - next;
+        const int64_t next_all = std::min(next_rows * np, left / kGemmPanel);
+        panels_rows<Tiles>(np, xs, mc, b, kc, c, a.y_stride, cols, k0 > 0, bias, next, next_all);
       }
     }
   }
@@ -218,7 +330,11 @@ void gemm_pack_bf16_pairs(const Bf16* w, int64_t n, int64_t k, int64_t w_stride,
 
 void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  if (a.packed_dtype == CpuDtype::kFloat32) {
+  if (a.packed_dtype == CpuDtype::kFloat32 && a.isa == GemmIsa::kBest && has_avx512f()) {
+    gemm_panels_range<Fp32Avx512Tiles>({a.x, static_cast<const float*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
+                                        a.x_stride, a.y_stride},
+                                       p0, p1);
+  } else if (a.packed_dtype == CpuDtype::kFloat32) {
     gemm_panels_range<WidenedTiles<float>>({a.x, static_cast<const float*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
                                             a.x_stride, a.y_stride},
                                            p0, p1);
@@ -236,7 +352,7 @@ void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  gemm_panels_range<Bf16PairTiles>({a.x, a.packed, nullptr, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
+  gemm_panels_range<Bf16PairTiles>({a.x, a.packed, a.bias, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
 #else
   (void)a;
   (void)p0;
@@ -247,6 +363,11 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 void gemm(const GemmArgs& a, int num_threads) {
   parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
                 [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
+}
+
+void gemm_bf16(const GemmBf16Args& a, int num_threads) {
+  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
+                [&a](int64_t p0, int64_t p1) { gemm_bf16_panel_range(a, p0, p1); });
 }
 
 }  // namespace nanovllm

@@ -30,6 +30,9 @@ inline int64_t gemm_packed_elements(int64_t n, int64_t k) { return gemm_panels(n
 // of the same dtype.
 void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed);
 
+// The register tiles of an fp32 weight: AVX-512's where the CPU has it (kBest), or the AVX2 ones.
+enum class GemmIsa : int32_t { kBest = 0, kAvx2 = 1 };
+
 struct GemmArgs {
   const float* x;      // [m, k], rows x_stride apart
   const void* packed;  // gemm_pack's output for an [n, k] weight, of packed_dtype
@@ -37,6 +40,7 @@ struct GemmArgs {
   float* y;            // [m, n], rows y_stride apart
   int64_t m, n, k, x_stride, y_stride;
   CpuDtype packed_dtype;
+  GemmIsa isa = GemmIsa::kBest;
 };
 
 // Needs AVX2 + FMA (has_avx2_fma()); the binding checks.
@@ -48,8 +52,9 @@ void gemm(const GemmArgs& a, int num_threads);
 void gemm_pack_bf16_pairs(const Bf16* w, int64_t n, int64_t k, int64_t w_stride, Bf16* packed);
 
 struct GemmBf16Args {
-  const Bf16* x;       // [m, k], rows x_stride apart (x_stride even: each k pair 4-byte aligned)
+  const Bf16* x;       // [m, k], rows x_stride apart
   const Bf16* packed;  // gemm_pack_bf16_pairs's output for an [n, k] weight
+  const float* bias;   // nullable, [n]
   float* y;            // [m, n], rows y_stride apart
   int64_t m, n, k, x_stride, y_stride;
 };
@@ -57,6 +62,10 @@ struct GemmBf16Args {
 // gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32 (two
 // per vdpbf16ps lane: twice an FMA's throughput). Needs AVX512-BF16 (has_avx512_bf16()).
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
+
+// y = x W^T + bias on the pair tiles, split over the team: the bf16 linear layers on AVX512-BF16
+// CPUs without AMX (nanovllm/cpu/gemm.py picks it).
+void gemm_bf16(const GemmBf16Args& a, int num_threads);
 
 // The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling
 // thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp).

@@ -5,6 +5,7 @@ namespace nanovllm {
 
 struct CpuIsa {
   bool avx2_fma = false;     // the AVX2 GEMM tiles and attention score tiles
+  bool avx512f = false;      // the AVX-512 fp32 GEMM tiles
   bool avx512_bf16 = false;  // AVX512-F + AVX512-BF16: the bf16 pair tiles (Zen 4, Cooper Lake, SPR)
 };
 
@@ -16,6 +17,7 @@ inline const CpuIsa& cpu_isa() {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     found.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    found.avx512f = __builtin_cpu_supports("avx512f");
     found.avx512_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 #endif
     return found;
@@ -24,6 +26,7 @@ inline const CpuIsa& cpu_isa() {
 }
 
 inline bool has_avx2_fma() { return cpu_isa().avx2_fma; }
+inline bool has_avx512f() { return cpu_isa().avx512f; }
 inline bool has_avx512_bf16() { return cpu_isa().avx512_bf16; }
 
 }  // namespace nanovllm

@@ -113,7 +113,7 @@ void expert_gemm(const float* x, int64_t x_stride, const char* packed, CpuDtype 
 }
 void expert_gemm(const Bf16* x, int64_t x_stride, const char* packed, CpuDtype /*bf16*/, float* y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
-  gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), y, m, n, k, x_stride, y_stride}, p0, p1);
+  gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), nullptr, y, m, n, k, x_stride, y_stride}, p0, p1);
 }
 
 // One thread's part of the layer, between the team's barriers:

@@ -66,8 +66,14 @@ def gemm_pack_bf16_pairs_cpu(w: int, n: int, k: int, w_stride: int, packed: int)
     slices, the two weights of each k pair next to each other."""
 
 def gemm_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
-             packed_dtype: int, num_threads: int = 1) -> None:
-    """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu."""
+             packed_dtype: int, num_threads: int = 1, isa: int = 0) -> None:
+    """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu; isa 0 the
+    best tiles for an fp32 W (AVX-512 where the CPU has it), 1 the AVX2 ones."""
+
+def gemm_bf16_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
+                  num_threads: int = 1) -> None:
+    """y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias, when not 0), W packed by gemm_pack_bf16_pairs_cpu
+    (k even; AVX512-BF16)."""
 
 def quant_isa_supported(isa: int) -> bool:
     """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512)."""

@@ -1,5 +1,5 @@
-"""CPU GEMMs on prepacked weights (nanovllm/cpu/gemm.py), both kernels: our AVX2 `gemm_cpu`
-and oneDNN's. The same products as `F.linear` up to summation order (register tiles, cache blocks
+"""CPU GEMMs on prepacked weights (nanovllm/cpu/gemm.py), both kernels: ours (`gemm_cpu` with
+AVX2 or AVX-512 tiles, `gemm_bf16_cpu` with AVX512-BF16 pair tiles) and oneDNN's. The same products as `F.linear` up to summation order (register tiles, cache blocks
 and panels cut anywhere: ragged rows, columns and depths), the dense weight released (a tied LM
 head packs a copy, the embedding keeps its own); bad sizes are errors; and an engine whose layers
 are prepacked still matches transformers token for token. Also: the CPU kernels share torch's
@@ -68,10 +68,83 @@ def test_avx2_gemm_keeps_bf16_weights_bf16() -> None:
     packed = cpu_gemm.prepack(w, "avx2")
     assert isinstance(packed, cpu_gemm.PackedWeight) and packed.data.dtype == torch.bfloat16
     assert packed.data.numel() == _cpu.gemm_packed_elements(70, 520) == 5 * 16 * 520
-    torch.testing.assert_close(cpu_gemm.linear(x, packed, None), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+    assert packed.pairs == _cpu.has_avx512_bf16()
+    # The pair tiles multiply bf16 by bf16: fp32 rows are rounded to bf16 first.
+    rows = x.to(torch.bfloat16).float() if packed.pairs else x
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, None), F.linear(rows, w.float()), rtol=1e-5, atol=1e-5)
     y = cpu_gemm.linear(x.to(torch.bfloat16), packed, None)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, F.linear(x.to(torch.bfloat16).float(), w.float()).to(torch.bfloat16))
+
+
+RAGGED = [(1, 64, 16), (5, 600, 40), (7, 256, 1000), (13, 1000, 48), (150, 300, 33), (0, 64, 16), (25, 2, 17)]
+
+
+@pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+@pytest.mark.parametrize("rows,k,n", RAGGED)  # 6- and 12-row tiles, 144-row blocks, 256-deep slices, cut ragged
+def test_fp32_tiles_of_either_isa_match_f_linear(rows: int, k: int, n: int) -> None:
+    """isa 0 takes the AVX-512 tiles where the CPU has them, 1 the AVX2 ones: both are F.linear."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k + 3, generator=g)[:, 1:1 + k], torch.randn(n, generator=g)
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    for isa in (0, 1):
+        y = torch.full((rows, n + 2), 7.0)
+        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), b.data_ptr(), y.data_ptr(), rows, n, k, k + 3, n + 2, 0, 2,
+                      isa)
+        torch.testing.assert_close(y[:, :n], F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        assert torch.equal(y[:, n:], torch.full((rows, 2), 7.0))  # nothing written past n
+    with pytest.raises(ValueError, match="isa"):
+        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), rows, n, k, k + 3, n + 2, 0, 1, 2)
+
+
+@pytest.mark.skipif(not _cpu.has_avx512_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("rows,k,n", [(r, k + k % 2, n) for r, k, n in RAGGED])  # the pairs need k even
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_pair_tiles_match_the_fp32_product_of_bf16_values(rows: int, k: int, n: int, bias: bool) -> None:
+    """Pair-packed bf16 weights times bf16 rows: exact products summed in fp32, rounded to bf16."""
+    g = torch.Generator().manual_seed(rows * 7 + k + n)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight) and packed.pairs
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    y = cpu_gemm.linear(x, packed, b)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected.to(torch.bfloat16))
+    wide = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3:3 + k]  # rows read in place
+    torch.testing.assert_close(cpu_gemm.linear(wide, packed, b).float(),
+                               F.linear(wide.float(), w.float(), None if b is None else b.float()),
+                               rtol=2 ** -7, atol=2e-2)
+
+
+@pytest.mark.skipif(not _cpu.has_avx512_bf16(), reason="the CPU lacks AVX512-BF16")
+def test_bf16_pair_gemm_rejects_bad_sizes() -> None:
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    packed = cpu_gemm.prepack(w, "avx2")
+    x, y = torch.randn(4, 64).to(torch.bfloat16), torch.empty(4, 32)
+    with pytest.raises(ValueError, match="k even"):
+        _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 63, 64, 32)
+    with pytest.raises(ValueError, match="bad sizes"):
+        _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 62, 32)
+    with pytest.raises(ValueError, match="null pointer"):
+        _cpu.gemm_bf16_cpu(0, packed.data.data_ptr(), 0, y.data_ptr(), 4, 32, 64, 64, 32)
+    w_odd, x_odd = torch.randn(32, 63).to(torch.bfloat16), torch.randn(3, 63).to(torch.bfloat16)
+    odd = cpu_gemm.prepack(w_odd, "avx2")
+    assert isinstance(odd, cpu_gemm.PackedWeight) and not odd.pairs  # an odd depth: widened in registers
+    torch.testing.assert_close(cpu_gemm.linear(x_odd, odd, None), F.linear(x_odd.float(), w_odd.float()).to(torch.bfloat16))
+
+
+def test_layer_kernel_gives_large_native_bf16_weights_to_onednn() -> None:
+    """Ours for fp32 and small bf16 weights wherever AVX2 + FMA exist; oneDNN for large bf16 ones
+    where the CPU computes bf16 natively (its bf16 GEMM prefilled faster than our pair tiles)."""
+    big, small = cpu_gemm.PREPACK_MIN_WEIGHTS, cpu_gemm.PREPACK_MIN_WEIGHTS // 2
+    ours = "avx2" if _cpu.has_avx2_fma() else "onednn"
+    assert cpu_gemm.layer_kernel(torch.empty(big // 256, 256)) == ours
+    assert cpu_gemm.layer_kernel(torch.empty(small // 256, 256, dtype=torch.bfloat16)) == ours
+    native = cpu_features.native_bf16() and torch.backends.mkldnn.is_available()
+    assert cpu_gemm.layer_kernel(torch.empty(big // 256, 256, dtype=torch.bfloat16)) == ("onednn" if native else ours)
 
 
 @pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
@@ -153,8 +226,8 @@ def test_which_layers_are_prepacked() -> None:
 
 @pytest.mark.parametrize("size", [64, 512])  # below and above the fp32 threshold
 def test_bf16_layers_prepacked_natively_or_as_fp32_copies(size: int) -> None:
-    """Ours packs bf16 weights as bf16. With oneDNN: where the CPU computes bf16, large bf16 weights
-    are packed as bf16; where it does not, every bf16 layer keeps an fp32 packed copy (emulated
+    """Ours packs bf16 weights as bf16 (small ones, or all where the CPU lacks native bf16). With
+    oneDNN: where the CPU computes bf16, large bf16 weights are packed as bf16; where it does not, every bf16 layer keeps an fp32 packed copy (emulated
     bf16 GEMMs are 5-10x slower). The output is the bf16 rounding of the fp32 product, as a bf16
     GEMM with fp32 accumulation gives."""
     layer = _filled(ReplicatedLinear(size, size, bias=True), seed=3).to(torch.bfloat16)

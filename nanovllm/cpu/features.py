@@ -32,6 +32,8 @@ GemmKernel = Literal["avx2", "onednn"]
 
 @functools.cache
 def gemm_kernel() -> GemmKernel:
-    """The CPU linear layers' kernel (cpu/gemm.py): ours where AVX2 + FMA are the CPU's widest
-    vectors (torch's CPU capability "AVX2"), oneDNN elsewhere (AVX-512: its kernels use the full width)."""
-    return "avx2" if _cpu.has_avx2_fma() and torch.backends.cpu.get_cpu_capability() == "AVX2" else "onednn"
+    """The CPU linear layers' kernel (cpu/gemm.py) for fp32 weights, and bf16 ones the CPU does not
+    compute natively: ours ("avx2": AVX2 tiles, AVX-512 ones where the CPU has them) wherever AVX2 +
+    FMA exist, else oneDNN. cpu/gemm.layer_kernel gives large bf16 weights to oneDNN where the CPU
+    computes bf16 natively."""
+    return "avx2" if _cpu.has_avx2_fma() else "onednn"

@@ -1,22 +1,24 @@
 """CPU GEMMs on weights packed once after loading, instead of `F.linear` (MKL) on the dense weight.
 
-Two packed forms; `prepack` picks one per CPU:
+Two packed forms; `prepack` picks one per weight (`layer_kernel`):
 
-- `gemm_cpu` (csrc/cpu_gemm.cpp), where the CPU's widest vectors are AVX2 + FMA (no AVX-512): a
-  6 x 16 register-tiled fp32 GEMM on a weight packed in 16-column panels. On this project's AVX2
-  machine it ran the bench models' shapes at 130-175 GF/s of the two cores' ~185 (oneDNN's
-  prepacked matmul: 85-140, MKL's `F.linear`: 45-130; benchmarks/cpu_linear.py,
-  benchmarks/RESULTS.md), so every fp32 and bf16 linear layer takes it there. A bf16 weight stays
-  bf16 in the panels (half the memory and bandwidth of an fp32 copy), widened in registers; the
-  activations are widened to fp32 and the product rounded to bf16, as a bf16 GEMM with fp32
-  accumulation gives.
-- oneDNN (`mkldnn._reorder_linear_weight` for a batch of ~64 rows, then `_linear_pointwise`) on
-  other CPUs: on AVX-512 its kernels use the full vector width, which ours do not. fp32 layers are
-  prepacked there when the weight has at least PREPACK_MIN_WEIGHTS elements (below that `F.linear`
-  was as fast); bf16 layers are prepacked as bf16 where the CPU computes bf16 (AVX512-BF16, AMX),
-  and as fp32 copies where it does not (torch's emulated bf16 GEMMs ran 5-10x slower than fp32).
+- ours (kernel "avx2", csrc/cpu_gemm.cpp) wherever the CPU has AVX2 + FMA: a BLIS-style
+  register-tiled GEMM on a weight packed in 16-column panels, the rows of x packed per cache block.
+  fp32 weights: AVX-512 tiles (12 x 16) where the CPU has AVX-512, else AVX2 ones (6 x 16). bf16
+  weights: AVX512-BF16 dot products on weights packed in k pairs (12 x 32 tiles) where the CPU has
+  them, else the bf16 weight widened in registers (half the memory and bandwidth of an fp32 copy).
+  On the AVX2 machine it ran the bench models' shapes at 130-175 GF/s of the two cores' ~185
+  (oneDNN's prepacked matmul: 85-140). On an AVX-512 Zen 4 (benchmarks/RESULTS.md, "Our GEMM on
+  AVX-512 CPUs"): fp32 decode at one row 1.5-1.7x oneDNN's tokens/s, at 32 rows and in prefill
+  within the machine's noise of it.
+- oneDNN (`mkldnn._reorder_linear_weight` for a batch of ~64 rows, then `_linear_pointwise`) for
+  bf16 weights of PREPACK_MIN_WEIGHTS and more where the CPU computes bf16 natively (AVX512-BF16,
+  AMX): on Zen 4 our pair tiles decoded 1.25x faster at one row but prefilled at 0.8x (oneDNN's
+  bf16 kernels ran 20-25% faster from 64 rows up), and AMX tiles multiply bf16 several times
+  faster than vector units; and for every layer on CPUs without AVX2.
 
-Either way the results differ from `F.linear`'s only in summation order.
+Either way the results differ from `F.linear`'s only in summation order (and, on pair-packed bf16
+weights, fp32 activations are rounded to bf16 first).
 """
 
 from __future__ import annotations
@@ -37,10 +39,18 @@ BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
 
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """`gemm_cpu`'s copy of an `[out_features, in_features]` weight: fp32, or bf16 from a bf16 one."""
+    """Our copy of an `[out_features, in_features]` weight: for `gemm_cpu` fp32, or bf16 from a bf16
+    one; with `pairs`, bf16 packed in k pairs for `gemm_bf16_cpu` (AVX512-BF16 dot products)."""
     data: torch.Tensor  # flat, _cpu.gemm_packed_elements(out_features, in_features) elements
     out_features: int
     in_features: int
+    pairs: bool = False
+
+
+def can_pair(weight: torch.Tensor) -> bool:
+    """Whether a bf16 weight takes the AVX512-BF16 pair tiles here: twice the multiply-adds of an
+    FMA per instruction, on the bf16 values themselves (a bf16 GEMM with fp32 accumulation)."""
+    return weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0 and _cpu.has_avx512_bf16()
 
 
 Packed = torch.Tensor | PackedWeight  # a layer's `packed`: oneDNN's opaque tensor or ours
@@ -51,10 +61,18 @@ def emulated_bf16(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and not native_bf16()
 
 
+def layer_kernel(weight: torch.Tensor) -> GemmKernel:
+    """The packing a weight takes on this CPU (see the module's docstring)."""
+    if (weight.dtype == torch.bfloat16 and native_bf16() and weight.numel() >= PREPACK_MIN_WEIGHTS
+            and torch.backends.mkldnn.is_available()):
+        return "onednn"
+    return gemm_kernel()
+
+
 def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
     if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype not in KERNEL_DTYPES:
         return False
-    if (kernel or gemm_kernel()) == "avx2":
+    if (kernel or layer_kernel(weight)) == "avx2":
         return True
     if not torch.backends.mkldnn.is_available():
         return False
@@ -62,9 +80,9 @@ def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
 
 
 def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
-    """The packed copy of an `[out, in]` weight for `kernel` (default: this CPU's, features.gemm_kernel)."""
+    """The packed copy of an `[out, in]` weight for `kernel` (default: `layer_kernel`'s)."""
     w = weight.detach()
-    if (kernel or gemm_kernel()) == "avx2":
+    if (kernel or layer_kernel(weight)) == "avx2":
         if not _cpu.has_avx2_fma():
             raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
         n, k = w.shape
@@ -73,6 +91,9 @@ def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
         if stride is None:
             w = w.contiguous()
             stride = k
+        if can_pair(w):
+            _cpu.gemm_pack_bf16_pairs_cpu(w.data_ptr(), n, k, stride, data.data_ptr())
+            return PackedWeight(data, n, k, pairs=True)
         _cpu.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, stride, data.data_ptr())
         return PackedWeight(data, n, k)
     if emulated_bf16(weight):
@@ -88,6 +109,14 @@ def _row_stride(t: torch.Tensor) -> int | None:
     if t.stride(1) != 1 or (rows > 1 and t.stride(0) < k):
         return None
     return t.stride(0) if rows > 1 else k
+
+
+def bf16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """2-D rows as bf16 gemm_bf16_cpu reads in place, and their stride (as fp32_rows)."""
+    stride = _row_stride(rows) if rows.dtype == torch.bfloat16 else None
+    if stride is None:
+        return rows.to(torch.bfloat16).contiguous(), rows.shape[1]
+    return rows, stride
 
 
 def fp32_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -106,13 +135,19 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     if bias is not None and bias.shape != (packed.out_features,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} for {packed.out_features} outputs")
     m, k = rows.shape
-    x, stride = fp32_rows(rows)
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, packed.out_features), dtype=torch.float32)
-    if m:
+    if not m:
+        pass
+    elif packed.pairs:
+        x, stride = bf16_rows(rows)
+        _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
+                           packed.out_features, k, stride, packed.out_features, torch.get_num_threads())
+    else:
+        x, stride = fp32_rows(rows)
         _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
-                    packed.out_features, k, stride, packed.out_features,
-                    KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads())
+                      packed.out_features, k, stride, packed.out_features,
+                      KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads())
     return y if rows.dtype == torch.float32 else y.to(rows.dtype)
 
 
