@@ -18,7 +18,10 @@ engine, configuration and batch:
 - acceptance (as vLLM defines it): rate = accepted / drafted tokens; mean accepted length =
   1 + accepted / drafts (a draft = one verification of one sequence's proposed tokens; the 1 is
   the token every verification adds), per-position accepted counts in the JSON;
-- ours / vLLM: nanovllm's tok/s over vLLM's for the same method, k and batch.
+- ours / vLLM: nanovllm's tok/s over vLLM's for the same method, k and batch;
+- paired speedup (`--paired`, nanovllm): the same waves also run without speculation in the same
+  process, alternating wave by wave which engine goes first; none's seconds over the speculative
+  run's. Separate processes saw the host's speed drift +-30%; a paired ratio sees the same host.
 
 Each (engine, method, k) runs in its own process (a fresh engine), all batch sizes in turn, the
 prefix cache reset before each; a warm-up wave runs first. Both engines: `--dtype`, a 4 GiB KV
@@ -98,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"the python of vLLM's virtual environment (default: ${VLLM_PYTHON_ENV})")
     p.add_argument("--quick", action="store_true",
                    help="smoke run, where not given: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
+    p.add_argument("--paired", action="store_true",
+                   help="nanovllm's speculative runs also time the same waves without speculation in the same "
+                        "process, alternating wave by wave (the 'paired speedup': robust to the host's drift)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     if args.quick:  # the smoke run's sizes, where the command line left the default
@@ -401,6 +407,41 @@ def measure(driver: Driver, spec: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def measure_paired(driver: Driver, base: Driver, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """measure() for `driver` (speculating), with each wave also run on `base` (no speculation) in
+    the same process, the two alternating which goes first: both see the same host. Adds the
+    base's tok/s and paired_speedup (base seconds / driver seconds over the same waves)."""
+    max_tokens = spec["max_tokens"]
+    for d in (base, driver):
+        run_waves(d, spec["warmup_prompts"], len(spec["warmup_prompts"]), min(max_tokens, 16), first_index=10**6)
+    rows = []
+    for batch in spec["batches"]:
+        prompts = spec["prompts"][:max(batch, spec["num_requests"])]
+        driver.reset_prefix_cache()
+        base.reset_prefix_cache()
+        before = driver.spec_counters()
+        totals = {id(d): {"seconds": 0.0, "output_tokens": 0, "latencies": []} for d in (base, driver)}
+        for n, w in enumerate(range(0, len(prompts), batch)):
+            for d in (base, driver) if n % 2 == 0 else (driver, base):
+                r = run_waves(d, prompts[w:w + batch], batch, max_tokens, first_index=w)
+                t = totals[id(d)]
+                t["seconds"] += r["seconds"]
+                t["output_tokens"] += r["output_tokens"]
+                t["latencies"] += r["latencies"]
+        after = driver.spec_counters()
+        r, b = totals[id(driver)], totals[id(base)]
+        if r["output_tokens"] != len(prompts) * max_tokens or b["output_tokens"] != r["output_tokens"]:
+            raise RuntimeError(f"batch {batch}: produced {r['output_tokens']} and {b['output_tokens']} tokens, "
+                               f"the workload asks for {len(prompts) * max_tokens}")
+        lat = r.pop("latencies")
+        row = {"batch": batch, "requests": len(prompts), **r, "tok_s": r["output_tokens"] / r["seconds"],
+               "latency_mean_s": statistics.fmean(lat), "latency_p50_s": statistics.median(lat),
+               "paired_none_tok_s": b["output_tokens"] / b["seconds"], "paired_speedup": b["seconds"] / r["seconds"]}
+        row.update(acceptance(before, after))
+        rows.append(row)
+    return rows
+
+
 def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What one batch size's run drafted and accepted, with vLLM's rate and mean accepted length."""
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
@@ -415,7 +456,10 @@ def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def worker_main(engine: str, spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     driver = VllmDriver(spec) if engine == "vllm" else NanovllmDriver(spec)
-    rows = measure(driver, spec)
+    if spec.get("paired") and engine == "nanovllm" and spec["speculative_config"] is not None:
+        rows = measure_paired(driver, NanovllmDriver({**spec, "speculative_config": None}), spec)
+    else:
+        rows = measure(driver, spec)
     Path(out_path).write_text(json.dumps({"rows": rows, "versions": driver.versions}))
     return 0
 
@@ -465,8 +509,8 @@ def table_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return flat
 
 
-COLUMNS = ("engine", "method", "k", "adaptive", "batch", "tok/s", "speedup", "latency mean s", "latency p50 s",
-           "acceptance", "mean accepted length", "drafted", "accepted", "ours / vLLM")
+COLUMNS = ("engine", "method", "k", "adaptive", "batch", "tok/s", "speedup", "paired speedup", "latency mean s",
+           "latency p50 s", "acceptance", "mean accepted length", "drafted", "accepted", "ours / vLLM")
 
 
 def markdown(flat: list[dict[str, Any]]) -> str:
@@ -479,6 +523,7 @@ def markdown(flat: list[dict[str, Any]]) -> str:
               "adaptive": "-" if f["adaptive"] is None else ("on" if f["adaptive"] else "off"),
               "batch": f["batch"], "tok/s": fmt(f["tok_s"], ",.1f"),
               "speedup": fmt(f["speedup"], ".2f") + ("x" if f["speedup"] is not None else ""),
+              "paired speedup": fmt(f.get("paired_speedup"), ".2f") + ("x" if f.get("paired_speedup") else ""),
               "latency mean s": fmt(f["latency_mean_s"], ".3f"), "latency p50 s": fmt(f["latency_p50_s"], ".3f"),
               "acceptance": fmt(f["acceptance_rate"], ".1%"), "mean accepted length": fmt(f["mean_accepted_length"], ".2f"),
               "drafted": f["draft_tokens"] if f["method"] != "none" else None,
@@ -509,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = {"model": model, "dtype": args.dtype, "threads": threads, "seed": args.seed,
                 "max_num_seqs": max(args.batches), "batches": args.batches, "num_requests": args.num_requests,
                 "max_tokens": args.max_tokens, "temperature": args.temperature,
-                "prompts": prompts[:needed], "warmup_prompts": prompts[needed:]}
+                "prompts": prompts[:needed], "warmup_prompts": prompts[needed:], "paired": args.paired}
     runs = configurations(args, engines, draft or "")
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lengths = [len(p) for p in workload["prompts"]]

@@ -107,9 +107,15 @@ def test_adaptive_drafting_backs_off() -> None:
         plan = s.schedule()
         seen.append(int(plan.num_drafts[0]))
         s.postprocess_spec([3], [0, 1])  # reject every draft (there is always one: what followed the last 3)
-    # Shrinks after each rejection, then stops drafting for a while (cooldowns that double).
+    # Stops drafting for a while after two empty verifications (cooldowns that double).
     assert seen[0] == 4 and 0 in seen, seen
     assert seen[seen.index(0):].count(0) < len(seen) - seen.index(0), "never drafts again"
+    # A partly accepted n-gram row keeps its k (its drafts cost only their verification).
+    partial = make(k=4, lookup=(1, 1))
+    prefill(partial, 0, list(range(3, 13)) * 3, 3, max_tokens=200)
+    assert partial.schedule().num_drafts.tolist() == [4]  # 4 5 6 7, after the first 3
+    partial.postprocess_spec([4, 5, 3], [0, 3])  # two accepted, then 3 where 6 was drafted
+    assert partial.schedule().num_drafts.tolist() == [4]
     fixed = make(k=4, lookup=(1, 1), adaptive_speculation=False)
     prefill(fixed, 0, [3, 4] * 10, 3, max_tokens=200)
     plan = fixed.schedule()

@@ -1,5 +1,6 @@
 """Smoke run of benchmarks/spec_decode.py on a tiny model, our engine only: every configuration
-runs and the record holds the workload's tokens and acceptance figures that add up.
+runs and the record holds the workload's tokens and acceptance figures that add up, and (--paired)
+each speculative row also timed the same waves without speculation.
 
 Speed is never asserted (docs/design.md, "Performance rules"). The draft model is the target
 itself, so greedy verification accepts (nearly) every drafted token; the prompts repeat one line,
@@ -52,7 +53,7 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--engines", "nanovllm", "--model", str(model), "--draft-model", str(model),
            "--files", *map(str, files), "--ks", str(K), "--batches", ",".join(map(str, BATCHES)),
            "--max-tokens", str(MAX_TOKENS), "--num-requests", str(NUM_REQUESTS), "--min-prompt-tokens", "8",
-           "--max-prompt-tokens", "64", "--json", str(out)]
+           "--max-prompt-tokens", "64", "--paired", "--json", str(out)]
     # Run from tmp: the script's own directory, not the source tree, is first on sys.path, so it
     # imports the installed package with its compiled core.
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600, check=False)
@@ -131,3 +132,13 @@ def test_prompts_are_windows_of_whole_lines(tmp_path: Path) -> None:
     assert text == ["a000\na001\n", "x" * 12, "a002\na003\n", "a004\na005\n", "a006\na007\n"]
     with pytest.raises(SystemExit, match="only 6 windows"):
         bench.completion_prompts([a, b], CharTokenizer(), 7, min_tokens=6, max_tokens=12)
+
+
+def test_paired_rows_also_ran_the_waves_without_speculation(record: dict) -> None:
+    for r in record["rows"]:
+        if r["method"] == "none":
+            assert "paired_speedup" not in r
+            continue
+        assert r["paired_none_tok_s"] > 0, r
+        # Both engines produced the workload's tokens: the ratio of seconds is the ratio of tok/s.
+        assert r["paired_speedup"] == pytest.approx(r["tok_s"] / r["paired_none_tok_s"]), r
