@@ -410,25 +410,28 @@ def measure(driver: Driver, spec: dict[str, Any]) -> list[dict[str, Any]]:
 def measure_paired(driver: Driver, base: Driver, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """measure() for `driver` (speculating), with each wave also run on `base` (no speculation) in
     the same process, the two alternating which goes first: both see the same host. Adds the
-    base's tok/s and paired_speedup (base seconds / driver seconds over the same waves)."""
+    base's tok/s and draft tokens (none: it does not speculate), and paired_speedup (base seconds
+    / driver seconds over the same waves)."""
     max_tokens = spec["max_tokens"]
     for d in (base, driver):
         run_waves(d, spec["warmup_prompts"], len(spec["warmup_prompts"]), min(max_tokens, 16), first_index=10**6)
     rows = []
+    turn = 0  # counts waves over all batch sizes: a batch size of one wave alternates too
     for batch in spec["batches"]:
         prompts = spec["prompts"][:max(batch, spec["num_requests"])]
         driver.reset_prefix_cache()
         base.reset_prefix_cache()
-        before = driver.spec_counters()
+        before, base_before = driver.spec_counters(), base.spec_counters()
         totals = {id(d): {"seconds": 0.0, "output_tokens": 0, "latencies": []} for d in (base, driver)}
-        for n, w in enumerate(range(0, len(prompts), batch)):
-            for d in (base, driver) if n % 2 == 0 else (driver, base):
+        for w in range(0, len(prompts), batch):
+            turn += 1
+            for d in (base, driver) if turn % 2 else (driver, base):
                 r = run_waves(d, prompts[w:w + batch], batch, max_tokens, first_index=w)
                 t = totals[id(d)]
                 t["seconds"] += r["seconds"]
                 t["output_tokens"] += r["output_tokens"]
                 t["latencies"] += r["latencies"]
-        after = driver.spec_counters()
+        after, base_after = driver.spec_counters(), base.spec_counters()
         r, b = totals[id(driver)], totals[id(base)]
         if r["output_tokens"] != len(prompts) * max_tokens or b["output_tokens"] != r["output_tokens"]:
             raise RuntimeError(f"batch {batch}: produced {r['output_tokens']} and {b['output_tokens']} tokens, "
@@ -436,7 +439,8 @@ def measure_paired(driver: Driver, base: Driver, spec: dict[str, Any]) -> list[d
         lat = r.pop("latencies")
         row = {"batch": batch, "requests": len(prompts), **r, "tok_s": r["output_tokens"] / r["seconds"],
                "latency_mean_s": statistics.fmean(lat), "latency_p50_s": statistics.median(lat),
-               "paired_none_tok_s": b["output_tokens"] / b["seconds"], "paired_speedup": b["seconds"] / r["seconds"]}
+               "paired_none_tok_s": b["output_tokens"] / b["seconds"], "paired_speedup": b["seconds"] / r["seconds"],
+               "paired_none_draft_tokens": base_after["draft_tokens"] - base_before["draft_tokens"]}
         row.update(acceptance(before, after))
         rows.append(row)
     return rows

@@ -269,7 +269,7 @@ void bind_cpu_gemm(py::module_& m) {
       py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
       "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu into gemm_packed_elements(n, k) elements of "
       "the same dtype (nanovllm.cpu.gemm allocates them).");
-  m.def("has_avx512_bf16", &has_avx512_bf16, "Whether this CPU runs the AVX512-BF16 pair tiles (bf16 MoE experts).");
+  m.def("has_avx512_bf16", &has_avx512_bf16, "Whether this CPU runs the AVX512-BF16 pair tiles (bf16 linear layers and MoE experts).");
   m.def(
       "gemm_pack_bf16_pairs_cpu",
       [](uintptr_t w, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
@@ -318,7 +318,8 @@ void bind_cpu_gemm(py::module_& m) {
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1,
       "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_bf16_pairs_cpu's copy of W (AVX512-BF16), "
-      "from raw pointers (nanovllm.cpu.gemm checks the tensors).");
+      "from raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells a pair-packed weight "
+      "from gemm_pack_cpu's: PackedWeight.pairs does).");
 }
 
 void bind_cpu_gemm_quant(py::module_& m) {

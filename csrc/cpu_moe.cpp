@@ -105,8 +105,8 @@ struct Share {
   Share(int64_t n, int64_t thread, int64_t team) : begin(n * thread / team), end(n * (thread + 1) / team) {}
 };
 
-// One expert's GEMM over panels [p0, p1): fp32 rows on the widening AVX2 tiles, bf16 rows on the
-// AVX512-BF16 pair tiles.
+// One expert's GEMM over panels [p0, p1): fp32 rows on the dense kernel's fp32 tiles (AVX-512 where
+// the CPU has it, else AVX2; bf16 weights widened), bf16 rows on the AVX512-BF16 pair tiles.
 void expert_gemm(const float* x, int64_t x_stride, const char* packed, CpuDtype weight_dtype, float* y,
                  int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
   gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, weight_dtype}, p0, p1);

@@ -181,9 +181,10 @@ void Scheduler::record_verification(Sequence& seq, int32_t drafted, int32_t acce
   if (!config_.spec.adaptive) return;
   // A draft model's drafts cost a forward each: as Hugging Face's assisted generation, two more
   // after a fully accepted row, one fewer after any rejection. N-gram drafts cost nothing to make
-  // and only their verification rows' tokens, nearly free at the small batches that draft
-  // (disable_by_batch_size ends drafting before steps grow compute-bound): their k stays (batch 1,
-  // same process: 2.04x no speculation's tok/s with k fixed, 1.86x shrinking; benchmarks/RESULTS.md).
+  // and only their verification rows' tokens, ~80 us each against a ~2.2 ms step at batch 1 on a
+  // CPU (disable_by_batch_size ends drafting before steps grow compute-bound): their k stays.
+  // Measured at batch 1 the two rules are within the host's noise (k 4: 1.97x fixed, 1.76x
+  // shrinking; k 8: 1.78x / 1.86x; benchmarks/RESULTS.md, "Paired runs").
   // Either way a sequence that keeps accepting nothing stops drafting for a while, for twice as
   // long after each failed retry, so a workload it does not suit pays (almost) nothing for it.
   SpecState& sp = seq.spec;

@@ -59,7 +59,7 @@ def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int
     its dtype at `packed`."""
 
 def has_avx512_bf16() -> bool:
-    """Whether this CPU runs the AVX512-BF16 pair tiles (bf16 MoE experts)."""
+    """Whether this CPU runs the AVX512-BF16 pair tiles (bf16 linear layers and MoE experts)."""
 
 def gemm_pack_bf16_pairs_cpu(w: int, n: int, k: int, w_stride: int, packed: int) -> None:
     """Pack a bf16 [n, k] weight (k even) for the AVX512-BF16 pair tiles: gemm_pack_cpu's panels and

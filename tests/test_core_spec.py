@@ -116,11 +116,28 @@ def test_adaptive_drafting_backs_off() -> None:
     assert partial.schedule().num_drafts.tolist() == [4]  # 4 5 6 7, after the first 3
     partial.postprocess_spec([4, 5, 3], [0, 3])  # two accepted, then 3 where 6 was drafted
     assert partial.schedule().num_drafts.tolist() == [4]
+    # Without adaptation the same rejections never pause drafting.
     fixed = make(k=4, lookup=(1, 1), adaptive_speculation=False)
-    prefill(fixed, 0, [3, 4] * 10, 3, max_tokens=200)
-    plan = fixed.schedule()
-    fixed.postprocess_spec([60], [0, 1])
-    assert fixed.schedule().num_drafts.tolist() in ([0], [4])
+    prefill(fixed, 0, list(range(3, 13)) * 3, 3, max_tokens=200)
+    seen_fixed = []
+    for _ in range(12):
+        seen_fixed.append(int(fixed.schedule().num_drafts[0]))
+        fixed.postprocess_spec([3], [0, 1])
+    assert seen_fixed == [4] * 12, seen_fixed
+
+
+def test_draft_model_k_adapts_as_assisted_generation() -> None:
+    """Handed-in drafts (a draft model's): one fewer after a rejection, two more after a fully
+    accepted row, never above num_speculative_tokens."""
+    s = make("external", k=4, block_size=2)
+    s.add(0, [1, 2, 3], max_tokens=100)
+    s.schedule()
+    s.postprocess_spec([4], [0, 1], drafts=[5, 6, 7, 8], draft_offsets=[0, 4])
+    assert s.schedule().num_drafts.tolist() == [4]
+    s.postprocess_spec([5, 9], [0, 2], drafts=[1, 2, 3, 4], draft_offsets=[0, 4])  # 5 accepted, 9 rejects 6
+    assert s.schedule().num_drafts.tolist() == [3]  # the row holds the first 3 of the 4 handed in
+    s.postprocess_spec([1, 2, 3, 7], [0, 4], drafts=[1, 2, 3, 4], draft_offsets=[0, 4])  # all 3 accepted
+    assert s.schedule().num_drafts.tolist() == [4]  # min(3 + 2, k)
 
 
 def test_draft_model_lookahead() -> None:

@@ -113,6 +113,10 @@ def test_bf16_pair_tiles_match_the_fp32_product_of_bf16_values(rows: int, k: int
     y = cpu_gemm.linear(x, packed, b)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, expected.to(torch.bfloat16))
+    padded = torch.full((rows, n + 2), 7.0)  # nothing written past n (the masked stores of the last panel)
+    _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0, padded.data_ptr(), rows, n, k, k, n + 2, 2)
+    torch.testing.assert_close(padded[:, :n], F.linear(x.float(), w.float()))
+    assert torch.equal(padded[:, n:], torch.full((rows, 2), 7.0))
     wide = torch.randn(rows, k + 6, generator=g).to(torch.bfloat16)[:, 3:3 + k]  # rows read in place
     torch.testing.assert_close(cpu_gemm.linear(wide, packed, b).float(),
                                F.linear(wide.float(), w.float(), None if b is None else b.float()),

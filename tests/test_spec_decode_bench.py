@@ -140,5 +140,7 @@ def test_paired_rows_also_ran_the_waves_without_speculation(record: dict) -> Non
             assert "paired_speedup" not in r
             continue
         assert r["paired_none_tok_s"] > 0, r
+        assert r["paired_none_draft_tokens"] == 0, r  # the base engine did not speculate
+        assert r["draft_tokens"] > 0 or r["method"] == "ngram", r  # the speculating one did (draft model: always)
         # Both engines produced the workload's tokens: the ratio of seconds is the ratio of tok/s.
         assert r["paired_speedup"] == pytest.approx(r["tok_s"] / r["paired_none_tok_s"]), r

@@ -18,7 +18,8 @@ Two packed forms; `prepack` picks one per weight (`layer_kernel`):
   faster than vector units; and for every layer on CPUs without AVX2.
 
 Either way the results differ from `F.linear`'s only in summation order (and, on pair-packed bf16
-weights, fp32 activations are rounded to bf16 first).
+weights, fp32 activations are rounded to bf16 first, and vdpbf16ps treats denormal inputs and
+results as zero).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def fp32_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """gemm_cpu on 2-D rows; the product is fp32, returned in the rows' dtype."""
+    """Our GEMM on 2-D rows (gemm_cpu, or gemm_bf16_cpu for a pair-packed weight); the product is
+    fp32, returned in the rows' dtype."""
     if rows.shape[1] != packed.in_features:
         raise ValueError(f"input has {rows.shape[1]} features, the weight {packed.in_features}")
     if bias is not None and bias.shape != (packed.out_features,):

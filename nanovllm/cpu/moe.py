@@ -75,7 +75,7 @@ def expert_kernel() -> GemmKernel:
 def can_pair(w13: torch.Tensor) -> bool:
     """Whether bf16 experts w13 `[E, 2I, H]` can take the AVX512-BF16 pair tiles on this CPU: bf16
     dot products run twice an FMA's multiply-adds (a bf16 prefill's experts are compute-bound)."""
-    return w13.dtype == torch.bfloat16 and w13.shape[2] % 2 == 0 and _cpu.has_avx512_bf16()
+    return cpu_gemm.can_pair(w13)
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, kernel: GemmKernel | None = None,
