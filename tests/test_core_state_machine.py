@@ -154,7 +154,6 @@ class CoreMachine(RuleBasedStateMachine):
         assert plan.num_drafts.tolist() == [len(self.drafts[sid]) for sid in sampled]
         assert plan.num_draft_tokens == sum(plan.num_drafts.tolist())
         assert plan.sample_indices.tolist() == [int(cu_q[seq_ids.index(sid) + 1]) - 1 for sid in sampled]
-        self.handed = {}
         assert plan.num_copies <= s
 
     @precondition(lambda self: self.plan is not None)
@@ -209,7 +208,10 @@ class CoreMachine(RuleBasedStateMachine):
             assert kept[r] == len(rows[r]) or sid in done, "a row stopped early without finishing"
             self.tokens[sid] += rows[r][: kept[r]]
         self.end_step(forks, parent_tokens, finished)
-        self.handed = {sid: d for sid, d in handed.items() if sid in self.tokens}
+        # A sequence left out of this step (budget, preemption) keeps the drafts handed in for it
+        # before: its tokens have not changed, so they are still proposals for its next decode.
+        kept_over = {sid: d for sid, d in self.handed.items() if sid not in handed and sid in self.tokens}
+        self.handed = kept_over | {sid: d for sid, d in handed.items() if sid in self.tokens}
 
     def end_step(self, forks: list[tuple[int, int, int]], parent_tokens: dict[int, list[int]],
                  finished: list[tuple[int, str, int | None]]) -> None:
