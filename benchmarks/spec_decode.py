@@ -399,12 +399,16 @@ def measure(driver: Driver, spec: dict[str, Any]) -> list[dict[str, Any]]:
         if r["output_tokens"] != len(prompts) * max_tokens:
             raise RuntimeError(f"batch {batch}: produced {r['output_tokens']} tokens, the workload asks for "
                                f"{len(prompts) * max_tokens}")
-        lat = r.pop("latencies")
-        row = {"batch": batch, "requests": len(prompts), **r, "tok_s": r["output_tokens"] / r["seconds"],
-               "latency_mean_s": statistics.fmean(lat), "latency_p50_s": statistics.median(lat)}
-        row.update(acceptance(before, after))
-        rows.append(row)
+        rows.append({**batch_row(batch, len(prompts), r), **acceptance(before, after)})
     return rows
+
+
+def batch_row(batch: int, requests: int, waves: dict[str, Any]) -> dict[str, Any]:
+    """One batch size's row from its waves' seconds, output tokens and latencies."""
+    lat = waves["latencies"]
+    return {"batch": batch, "requests": requests, "seconds": waves["seconds"], "output_tokens": waves["output_tokens"],
+            "tok_s": waves["output_tokens"] / waves["seconds"], "latency_mean_s": statistics.fmean(lat),
+            "latency_p50_s": statistics.median(lat)}
 
 
 def measure_paired(driver: Driver, base: Driver, spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -436,13 +440,10 @@ def measure_paired(driver: Driver, base: Driver, spec: dict[str, Any]) -> list[d
         if r["output_tokens"] != len(prompts) * max_tokens or b["output_tokens"] != r["output_tokens"]:
             raise RuntimeError(f"batch {batch}: produced {r['output_tokens']} and {b['output_tokens']} tokens, "
                                f"the workload asks for {len(prompts) * max_tokens}")
-        lat = r.pop("latencies")
-        row = {"batch": batch, "requests": len(prompts), **r, "tok_s": r["output_tokens"] / r["seconds"],
-               "latency_mean_s": statistics.fmean(lat), "latency_p50_s": statistics.median(lat),
-               "paired_none_tok_s": b["output_tokens"] / b["seconds"], "paired_speedup": b["seconds"] / r["seconds"],
-               "paired_none_draft_tokens": base_after["draft_tokens"] - base_before["draft_tokens"]}
-        row.update(acceptance(before, after))
-        rows.append(row)
+        rows.append({**batch_row(batch, len(prompts), r), "paired_none_tok_s": b["output_tokens"] / b["seconds"],
+                     "paired_speedup": b["seconds"] / r["seconds"],
+                     "paired_none_draft_tokens": base_after["draft_tokens"] - base_before["draft_tokens"],
+                     **acceptance(before, after)})
     return rows
 
 

@@ -25,14 +25,19 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300, cwd=Path(__file__).parent)
 
 
-def test_generate_prints_the_greedy_completion(model_dir: Path) -> None:
-    prompt = "Hello there"
-    res = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-tokens", "12",
-                  "--num-kvcache-blocks", "64", "--max-model-len", "256", "--device", "cpu")
+def assert_generate_prints_greedy(model_dir: Path, prompt: str, max_tokens: int, *extra: str) -> None:
+    """`generate` (with `extra` options) prints exactly LLM's greedy completion of the prompt."""
+    res = run_cli("generate", "--model", str(model_dir), "--prompt", prompt, "--max-tokens", str(max_tokens),
+                  "--num-kvcache-blocks", "64", "--max-model-len", "256", "--device", "cpu", *extra)
     assert res.returncode == 0, res.stderr
     llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256)
-    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    expected = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
     assert res.stdout == expected + "\n"
+
+
+def test_generate_prints_the_greedy_completion(model_dir: Path) -> None:
+    assert_generate_prints_greedy(model_dir, "Hello there", 12)
 
 
 def test_bench_reports_throughput(model_dir: Path) -> None:
@@ -87,13 +92,7 @@ PROMPT = "ab ab ab ab ab ab ab ab ab"
 
 
 def test_generate_with_speculative_config(model_dir: Path) -> None:
-    res = run_cli("generate", "--model", str(model_dir), "--prompt", PROMPT, "--max-tokens", "24",
-                  "--num-kvcache-blocks", "64", "--max-model-len", "256", "--device", "cpu",
-                  "--speculative-config", json.dumps(SPEC))
-    assert res.returncode == 0, res.stderr
-    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=256)
-    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
-    assert res.stdout == expected + "\n"
+    assert_generate_prints_greedy(model_dir, PROMPT, 24, "--speculative-config", json.dumps(SPEC))
 
 
 def test_bad_speculative_config_names_the_field(model_dir: Path) -> None:
