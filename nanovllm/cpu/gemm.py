@@ -139,13 +139,11 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     m, k = rows.shape
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, packed.out_features), dtype=torch.float32)
-    if not m:
-        pass
-    elif packed.pairs:
+    if m and packed.pairs:
         x, stride = bf16_rows(rows)
         _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
                            packed.out_features, k, stride, packed.out_features, torch.get_num_threads())
-    else:
+    elif m:
         x, stride = fp32_rows(rows)
         _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
                       packed.out_features, k, stride, packed.out_features,
