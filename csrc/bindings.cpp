@@ -15,6 +15,7 @@
 #include "block_pool.h"
 #include "kv_cache_manager.h"
 #include "scheduler.h"
+#include "spec_verify.h"
 #include "step_ring.h"
 #include "xxhash64.h"
 
@@ -572,6 +573,71 @@ void bind_scheduler(py::module_& m) {
       .def("stats", &scheduler_stats);
 }
 
+template <typename T>
+using InArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+py::array_t<T> to_array(const std::vector<T>& v) {
+  py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
+}
+
+std::span<const int32_t> checked_drafts(const InArray<int32_t>& num_drafts, int64_t& rows) {
+  if (num_drafts.ndim() != 1) value_error("num_drafts must be one-dimensional");
+  const std::span<const int32_t> d(num_drafts.data(), num_drafts.size());
+  rows = static_cast<int64_t>(d.size());
+  for (size_t s = 0; s < d.size(); ++s) {
+    if (d[s] < 0) value_error("num_drafts[" + std::to_string(s) + "] = " + std::to_string(d[s]) + " is negative");
+    rows += d[s];
+  }
+  return d;
+}
+
+void bind_spec_verify(py::module_& m) {
+  m.def(
+      "verification_rows",
+      [](const InArray<int32_t>& num_drafts, const InArray<int32_t>& sample_indices, const InArray<int32_t>& input_ids) {
+        int64_t rows = 0;
+        const auto d = checked_drafts(num_drafts, rows);
+        if (sample_indices.ndim() != 1 || sample_indices.size() != num_drafts.size()) {
+          value_error("sample_indices must have one entry per sample (" + std::to_string(d.size()) + ")");
+        }
+        if (input_ids.ndim() != 1) value_error("input_ids must be one-dimensional");
+        for (size_t s = 0; s < d.size(); ++s) {
+          const int32_t last = sample_indices.data()[s];
+          if (last - d[s] < 0 || last >= input_ids.size()) {
+            value_error("sample " + std::to_string(s) + ": sample index " + std::to_string(last) + " with " +
+                        std::to_string(d[s]) + " drafts is outside the step's " + std::to_string(input_ids.size()) +
+                        " tokens");
+          }
+        }
+        const VerificationRows v =
+            verification_rows(d, {sample_indices.data(), d.size()}, {input_ids.data(), static_cast<size_t>(input_ids.size())});
+        return py::make_tuple(to_array(v.positions), to_array(v.drafts));
+      },
+      py::arg("num_drafts"), py::arg("sample_indices"), py::arg("input_ids"),
+      "A verification step's logits rows: (positions int64 [rows], drafts int64 [rows]). Sample s takes rows "
+      "sample_indices[s] - num_drafts[s] .. sample_indices[s]; a row's draft is the next input token, -1 for "
+      "each sample's last row.");
+  m.def(
+      "accept_greedy",
+      [](const InArray<int64_t>& tokens, const InArray<int64_t>& drafts, const InArray<int32_t>& num_drafts) {
+        int64_t rows = 0;
+        const auto d = checked_drafts(num_drafts, rows);
+        if (tokens.ndim() != 1 || drafts.ndim() != 1 || tokens.size() != rows || drafts.size() != rows) {
+          value_error("tokens and drafts must have one entry per verification row (" + std::to_string(rows) + ")");
+        }
+        const Accepted a = accept_greedy({tokens.data(), static_cast<size_t>(rows)},
+                                         {drafts.data(), static_cast<size_t>(rows)}, d);
+        return py::make_tuple(to_array(a.tokens), to_array(a.offsets), to_array(a.rows));
+      },
+      py::arg("tokens"), py::arg("drafts"), py::arg("num_drafts"),
+      "Greedy verification: each sample keeps its tokens up to its first that differs from the row's draft "
+      "(rows as verification_rows). Returns (tokens int32, offsets int32 [samples + 1], rows int64: each "
+      "emitted token's logits row).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -581,4 +647,5 @@ PYBIND11_MODULE(_C, m) {
   bind_step_plan(m);
   bind_step_ring(m);
   bind_scheduler(m);
+  bind_spec_verify(m);
 }

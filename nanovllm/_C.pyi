@@ -21,6 +21,14 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Seq[int]) -> int:
 def hash_prompt_blocks(token_ids: Seq[int], block_size: int) -> list[int]:
     """The chained hashes of every full block of `token_ids`."""
 
+def verification_rows(num_drafts: np.ndarray, sample_indices: np.ndarray,
+                      input_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A verification step's logits rows: (positions int64, drafts int64; -1 for each sample's last row)."""
+
+def accept_greedy(tokens: np.ndarray, drafts: np.ndarray,
+                  num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy verification: (emitted tokens int32, offsets int32 [samples + 1], each token's logits row int64)."""
+
 class BlockPool:
     """Physical KV blocks: ref counts, LRU free queue, hash -> block map."""
 

@@ -175,3 +175,71 @@ def test_bad_spec_arguments() -> None:
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         make(k=0)
     assert np.array_equal(make("none", k=0).schedule().num_drafts, np.zeros(0))
+
+
+def reference_rows(num_drafts: np.ndarray, sample_indices: np.ndarray, input_ids: np.ndarray) -> tuple[list, list]:
+    positions, drafts = [], []
+    for d, last in zip(num_drafts.tolist(), sample_indices.tolist()):
+        for p in range(last - d, last + 1):
+            positions.append(p)
+            drafts.append(int(input_ids[p + 1]) if p < last else -1)
+    return positions, drafts
+
+
+def reference_accept(tokens: list[int], drafts: list[int], num_drafts: np.ndarray) -> tuple[list, list, list]:
+    emitted, offsets, rows, row = [], [0], [], 0
+    for d in num_drafts.tolist():
+        for j in range(row, row + d + 1):
+            emitted.append(tokens[j])
+            rows.append(j)
+            if tokens[j] != drafts[j]:
+                break
+        offsets.append(len(emitted))
+        row += d + 1
+    return emitted, offsets, rows
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_verification_rows_and_greedy_acceptance_match_a_reference(seed: int) -> None:
+    """The verification step's host bookkeeping in C++ against a loop written from its definition,
+    on random plans (samples without drafts among them) and target tokens that agree with the
+    drafts for a random stretch."""
+    rng = np.random.default_rng(seed)
+    samples = int(rng.integers(1, 7))
+    num_drafts = rng.integers(0, 6, size=samples).astype(np.int32)
+    lengths = num_drafts + 1 + rng.integers(0, 3, size=samples)  # a row may carry tokens before its drafts
+    sample_indices = (np.cumsum(lengths) - 1).astype(np.int32)
+    input_ids = rng.integers(0, 50, size=int(lengths.sum())).astype(np.int32)
+    positions, drafts = _C.verification_rows(num_drafts, sample_indices, input_ids)
+    assert (positions.tolist(), drafts.tolist()) == reference_rows(num_drafts, sample_indices, input_ids)
+    assert positions.dtype == np.int64 and drafts.dtype == np.int64
+
+    tokens = drafts.copy()
+    row = 0
+    for d in num_drafts.tolist():  # agree up to a random row, then differ (or agree all the way)
+        cut = int(rng.integers(0, d + 2))
+        tokens[row + cut:row + d + 1] = rng.integers(50, 60, size=d + 1 - cut)
+        row += d + 1
+    tokens[drafts < 0] = rng.integers(0, 50, size=int((drafts < 0).sum()))
+    emitted, offsets, rows = _C.accept_greedy(tokens, drafts, num_drafts)
+    assert (emitted.tolist(), offsets.tolist(), rows.tolist()) == reference_accept(tokens.tolist(), drafts.tolist(),
+                                                                                   num_drafts)
+    assert emitted.dtype == np.int32 and offsets.dtype == np.int32
+    assert ((np.diff(offsets) >= 1) & (np.diff(offsets) <= num_drafts + 1)).all()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: _C.verification_rows(np.array([-1], np.int32), np.array([3], np.int32), np.zeros(4, np.int32)),
+     "num_drafts\\[0\\] = -1 is negative"),
+    (lambda: _C.verification_rows(np.array([2], np.int32), np.array([1], np.int32), np.zeros(4, np.int32)),
+     "outside the step's 4 tokens"),
+    (lambda: _C.verification_rows(np.array([0], np.int32), np.array([4], np.int32), np.zeros(4, np.int32)),
+     "outside the step's 4 tokens"),
+    (lambda: _C.verification_rows(np.array([0, 1], np.int32), np.array([3], np.int32), np.zeros(4, np.int32)),
+     "one entry per sample"),
+    (lambda: _C.accept_greedy(np.zeros(3, np.int64), np.zeros(3, np.int64), np.array([1], np.int32)),
+     "one entry per verification row \\(2\\)"),
+])
+def test_verification_helpers_reject_bad_input(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()

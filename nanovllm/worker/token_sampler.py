@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm._C import StepPlan
+from nanovllm._C import StepPlan, accept_greedy, verification_rows
 from nanovllm.sample import Sampler, SamplingBatch, SamplingState, gather_logprobs
 from nanovllm.sample.logprobs import LogprobBlock, logprob_columns, unpack_logprobs
 from nanovllm.sample.sampler import exponential_race, filtered_probs
@@ -149,55 +149,51 @@ class TokenSampler:
     def _verify(self, plan: StepPlan, hidden: torch.Tensor, sids: np.ndarray) -> RunnerOutput:
         """A step with drafts: every row's tokens, its accepted drafts then one more."""
         state = self.state
-        drafts = plan.num_drafts.astype(np.int64)
-        counts = drafts + 1
-        first = np.cumsum(counts) - counts  # each row's first logits row
-        row_of = np.repeat(np.arange(len(sids)), counts)
-        local = np.arange(len(row_of)) - first[row_of]
-        positions = plan.sample_indices.astype(np.int64)[row_of] - drafts[row_of] + local
+        num_drafts = plan.num_drafts
+        positions, draft_at = verification_rows(num_drafts, plan.sample_indices, plan.input_ids)
         raw = self._logits(hidden, to_device(positions, hidden.device), positions)
-        # Position j's draft is the input token at j + 1; -1 where a row's drafts end.
-        is_draft = local < drafts[row_of]
-        draft_at = np.where(is_draft, plan.input_ids[np.where(is_draft, positions + 1, positions)], -1)
-        emitted = np.full(len(row_of), -1, dtype=np.int64)
-        ends = GrammarEnds()
-        forks: list[tuple[int, int, int]] = []
+        drafts = num_drafts.astype(np.int64)
+        first = np.cumsum(drafts + 1) - (drafts + 1)  # each row's first logits row
         fan = [int(s) for s in sids if int(s) in self._children] if self._children else []
         if not (state.users.sampled or state.users.processed or fan):
-            tokens = self.sampler(raw, None)
-            host, = to_host(tokens)
-            match = host == draft_at
-            # Each row's first mismatch (its last position never matches: draft -1).
-            misses = np.flatnonzero(~match)
-            stop = misses[np.searchsorted(misses, first)]
-            taken = local <= (stop - first)[row_of]
-            emitted[taken] = host[taken]
+            host, = to_host(self.sampler(raw, None))
+            tokens_out, offsets, keep = accept_greedy(host, draft_at, num_drafts)
+            out = RunnerOutput(sids, tokens_out, offsets, [], grammar_ends=GrammarEnds())
         else:
-            alive = np.arange(len(sids))
-            q_of = self._draft_distributions(sids, drafts, first, draft_at)
-            for j in range(int(drafts.max()) + 1):
-                idx = first[alive] + j
-                rows = sids[alive]
-                with_q = [(i, q_of[r][j]) for i, r in enumerate(alive.tolist()) if r in q_of and j < drafts[r]]
-                host, step_ends, forks_j = self._draw(raw[to_device(idx, raw.device)], rows, fan if j == 0 else [],
-                                                      with_q, draft_at[idx])
-                forks += forks_j
-                emitted[idx] = host
-                ends.terminated += step_ends.terminated
-                ends.rejected += step_ends.rejected
-                stopped = np.isin(rows, step_ends.terminated + step_ends.rejected) if step_ends.terminated or \
-                    step_ends.rejected else np.zeros(len(rows), dtype=bool)
-                alive = alive[(host == draft_at[idx]) & ~stopped]
-                if not len(alive):
-                    break
+            out, keep = self._verify_sampled(sids, raw, drafts, first, draft_at, fan)
+        if state.users.logprobs:
+            self._verified_logprobs(out, raw, keep, first)
+        return out
+
+    def _verify_sampled(self, sids: np.ndarray, raw: torch.Tensor, drafts: np.ndarray, first: np.ndarray,
+                        draft_at: np.ndarray, fan: list[int]) -> tuple[RunnerOutput, np.ndarray]:
+        """Verification through the sampler, position after position, for rows that sample, take
+        processed logits or fan out: (the output, each emitted token's logits row)."""
+        emitted = np.full(len(draft_at), -1, dtype=np.int64)
+        ends = GrammarEnds()
+        forks: list[tuple[int, int, int]] = []
+        alive = np.arange(len(sids))
+        q_of = self._draft_distributions(sids, drafts, first, draft_at)
+        for j in range(int(drafts.max()) + 1):
+            idx = first[alive] + j
+            rows = sids[alive]
+            with_q = [(i, q_of[r][j]) for i, r in enumerate(alive.tolist()) if r in q_of and j < drafts[r]]
+            host, step_ends, forks_j = self._draw(raw[to_device(idx, raw.device)], rows, fan if j == 0 else [],
+                                                  with_q, draft_at[idx])
+            forks += forks_j
+            emitted[idx] = host
+            ends.terminated += step_ends.terminated
+            ends.rejected += step_ends.rejected
+            stopped = np.isin(rows, step_ends.terminated + step_ends.rejected) if step_ends.terminated or \
+                step_ends.rejected else np.zeros(len(rows), dtype=bool)
+            alive = alive[(host == draft_at[idx]) & ~stopped]
+            if not len(alive):
+                break
         keep = np.flatnonzero(emitted >= 0)
-        tokens_out = emitted[keep].astype(np.int32)
+        row_of = np.repeat(np.arange(len(sids)), drafts + 1)
         offsets = np.zeros(len(sids) + 1, dtype=np.int32)
         np.cumsum(np.bincount(row_of[keep], minlength=len(sids)), out=offsets[1:])
-        out = RunnerOutput(sids, tokens_out, offsets, forks, grammar_ends=ends)
-        if state.users.logprobs:
-            self._verified_logprobs(out, raw, keep, row_of, first)
-        return out
+        return RunnerOutput(sids, emitted[keep].astype(np.int32), offsets, forks, grammar_ends=ends), keep
 
     def _draft_distributions(self, sids: np.ndarray, drafts: np.ndarray, first: np.ndarray,
                              draft_at: np.ndarray) -> dict[int, torch.Tensor]:
@@ -260,11 +256,12 @@ class TokenSampler:
         residual = (p - q).clamp_min_(0.0)
         return torch.where(accept, d.squeeze(1), exponential_race(residual, gens))
 
-    def _verified_logprobs(self, out: RunnerOutput, raw: torch.Tensor, keep: np.ndarray, row_of: np.ndarray,
-                           first: np.ndarray) -> None:
-        """Logprobs of every emitted token (from its position's raw logits), and of fanned-out
-        children's first tokens, for the sequences that asked."""
-        sids = np.concatenate([out.seq_ids[row_of[keep]], [c for _, c, _ in out.forks]]).astype(np.int64)
+    def _verified_logprobs(self, out: RunnerOutput, raw: torch.Tensor, keep: np.ndarray, first: np.ndarray) -> None:
+        """Logprobs of every emitted token (from its position's raw logits, `keep`: their rows), and of
+        fanned-out children's first tokens, for the sequences that asked."""
+        assert out.token_offsets is not None
+        emitted_by = np.repeat(out.seq_ids, np.diff(out.token_offsets))
+        sids = np.concatenate([emitted_by, [c for _, c, _ in out.forks]]).astype(np.int64)
         logit_rows = np.concatenate([keep, [first[np.flatnonzero(out.seq_ids == p)[0]] for p, _, _ in out.forks]])
         chosen = np.concatenate([out.tokens, [t for _, _, t in out.forks]]).astype(np.int64)
         wanted = self.state.rows.logprobs[sids]
