@@ -190,7 +190,7 @@ template <typename T>
 template <typename T>
 NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads,
                                int per_head, int base, int64_t L, int64_t stride, const float* qf, float* sc,
-                               float* acc, float* row) {
+                               float* acc) {
   const int group = a.num_heads / a.num_kv_heads;
   const int D = a.head_dim;
   const int bs = a.block_size;
@@ -209,7 +209,22 @@ NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table
     }
   }
   softmax_visible(sc, stride, V, per_head, group, base, L);
-  weighted_values<T>(a, table, head_off, heads, per_head, base, L, stride, sc, acc, row);
+  // Values a block at a time: each head's vectors, four at a time, add up the block's rows in
+  // registers (the portable loop loaded and stored every accumulator once per key). A vector's
+  // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
+  // pass. The block is prefetched whole, so walking it head by head reads from cache.
+  const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
+  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    prefetch_ahead<T>(a, table, t0, L, a.v_cache);
+    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
+    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+    for (int h = 0; h < heads; ++h) {
+      for (int v = h * per_head; v < (h + 1) * per_head; v += 4) {
+        avx2::weighted_rows(std::min(4, (h + 1) * per_head - v), sc + v * stride + t0, stride,
+                            x + static_cast<int64_t>(h) * D, kv_row, n, D, acc + static_cast<int64_t>(v) * D, D);
+      }
+    }
+  }
 }
 #endif
 
@@ -277,7 +292,7 @@ template <typename T>
 
 #if defined(__x86_64__)
   if (D % 8 == 0 && bs % 8 == 0 && has_avx2_fma()) {
-    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, sc, acc, s.row.data());
+    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, sc, acc);
     write_task_output<T>(a, task, acc);
     return;
   }

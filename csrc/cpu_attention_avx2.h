@@ -54,6 +54,56 @@ NANOVLLM_AVX2 inline void dot8(const float* __restrict q, const T* __restrict k,
   _mm256_storeu_ps(out, sum_lanes8(a0, a1, a2, a3, a4, a5, a6, a7));
 }
 
+
+// acc[v][c * 8 ..] += sum over keys i < n of p[v * p_stride + i] * x_i[c * 8 ..] for NV vectors and
+// W chunks of eight columns, accumulators held in registers across the keys (x_i = x + i * x_stride).
+template <int NV, int W, typename T>
+NANOVLLM_AVX2 inline void weighted_rows(const float* __restrict p, int64_t p_stride, const T* __restrict x,
+                                        int64_t x_stride, int n, float* __restrict acc, int64_t acc_stride) {
+  __m256 a[NV][W];
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < W; ++c) a[v][c] = _mm256_loadu_ps(acc + v * acc_stride + c * 8);
+  for (int i = 0; i < n; ++i, x += x_stride) {
+    __m256 xv[W];
+    for (int c = 0; c < W; ++c) xv[c] = load8(x + c * 8);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 pv = _mm256_broadcast_ss(p + v * p_stride + i);
+      for (int c = 0; c < W; ++c) a[v][c] = _mm256_fmadd_ps(pv, xv[c], a[v][c]);
+    }
+  }
+  for (int v = 0; v < NV; ++v)
+    for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + v * acc_stride + c * 8, a[v][c]);
+}
+
+// The same for nv <= 4 vectors and all D columns (D % 8 == 0): up to 12 accumulators at a time.
+template <typename T>
+NANOVLLM_AVX2 inline void weighted_rows(int nv, const float* __restrict p, int64_t p_stride, const T* __restrict x,
+                                        int64_t x_stride, int n, int D, float* __restrict acc, int64_t acc_stride) {
+  int d = 0;
+  switch (nv) {
+    case 1:
+      for (; d + 64 <= D; d += 64) weighted_rows<1, 8>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+      break;
+    case 2:
+      for (; d + 48 <= D; d += 48) weighted_rows<2, 6>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+      break;
+    case 3:
+      for (; d + 32 <= D; d += 32) weighted_rows<3, 4>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+      break;
+    default:
+      for (; d + 24 <= D; d += 24) weighted_rows<4, 3>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+      break;
+  }
+  for (; d < D; d += 8) {
+    switch (nv) {
+      case 1: weighted_rows<1, 1>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride); break;
+      case 2: weighted_rows<2, 1>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride); break;
+      case 3: weighted_rows<3, 1>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride); break;
+      default: weighted_rows<4, 1>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride); break;
+    }
+  }
+}
+
 }  // namespace nanovllm::avx2
 
 #endif  // __x86_64__
