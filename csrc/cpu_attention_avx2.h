@@ -64,18 +64,19 @@ NANOVLLM_AVX2 inline void weighted_rows(const float* __restrict p, int64_t p_str
   for (int v = 0; v < NV; ++v)
     for (int c = 0; c < W; ++c) a[v][c] = _mm256_loadu_ps(acc + v * acc_stride + c * 8);
   for (int i = 0; i < n; ++i, x += x_stride) {
-    __m256 xv[W];
-    for (int c = 0; c < W; ++c) xv[c] = load8(x + c * 8);
-    for (int v = 0; v < NV; ++v) {
-      const __m256 pv = _mm256_broadcast_ss(p + v * p_stride + i);
-      for (int c = 0; c < W; ++c) a[v][c] = _mm256_fmadd_ps(pv, xv[c], a[v][c]);
+    __m256 pv[NV];
+    for (int v = 0; v < NV; ++v) pv[v] = _mm256_broadcast_ss(p + v * p_stride + i);
+    for (int c = 0; c < W; ++c) {
+      const __m256 xv = load8(x + c * 8);
+      for (int v = 0; v < NV; ++v) a[v][c] = _mm256_fmadd_ps(pv[v], xv, a[v][c]);
     }
   }
   for (int v = 0; v < NV; ++v)
     for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + v * acc_stride + c * 8, a[v][c]);
 }
 
-// The same for nv <= 4 vectors and all D columns (D % 8 == 0): up to 12 accumulators at a time.
+// The same for nv <= 4 vectors and all D columns (D % 8 == 0): at most 12 accumulators, the broadcast
+// scores and one row chunk in AVX2's 16 registers at a time.
 template <typename T>
 NANOVLLM_AVX2 inline void weighted_rows(int nv, const float* __restrict p, int64_t p_stride, const T* __restrict x,
                                         int64_t x_stride, int n, int D, float* __restrict acc, int64_t acc_stride) {
@@ -91,7 +92,7 @@ NANOVLLM_AVX2 inline void weighted_rows(int nv, const float* __restrict p, int64
       for (; d + 32 <= D; d += 32) weighted_rows<3, 4>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
       break;
     default:
-      for (; d + 24 <= D; d += 24) weighted_rows<4, 3>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+      for (; d + 16 <= D; d += 16) weighted_rows<4, 2>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
       break;
   }
   for (; d < D; d += 8) {
