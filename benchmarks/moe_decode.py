@@ -12,9 +12,12 @@ packed experts) on the same threads.
 
 `--kernel avx2|onednn` packs the experts for that GEMM kernel instead of the one this CPU takes
 (nanovllm/cpu/moe.py): the MoE layer is one C++ call on the first, a per-expert loop on
-the second.
+the second. `--quantization int8|int4` quantizes the model at load (experts included; the bytes are
+then the experts' as stored); `--experts-loop` runs quantized experts as a per-expert loop of
+quantized GEMMs instead of the one-call layer (layers/quantization/cpu_moe.py).
 
-Usage: python benchmarks/moe_decode.py --model DIR [--dtype bfloat16] [--kernel avx2] [--json out.json]
+Usage: python benchmarks/moe_decode.py --model DIR [--dtype bfloat16] [--kernel avx2] [--quantization int4]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.cpu import huge_pages
 from nanovllm.cpu import moe as cpu_moe
 from nanovllm.layers.fused_moe import FusedMoE
+from nanovllm.layers.quantization import cpu_moe as quant_moe
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a Qwen3-MoE or Mixtral model directory")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kernel", choices=["avx2", "onednn"], default=None, help="default: this CPU's")
+    p.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    p.add_argument("--experts-loop", action="store_true", help="quantized experts as a per-expert loop")
     p.add_argument("--num-seqs", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
@@ -51,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def expert_bytes(layer: FusedMoE) -> int:
     """One expert's gate/up and down weights as this layer reads them."""
+    if layer.quant is not None:
+        return layer.quant.stored_bytes() // layer.num_experts
     packed = layer.packed
     if isinstance(packed, cpu_moe.GemmPackedExperts):
         return (packed.w13.nbytes + packed.w2.nbytes) // packed.experts
@@ -89,13 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel is not None:
         kernel = args.kernel
         cpu_moe.expert_kernel = lambda: kernel  # type: ignore[assignment]
+    if args.experts_loop:
+        quant_moe.can_pack = lambda w13, w2: False  # type: ignore[assignment]
     meter = MoeMeter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_seqs, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_seqs, max_model_len=args.max_model_len,
+              quantization=args.quantization)
     engine = llm.engine
     layers = [m for m in engine.executor.runner.model.modules() if isinstance(m, FusedMoE)]
     if not layers:
         raise SystemExit(f"{args.model} has no mixture-of-experts layers")
-    packing = type(layers[0].packed).__name__ if layers[0].packed is not None else "dense"
+    quant = layers[0].quant
+    if quant is not None:
+        packing = f"{args.quantization or 'quantized'}, " + ("one call" if quant.fused is not None else "loop")
+    else:
+        packing = type(layers[0].packed).__name__ if layers[0].packed is not None else "dense"
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 8)
     for _ in range(args.num_seqs):

@@ -303,40 +303,57 @@ QuantIsa quant_isa_best() {
   return best;
 }
 
-void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
-  if (a.m == 0) return;
-  if (isa == QuantIsa::kAuto) isa = quant_isa_best();
-  const Segments segs(a.k, a.group_size);
-  // Each row's sum of x over each segment, for the zero points of the in-register paths (the
-  // fp32 one takes at most kMaxDirectRows rows; the buffered path does not read it).
+namespace {
+
+// Each row's sum of x over each segment, for the zero points of the in-register paths (the fp32 one
+// takes at most kMaxDirectRows rows; the buffered path does not read it).
+std::vector<float> segment_sums(const QuantGemmArgs& a, const Segments& segs) {
   std::vector<float> xsum;
-  if (a.x_bf16 != nullptr || a.m <= kMaxDirectRows) {
-    xsum.assign(a.m * segs.count(), 0.0f);
-    for (int64_t r = 0; r < a.m; ++r) {
-      for (int64_t s = 0; s < segs.count(); ++s) {
-        float sum = 0.0f;
-        for (int64_t i = segs.start[s]; i < segs.start[s + 1]; ++i) {
-          sum += a.x_bf16 != nullptr ? widen(a.x_bf16[r * a.x_stride + i]) : a.x[r * a.x_stride + i];
-        }
-        xsum[r * segs.count() + s] = sum;
+  if (a.x_bf16 == nullptr && a.m > kMaxDirectRows) return xsum;
+  xsum.assign(a.m * segs.count(), 0.0f);
+  for (int64_t r = 0; r < a.m; ++r) {
+    for (int64_t s = 0; s < segs.count(); ++s) {
+      float sum = 0.0f;
+      for (int64_t i = segs.start[s]; i < segs.start[s + 1]; ++i) {
+        sum += a.x_bf16 != nullptr ? widen(a.x_bf16[r * a.x_stride + i]) : a.x[r * a.x_stride + i];
       }
+      xsum[r * segs.count() + s] = sum;
     }
   }
-  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, [&](int64_t p0, int64_t p1) {
+  return xsum;
+}
+
+void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-    if (a.x_bf16 != nullptr) {
-      quant_avx512::run_bf16(a, segs, xsum.data(), p0, p1);
-      return;
-    }
+  if (a.x_bf16 != nullptr) {
+    quant_avx512::run_bf16(a, segs, xsum, p0, p1);
+    return;
+  }
 #endif
-    switch (isa) {
+  switch (isa == QuantIsa::kAuto ? quant_isa_best() : isa) {
 #if defined(__x86_64__)
-      case QuantIsa::kAvx512: quant_avx512::run(a, segs, xsum.data(), p0, p1); break;
-      case QuantIsa::kAvx2: quant_avx2::run(a, segs, xsum.data(), p0, p1); break;
+    case QuantIsa::kAvx512: quant_avx512::run(a, segs, xsum, p0, p1); break;
+    case QuantIsa::kAvx2: quant_avx2::run(a, segs, xsum, p0, p1); break;
 #endif
-      default: quant_portable::run(a, segs, xsum.data(), p0, p1); break;
-    }
-  });
+    default: quant_portable::run(a, segs, xsum, p0, p1); break;
+  }
+}
+
+}  // namespace
+
+void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
+  if (a.m == 0) return;
+  const Segments segs(a.k, a.group_size);
+  const std::vector<float> xsum = segment_sums(a, segs);
+  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
+                [&](int64_t p0, int64_t p1) { run_isa(a, isa, segs, xsum.data(), p0, p1); });
+}
+
+void quant_gemm_panels(const QuantGemmArgs& a, QuantIsa isa, int64_t p0, int64_t p1) {
+  if (a.m == 0 || p0 >= p1) return;
+  const Segments segs(a.k, a.group_size);
+  const std::vector<float> xsum = segment_sums(a, segs);
+  run_isa(a, isa, segs, xsum.data(), p0, p1);
 }
 
 }  // namespace nanovllm

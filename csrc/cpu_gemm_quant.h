@@ -55,5 +55,8 @@ bool quant_has_bf16();
 
 // The binding checks sizes, pointers and that the CPU runs `isa`.
 void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads);
+// Output panels [p0, p1) (of kGemmPanel columns) only, on the calling thread: for a caller that
+// splits the panels over its own team (the mixture-of-experts layer).
+void quant_gemm_panels(const QuantGemmArgs& a, QuantIsa isa, int64_t p0, int64_t p1);
 
 }  // namespace nanovllm

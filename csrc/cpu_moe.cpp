@@ -5,9 +5,11 @@
 #include <cstddef>
 #include <memory>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_gemm.h"
+#include "cpu_gemm_quant.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
 
@@ -105,16 +107,86 @@ struct Share {
   Share(int64_t n, int64_t thread, int64_t team) : begin(n * thread / team), end(n * (thread + 1) / team) {}
 };
 
-// One expert's GEMM over panels [p0, p1): fp32 rows on the dense kernel's fp32 tiles (AVX-512 where
-// the CPU has it, else AVX2; bf16 weights widened), bf16 rows on the AVX512-BF16 pair tiles.
-void expert_gemm(const float* x, int64_t x_stride, const char* packed, CpuDtype weight_dtype, float* y,
-                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
-  gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, weight_dtype}, p0, p1);
-}
-void expert_gemm(const Bf16* x, int64_t x_stride, const char* packed, CpuDtype /*bf16*/, float* y,
-                 int64_t y_stride, int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
-  gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), nullptr, y, m, n, k, x_stride, y_stride}, p0, p1);
-}
+// Our GEMM's packed experts (gemm_panel_range): fp32 rows on the dense kernel's fp32 tiles (AVX-512
+// where the CPU has it, else AVX2; bf16 weights widened), bf16 rows on the AVX512-BF16 pair tiles.
+class DenseExperts {
+ public:
+  explicit DenseExperts(const MoeExpertsArgs& a)
+      : a_(a),
+        w13_bytes_(gemm_packed_elements(moe_gate_up_rows(a.layer.inter), a.layer.hidden) * weight_bytes()),
+        w2_bytes_(gemm_packed_elements(a.layer.hidden, moe_down_depth(a.layer.inter, a.bf16_pairs)) * weight_bytes()) {}
+
+  template <typename A>
+  void gate_up(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
+               int64_t p1) const {
+    gemm(x, x_stride, static_cast<const char*>(a_.w13) + e * w13_bytes_, y, y_stride, m,
+         moe_gate_up_rows(a_.layer.inter), a_.layer.hidden, p0, p1);
+  }
+  template <typename A>
+  void down(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
+            int64_t p1) const {
+    gemm(x, x_stride, static_cast<const char*>(a_.w2) + e * w2_bytes_, y, y_stride, m, a_.layer.hidden,
+         moe_down_depth(a_.layer.inter, a_.bf16_pairs), p0, p1);
+  }
+
+ private:
+  int64_t weight_bytes() const { return a_.weight_dtype == CpuDtype::kFloat32 ? 4 : 2; }
+  void gemm(const float* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
+            int64_t k, int64_t p0, int64_t p1) const {
+    gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, a_.weight_dtype}, p0, p1);
+  }
+  void gemm(const Bf16* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
+            int64_t k, int64_t p0, int64_t p1) const {
+    gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), nullptr, y, m, n, k, x_stride, y_stride}, p0, p1);
+  }
+
+  const MoeExpertsArgs& a_;
+  int64_t w13_bytes_, w2_bytes_;
+};
+
+// int8 / int4 experts (quant_gemm_panels): fp32 rows, or bf16 rows on the AVX512-BF16 path.
+class QuantExperts {
+ public:
+  explicit QuantExperts(const MoeQuantExpertsArgs& a) : a_(a) {}
+
+  template <typename A>
+  void gate_up(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
+               int64_t p1) const {
+    gemm(a_.w13, e, x, x_stride, y, y_stride, m, moe_gate_up_rows(a_.layer.inter), a_.layer.hidden, p0, p1);
+  }
+  template <typename A>
+  void down(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
+            int64_t p1) const {
+    gemm(a_.w2, e, x, x_stride, y, y_stride, m, a_.layer.hidden, a_.layer.inter, p0, p1);
+  }
+
+ private:
+  template <typename A>
+  static void gemm(const MoeQuantWeights& w, int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride,
+                   int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1) {
+    QuantGemmArgs g{};
+    if constexpr (std::is_same_v<A, Bf16>) {
+      g.x_bf16 = reinterpret_cast<const uint16_t*>(x);
+    } else {
+      g.x = x;
+    }
+    g.packed = w.packed + e * w.packed_stride;
+    g.scales = w.scales + e * w.scales_stride;
+    g.zeros = w.zeros == nullptr ? nullptr : w.zeros + e * w.zeros_stride;
+    g.y = y;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.x_stride = x_stride;
+    g.y_stride = y_stride;
+    g.group_size = w.group_size;
+    g.bits = w.bits;
+    g.zero_offset = w.zero_offset;
+    quant_gemm_panels(g, QuantIsa::kAuto, p0, p1);
+  }
+
+  const MoeQuantExpertsArgs& a_;
+};
 
 // One thread's part of the layer, between the team's barriers:
 //   1. gather: its share of the assignments' rows of x in expert order (xs, the GEMM input type A);
@@ -122,12 +194,11 @@ void expert_gemm(const Bf16* x, int64_t x_stride, const char* packed, CpuDtype /
 //      of those panels' columns (act): the packing interleaves 8 gate and 8 up rows per panel;
 //   3. down: its share of the output panels of every chosen expert (y), then the combine of those
 //      columns for every row: no thread reads another's.
-// T is the activations' dtype; A the GEMMs' input: fp32 (our AVX2 tiles) or bf16 (the pair tiles).
-template <typename T, typename A>
-void experts_typed(const MoeExpertsArgs& a, int num_threads) {
+// T is the activations' dtype; A the GEMMs' input: fp32 or bf16 rows (per kind of Experts).
+template <typename T, typename A, typename Experts>
+void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_threads) {
   const int64_t k = a.top_k, assignments = a.rows * k, hidden = a.hidden, inter = a.inter;
   const int64_t inter8 = moe_gate_up_rows(inter) / 2, gate_up = 2 * inter8;
-  const int64_t down_k = moe_down_depth(inter, a.bf16_pairs);
   std::vector<int32_t> ids(assignments), sorted(assignments), offsets(a.experts + 1);
   std::vector<float> weights(assignments);
   // Serial: a decode step's routing is a few microseconds, and a parallel region of its own
@@ -146,11 +217,6 @@ void experts_typed(const MoeExpertsArgs& a, int num_threads) {
   float* const h = carve.take<float>(assignments * gate_up);
   A* const act = carve.take<A>(assignments * inter8);
   float* const y = carve.take<float>(assignments * hidden);
-  const int64_t weight_bytes = a.weight_dtype == CpuDtype::kFloat32 ? 4 : 2;
-  const char* w13 = static_cast<const char*>(a.w13);
-  const char* w2 = static_cast<const char*>(a.w2);
-  const int64_t w13_bytes = gemm_packed_elements(gate_up, hidden) * weight_bytes;
-  const int64_t w2_bytes = gemm_packed_elements(hidden, down_k) * weight_bytes;
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.out);
   // Weights read plus multiply-adds, in elements: below kMinElementsPerThread a thread costs more.
@@ -169,8 +235,7 @@ void experts_typed(const MoeExpertsArgs& a, int num_threads) {
     const Share up_panels(gemm_panels(gate_up), t, team);
     for (const int32_t e : chosen) {
       const int64_t first = offsets[e], m = offsets[e + 1] - first;
-      expert_gemm(xs + first * hidden, hidden, w13 + e * w13_bytes, a.weight_dtype, h + first * gate_up, gate_up, m,
-                  gate_up, hidden, up_panels.begin, up_panels.end);
+      experts.gate_up(e, xs + first * hidden, hidden, h + first * gate_up, gate_up, m, up_panels.begin, up_panels.end);
       for (int64_t r = first; r < first + m; ++r) {
         for (int64_t p = up_panels.begin; p < up_panels.end; ++p) {
           const float* __restrict gate = h + r * gate_up + p * kGemmPanel;
@@ -187,8 +252,8 @@ void experts_typed(const MoeExpertsArgs& a, int num_threads) {
     const Share down_panels(gemm_panels(hidden), t, team);
     for (const int32_t e : chosen) {
       const int64_t first = offsets[e];
-      expert_gemm(act + first * inter8, inter8, w2 + e * w2_bytes, a.weight_dtype, y + first * hidden, hidden,
-                  offsets[e + 1] - first, hidden, down_k, down_panels.begin, down_panels.end);
+      experts.down(e, act + first * inter8, inter8, y + first * hidden, hidden, offsets[e + 1] - first,
+                   down_panels.begin, down_panels.end);
     }
     combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
                            down_panels.begin * kGemmPanel, std::min(hidden, down_panels.end * kGemmPanel));
@@ -226,15 +291,27 @@ void moe_combine(const MoeCombineArgs& a, int num_threads) {
   });
 }
 
-void moe_experts(const MoeExpertsArgs& a, int num_threads) {
-  if (a.rows == 0) return;
-  if (a.dtype == CpuDtype::kFloat32) {
-    experts_typed<float, float>(a, num_threads);
-  } else if (a.bf16_pairs) {
-    experts_typed<Bf16, Bf16>(a, num_threads);
+namespace {
+// The GEMMs' input per the activations' dtype: fp32 rows, or bf16 rows where the experts take them.
+template <typename Experts>
+void experts_for_dtype(const MoeLayerArgs& layer, const Experts& experts, bool bf16_inputs, int num_threads) {
+  if (layer.rows == 0) return;
+  if (layer.dtype == CpuDtype::kFloat32) {
+    experts_typed<float, float>(layer, experts, num_threads);
+  } else if (bf16_inputs) {
+    experts_typed<Bf16, Bf16>(layer, experts, num_threads);
   } else {
-    experts_typed<Bf16, float>(a, num_threads);
+    experts_typed<Bf16, float>(layer, experts, num_threads);
   }
+}
+}  // namespace
+
+void moe_experts(const MoeExpertsArgs& a, int num_threads) {
+  experts_for_dtype(a.layer, DenseExperts(a), a.bf16_pairs, num_threads);
+}
+
+void moe_quant_experts(const MoeQuantExpertsArgs& a, int num_threads) {
+  experts_for_dtype(a.layer, QuantExperts(a), a.bf16_rows, num_threads);
 }
 
 }  // namespace nanovllm

@@ -61,15 +61,12 @@ inline int64_t moe_gate_up_rows(int64_t inter) { return 2 * ((inter + 7) / 8 * 8
 // The packed down weight's depth: inter, or inter padded to 8 for the pair tiles (an even depth).
 inline int64_t moe_down_depth(int64_t inter, bool bf16_pairs) { return bf16_pairs ? moe_gate_up_rows(inter) / 2 : inter; }
 
-struct MoeExpertsArgs {
+// What every kind of experts shares: the rows in and out, the router logits, the layer's shape.
+struct MoeLayerArgs {
   const void* x;  // [rows, hidden] of dtype, rows x_stride apart
   int64_t x_stride;
   const float* logits;  // [rows, experts]
   int64_t logits_stride;
-  const void* w13;
-  const void* w2;
-  CpuDtype weight_dtype;
-  bool bf16_pairs;
   int64_t rows, hidden, inter, experts, top_k;
   bool renormalize;
   void* out;  // [rows, hidden] of dtype
@@ -77,6 +74,39 @@ struct MoeExpertsArgs {
   CpuDtype dtype;
 };
 
+struct MoeExpertsArgs {
+  MoeLayerArgs layer;
+  const void* w13;
+  const void* w2;
+  CpuDtype weight_dtype;
+  bool bf16_pairs;
+};
+
 void moe_experts(const MoeExpertsArgs& a, int num_threads);
+
+// The same layer on int8 / int4 experts packed for quant_gemm (cpu_gemm_quant.h), expert after
+// expert at fixed strides: the gate/up weight with its rows interleaved as above (its zero rows of
+// scale 0), the down weight [hidden, inter]. With bf16_rows (bf16 activations, an AVX512-BF16 CPU,
+// groups of an even size or one per row, hidden even) the GEMMs take bf16 rows (quant_gemm's x_bf16
+// path), else fp32 rows.
+struct MoeQuantWeights {
+  const uint8_t* packed;  // experts x packed_stride bytes
+  int64_t packed_stride;
+  const float* scales;  // experts x scales_stride floats: [panels][groups][16]
+  int64_t scales_stride;
+  const int8_t* zeros;  // nullable; experts x zeros_stride: [panels][groups][16]
+  int64_t zeros_stride;
+  int64_t group_size;
+  int bits;
+  float zero_offset;
+};
+
+struct MoeQuantExpertsArgs {
+  MoeLayerArgs layer;
+  MoeQuantWeights w13, w2;
+  bool bf16_rows;
+};
+
+void moe_quant_experts(const MoeQuantExpertsArgs& a, int num_threads);
 
 }  // namespace nanovllm

@@ -120,6 +120,9 @@ class FusedMoE(nn.Module):
     def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             quant = self.quant
+            fused = quant.cpu_experts(x, logits, self.top_k, self.renormalize)
+            if fused is not None:
+                return fused
             gate_up = lambda rows, e: quant.w13[e].matmul(rows, None)  # noqa: E731
             down = lambda rows, e: quant.w2[e].matmul(rows, None)  # noqa: E731
             if cpu_moe.can_run(x, logits):

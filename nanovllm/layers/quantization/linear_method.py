@@ -31,7 +31,7 @@ from nanovllm.layers.linear import (
     read_all,
     set_weight_loader,
 )
-from nanovllm.layers.quantization import cpu_kernel
+from nanovllm.layers.quantization import cpu_kernel, cpu_moe
 from nanovllm.layers.quantization.config import QuantConfig, WeightScheme
 from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn
 
@@ -114,6 +114,7 @@ class QuantizedExperts:
                                     config, scheme) for e in range(layer.num_experts)]
         self.w2 = [QuantizedLinear([(None, hidden, f"{name}.{e}.{down}")], inter, config, scheme)
                    for e in range(layer.num_experts)]
+        self.fused: cpu_moe.PackedQuantExperts | None = None  # every expert, for the one-call CPU layer
 
     def placeholders(self, layer: FusedMoE, tensor: str) -> tuple[nn.Parameter, nn.Parameter]:
         """The two parameters the loader fills with every expert's checkpoint tensor `tensor`
@@ -139,9 +140,28 @@ class QuantizedExperts:
             quant.finish(device)
 
     def prepack_for_cpu(self) -> bool:
+        """Every expert packed for the one-call layer (cpu_moe.fused_experts) when their formats
+        allow it, else each projection for its own GEMM; the unpacked copies are released."""
+        weights13 = [quant.weight for quant in self.w13]
+        weights2 = [quant.weight for quant in self.w2]
+        if self.fused is not None or any(w is None for w in (*weights13, *weights2)):
+            return False
+        if cpu_moe.can_pack(weights13, weights2):  # type: ignore[arg-type]
+            self.fused = cpu_moe.pack_experts(weights13, weights2)  # type: ignore[arg-type]
+            for quant in (*self.w13, *self.w2):
+                quant.weight = None
+            return True
         return any([quant.prepack_for_cpu() for quant in (*self.w13, *self.w2)])
 
+    def cpu_experts(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor | None:
+        """The layer's output from the fused experts, None when they were not packed so (run the loop)."""
+        if self.fused is None or x.device.type != "cpu":
+            return None
+        return cpu_moe.fused_experts(x, logits, self.fused, top_k, renormalize)
+
     def stored_bytes(self) -> int:
+        if self.fused is not None:
+            return self.fused.nbytes()
         return sum(quant.stored_bytes() for quant in (*self.w13, *self.w2))
 
 

@@ -1,0 +1,125 @@
+"""int8 / int4 experts of a mixture-of-experts layer as one C++ call per layer on the CPU
+(csrc/cpu_moe.cpp, `moe_quant_experts_cpu`): the same layer as the dense experts' (nanovllm/cpu/moe.py:
+routing, grouping, both GEMMs and SiLU-and-mul of every chosen expert, the weighted sum, threads split
+over column panels), with each GEMM reading its expert's packed int8 / int4 weight (cpu_kernel's
+layout) and dequantizing in registers. Every expert's weights lie back to back; the gate/up rows are
+interleaved 8 and 8 per 16-row panel, as the dense experts', so a thread applies SiLU-and-mul to the
+panels it computed. Looping over the experts from Python instead cost ~500 GEMM calls a decode step at
+32 sequences, each its own OpenMP region, and made quantized experts slower than bf16 ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from nanovllm import _cpu
+from nanovllm.cpu import KERNEL_DTYPES, huge_pages
+from nanovllm.layers.quantization import cpu_kernel
+from nanovllm.layers.quantization.weights import QuantizedWeight
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedQuantWeights:
+    """One projection of every expert, each packed by cpu_kernel.pack, back to back."""
+    packed: torch.Tensor  # uint8 [experts * bytes per expert], on huge pages (a decode step streams it)
+    scales: torch.Tensor  # float32 [experts, panels, groups, 16]
+    zeros: torch.Tensor | None  # int8, as scales
+    bits: int
+    group_size: int
+    zero_offset: float
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros) if t is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedQuantExperts:
+    w13: StackedQuantWeights  # [moe_gate_up_rows(inter), hidden] per expert, gate/up rows interleaved
+    w2: StackedQuantWeights  # [hidden, inter] per expert
+    experts: int
+    hidden: int
+    inter: int
+
+    def nbytes(self) -> int:
+        return self.w13.nbytes() + self.w2.nbytes()
+
+
+def can_pack(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> bool:
+    """Whether the experts fit one call: every expert's projection in the same format (bits, groups)
+    and no activation-order permutation (GPTQ's desc_act: each expert would permute its input)."""
+    return all(all(w.perm is None for w in ws) and len({(w.bits, w.group_size, w.zeros is None) for w in ws}) == 1
+               for ws in (w13, w2))
+
+
+def interleave_gate_up(w: QuantizedWeight, inter: int) -> QuantizedWeight:
+    """An expert's gate/up weight (`inter` gate rows, then `inter` up rows) with its rows, scales and
+    zero points in the order cpu_moe.interleave_gate_up gives dense ones: per 16 rows, 8 gate rows then
+    the 8 up rows of the same columns, `inter` padded to a multiple of 8 with rows of scale 0."""
+    inter8 = _cpu.moe_gate_up_rows(inter) // 2
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        padded = t.new_zeros(2, inter8, t.shape[1])
+        padded[:, :inter] = t.view(2, inter, t.shape[1])
+        return padded.view(2, inter8 // 8, 8, t.shape[1]).transpose(0, 1).reshape(2 * inter8, t.shape[1])
+
+    return QuantizedWeight(rows(w.qweight), rows(w.scales), None if w.zeros is None else rows(w.zeros), w.bits,
+                           w.group_size)
+
+
+def _stack(weights: list[QuantizedWeight]) -> StackedQuantWeights:
+    packs = [cpu_kernel.pack(w) for w in weights]
+    first = packs[0]
+    per = first.packed.numel()
+    flat = huge_pages.empty(len(packs) * per, torch.uint8)
+    for e, p in enumerate(packs):
+        flat[e * per:(e + 1) * per] = p.packed
+    zeros = None if first.zeros is None else torch.stack([p.zeros for p in packs])  # type: ignore[misc]
+    return StackedQuantWeights(flat, torch.stack([p.scales for p in packs]), zeros, first.bits, first.group_size,
+                               first.zero_offset)
+
+
+def pack_experts(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> PackedQuantExperts:
+    """Every expert's gate/up (`[2I, H]`, gate rows first) and down (`[H, I]`) weight, packed for
+    `fused_experts`; `can_pack` must hold."""
+    if not can_pack(w13, w2):
+        raise ValueError("the experts' weights differ in format or permute their inputs: they cannot be fused")
+    inter, hidden = w2[0].in_features, w2[0].out_features
+    return PackedQuantExperts(_stack([interleave_gate_up(w, inter) for w in w13]), _stack(w2), len(w13), hidden, inter)
+
+
+def _bf16_rows(x: torch.Tensor, p: PackedQuantExperts, top_k: int) -> bool:
+    """bf16 activations take the bf16 dot products (cpu_kernel.BF16_MIN_ROWS, from the rows an
+    expert sees on average) where the CPU has them and the groups allow pairs of input columns."""
+    if x.dtype != torch.bfloat16 or not cpu_kernel.HAS_BF16 or p.hidden % 2:
+        return False
+    if any(w.group_size % 2 and w.group_size != k for w, k in ((p.w13, p.hidden), (p.w2, p.inter))):
+        return False
+    assignments = x.shape[0] * top_k
+    per_expert = assignments / max(1, min(p.experts, assignments))
+    return per_expert >= max(cpu_kernel.BF16_MIN_ROWS[p.w13.bits], cpu_kernel.BF16_MIN_ROWS[p.w2.bits])
+
+
+def fused_experts(x: torch.Tensor, logits: torch.Tensor, p: PackedQuantExperts, top_k: int, renormalize: bool,
+                  bf16_rows: bool | None = None) -> torch.Tensor:
+    """The layer's output `[T, H]` for x `[T, H]` and router logits `[T, E]` (CPU tensors); x in
+    another dtype than fp32 / bf16 runs in fp32. `bf16_rows` forces bf16 activations onto (True) or
+    off (False) the bf16 dot products; None: where they are faster."""
+    if x.dim() != 2 or x.shape[1] != p.hidden or logits.shape != (x.shape[0], p.experts):
+        raise ValueError(f"quantized experts: input {tuple(x.shape)} and router logits {tuple(logits.shape)}, the "
+                         f"experts take {p.hidden} features and {p.experts} logits")
+    if x.dtype not in KERNEL_DTYPES:
+        return fused_experts(x.float(), logits, p, top_k, renormalize, bf16_rows).to(x.dtype)
+    rows = x.shape[0]
+    x, logits = x.contiguous(), logits.float().contiguous()
+    out = torch.empty(rows, p.hidden, dtype=x.dtype)
+    weights = []
+    for w in (p.w13, p.w2):
+        weights += [w.packed.data_ptr(), w.packed.numel(), w.scales.data_ptr(), w.scales.numel(),
+                    0 if w.zeros is None else w.zeros.data_ptr(), w.group_size, w.bits, w.zero_offset]
+    _cpu.moe_quant_experts_cpu(x.data_ptr(), p.hidden, logits.data_ptr(), p.experts, rows, p.hidden, p.inter,
+                               p.experts, top_k, renormalize, out.data_ptr(), p.hidden, KERNEL_DTYPES[x.dtype],
+                               _bf16_rows(x, p, top_k) if bf16_rows is None else bf16_rows, *weights,
+                               torch.get_num_threads())
+    return out
