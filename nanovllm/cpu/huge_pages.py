@@ -1,4 +1,5 @@
-"""Tensors on 2 MiB pages (transparent huge pages), for the packed weights CPU kernels stream every step.
+"""Tensors on 2 MiB pages (transparent huge pages), for what CPU kernels stream every step: the packed
+weights and the KV cache.
 
 A GEMM that streams weights from memory takes a TLB miss every 4 KiB page (the hardware prefetchers
 stop at page boundaries too), and under a hypervisor each miss walks two page tables. On this
@@ -33,3 +34,14 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as torch.empty
         pass
     return whole[offset:offset + nbytes].view(dtype)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape), on huge pages where `device` is the CPU (a KV cache: decode attention read
+    it 5-15% faster so, as the block walk crosses fewer pages)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    return empty(numel, dtype).zero_().view(shape)

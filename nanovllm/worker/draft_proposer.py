@@ -30,6 +30,7 @@ from nanovllm._C import StepPlan
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.config import ResolvedConfig
 from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.cpu import huge_pages
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.models.loader import load_model_from_config
 from nanovllm.sample import GREEDY_EPS, SamplingBatch, SamplingState
@@ -63,8 +64,8 @@ class DraftProposer:
 
     def allocate(self, num_blocks: int) -> None:
         mc = self.model_config
-        self.kv_cache = torch.zeros((2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
-                                     mc.head_dim), dtype=self.dtype, device=self.device)
+        self.kv_cache = huge_pages.zeros((2, mc.num_hidden_layers, num_blocks, self.block_size, mc.num_key_value_heads,
+                                          mc.head_dim), self.dtype, self.device)
         bind_kv_cache(self.model, self.kv_cache)
 
     def release(self) -> None:

@@ -25,6 +25,7 @@ from nanovllm import _C
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
 from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, ResolvedConfig
 from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.cpu import huge_pages
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.models.loader import load_model_from_config
@@ -233,8 +234,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.kv_cache is not None:
             self.release_kv_cache()  # never hold two caches at once on a GPU filled to its budget
         s = self.kv_spec
-        self.kv_cache = torch.zeros(
-            (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim), dtype=s.dtype, device=self.device
+        self.kv_cache = huge_pages.zeros(
+            (2, s.num_layers, num_blocks, s.block_size, s.num_kv_heads, s.head_dim), s.dtype, self.device
         )
         bind_kv_cache(self.model, self.kv_cache)
         if self.drafter is not None:
