@@ -115,23 +115,33 @@ struct Scratch {
 // decode attention ran 15-30% faster (32 x 1000 keys and 8 x 2000, bf16, 1 and 2 threads, Zen 4).
 constexpr int64_t kPrefetchBlocks = 2;
 
+// The KV heads [head_off / head_dim, + heads) of every row of block `block`: the whole block when
+// the task has every head, else each row's slice of them (a task of fewer heads, its siblings on
+// other threads, would otherwise ask for their rows too).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_block(const PagedAttentionArgs& a, const int32_t* table, int64_t block,
-                                                  const void* cache) {
-  const int64_t bytes = static_cast<int64_t>(a.block_size) * a.num_kv_heads * a.head_dim * sizeof(T);
-  const char* p = static_cast<const char*>(cache) + table[block] * bytes;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
+                                                  int64_t head_off, int heads, const void* cache) {
+  const int64_t row_bytes = static_cast<int64_t>(a.num_kv_heads) * a.head_dim * sizeof(T);
+  const int64_t slice = static_cast<int64_t>(heads) * a.head_dim * sizeof(T);
+  const char* p = static_cast<const char*>(cache) + table[block] * a.block_size * row_bytes + head_off * sizeof(T);
+  if (slice == row_bytes) {
+    for (int64_t i = 0; i < a.block_size * row_bytes; i += 64) __builtin_prefetch(p + i, 0, 2);
+    return;
+  }
+  for (int64_t r = 0; r < a.block_size; ++r, p += row_bytes) {
+    for (int64_t i = 0; i < slice; i += 64) __builtin_prefetch(p + i, 0, 2);
+  }
 }
 
 // At the start of block `t0 / bs` of a pass over keys [0, L): the blocks kPrefetchBlocks ahead
 // (at the first block, also the ones before them).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_ahead(const PagedAttentionArgs& a, const int32_t* table, int64_t t0,
-                                                  int64_t L, const void* cache) {
+                                                  int64_t L, int64_t head_off, int heads, const void* cache) {
   const int64_t blocks = (L + a.block_size - 1) / a.block_size;
   const int64_t b = t0 / a.block_size;
   for (int64_t next = b == 0 ? 1 : b + kPrefetchBlocks; next <= b + kPrefetchBlocks && next < blocks; ++next)
-    prefetch_block<T>(a, table, next, cache);
+    prefetch_block<T>(a, table, next, head_off, heads, cache);
 }
 
 // acc += p . V for a task's vectors, each with its own visibility, p in rows `stride` apart. The
@@ -149,7 +159,7 @@ template <typename T>
   const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
   const T* v_cache = static_cast<const T*>(a.v_cache);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    prefetch_ahead<T>(a, table, t0, L, v_cache);
+    prefetch_ahead<T>(a, table, t0, L, head_off, heads, v_cache);
     const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int i = 0; i < n; ++i, x += kv_row) {
@@ -202,7 +212,7 @@ NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table
   // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
   // its block that this sequence has not written: their scores land past L and are never used.
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
-    if (t0 % bs == 0) prefetch_ahead<T>(a, table, t0, L, a.k_cache);
+    if (t0 % bs == 0) prefetch_ahead<T>(a, table, t0, L, head_off, heads, a.k_cache);
     const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
     const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
     for (int h = 0; h < heads; ++h) {
@@ -217,7 +227,7 @@ NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table
   // pass. The block is prefetched whole, so walking it head by head reads from cache.
   const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    prefetch_ahead<T>(a, table, t0, L, a.v_cache);
+    prefetch_ahead<T>(a, table, t0, L, head_off, heads, a.v_cache);
     const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int h = 0; h < heads; ++h) {
@@ -302,7 +312,7 @@ template <typename T>
   // Scores. Key t is visible to a head's vectors from (t - base) * group on (all for t < base).
   const T* k_cache = static_cast<const T*>(a.k_cache);
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    prefetch_ahead<T>(a, table, t0, L, a.k_cache);
+    prefetch_ahead<T>(a, table, t0, L, head_off, heads, a.k_cache);
     const T* k = k_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row + head_off;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int i = 0; i < n; ++i, k += kv_row) {
@@ -334,20 +344,28 @@ void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std
   for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) attend_task<Bf16>(a, tasks[i], s);
 }
 
-// A decode row is one task with every KV head (its K/V rows read once, sequentially); a prefill
-// chunk is cut into tiles of rows per KV head, so a loaded K/V row serves many queries and long
-// chunks spread over the threads. Prefill tiles go first: handing out the long tasks first
-// balances the threads.
-std::vector<Task> make_tasks(const PagedAttentionArgs& a, int64_t& work) {
+// A decode row is one task with every KV head (its K/V rows read once, sequentially), or, when
+// there are fewer decode rows than threads and nothing else to do, a few tasks of consecutive KV
+// heads (a lone decode row left the other threads idle); a prefill chunk is cut into tiles of rows
+// per KV head, so a loaded K/V row serves many queries and long chunks spread over the threads.
+// Prefill tiles go first: handing out the long tasks first balances the threads.
+std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64_t& work) {
   const int group = a.num_heads / a.num_kv_heads;
   const int tile = std::max(1, kQueryVectorsPerTask / group);
+  int32_t decodes = 0;
+  for (int32_t seq = 0; seq < a.num_seqs; ++seq) decodes += a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] == 1;
+  const int32_t parts = decodes == a.num_seqs && decodes < num_threads
+                            ? std::min(a.num_kv_heads, (num_threads + decodes - 1) / decodes)
+                            : 1;
   std::vector<Task> prefill, decode;
   work = 0;
   for (int32_t seq = 0; seq < a.num_seqs; ++seq) {
     const int32_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
     const int32_t prefix = a.context_lens[seq] - q_len;
     if (q_len == 1) {
-      decode.push_back({seq, 0, a.num_kv_heads, 0, 1});
+      for (int32_t part = 0; part < parts; ++part) {
+        decode.push_back({seq, a.num_kv_heads * part / parts, a.num_kv_heads * (part + 1) / parts, 0, 1});
+      }
       work += prefix + 1;
       continue;
     }
@@ -366,7 +384,7 @@ std::vector<Task> make_tasks(const PagedAttentionArgs& a, int64_t& work) {
 
 void paged_attention(const PagedAttentionArgs& a, int num_threads) {
   int64_t work = 0;
-  const std::vector<Task> tasks = make_tasks(a, work);
+  const std::vector<Task> tasks = make_tasks(a, num_threads, work);
   const int64_t count = static_cast<int64_t>(tasks.size());
   const int64_t threads = std::clamp<int64_t>(std::min<int64_t>(num_threads, work / kMinWorkPerThread), 1,
                                               std::max<int64_t>(count, 1));

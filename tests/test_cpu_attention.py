@@ -58,6 +58,28 @@ def test_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_siz
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 3, 5])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 4, 32), (6, 3, 64), (4, 1, 16), (4, 4, 20)])
+def test_few_decode_rows_split_their_heads_over_threads(heads: int, kv_heads: int, dim: int, threads: int,
+                                                        dtype: torch.dtype) -> None:
+    """Fewer decode rows than threads: each row's KV heads are cut into consecutive ranges, one task
+    each (uneven when the threads do not divide them; never more ranges than heads), on the tiles'
+    path and the portable one; the same output whatever the thread count."""
+    query, k, v, meta = random_case(7, [1, 1], [300, 41], heads, kv_heads, dim, 16, dtype)
+    ref = torch_backend.paged_attention(query, k, v, meta, dim**-0.5)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_backend.paged_attention(query, k, v, meta, dim**-0.5)
+        torch.set_num_threads(threads)
+        split = cpu_backend.paged_attention(query, k, v, meta, dim**-0.5)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(split, ref, **TOL[dtype])
+    assert torch.equal(split, one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # head_dim and block_size multiples of 8 take the AVX2 score tiles (on a CPU with AVX2), the others
 # the portable loops.
 @pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 256), (20, 16), (64, 12)],
