@@ -1,19 +1,27 @@
-"""A CPU decode step against its memory-bandwidth floor, per part, in bf16, int8 and int4.
+"""A CPU decode step against its roofline floor, per part, in bf16, int8 and int4.
 
-A decode step reads every weight once, the KV cache of every sequence once, and little else, so
-on a CPU its time has a floor: bytes / read bandwidth. This script
+A decode step reads every weight once, the KV cache of every sequence once, and little else, and
+multiplies each weight with every sequence's row, so on a CPU each part's time has a floor: the
+larger of its bytes / read bandwidth and its multiply-adds / the CPU's GEMM rate (the roofline:
+bandwidth-bound at batch 1, compute-bound once enough rows share each weight; on an AVX2 or
+AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This script
 
 1. measures the read bandwidth with the engine's threads (torch.get_num_threads()): the best of a
-   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are);
+   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are), and the GEMM
+   rate: the best of a few bf16 [256, 1024] x [1024, 6144] products on the kernel the engine runs
+   such a layer on (cpu/gemm.py's choice for this CPU);
 2. counts the bytes a decode step must read: each linear layer's weight at its stored precision
    (packed values, scales and zero points for int8/int4), the LM head, and the KV cache rows the
-   attention kernel reads (context x layers x 2 x KV heads x head_dim);
+   attention kernel reads (context x layers x 2 x KV heads x head_dim); and its multiply-adds
+   (batch x each weight's elements; attention: batch x context x layers x 2 x heads x head_dim);
 3. times decode steps of `--batch` sequences at `--context` tokens (wall, without the profiler),
    splits them per part under torch.profiler (labels as benchmarks/profile_cpu_step.py), and
-   prints each part's time against its floor.
+   prints each part's time against its floor, and which bound sets it (bw or compute).
 
 The variants: the checkpoint in bf16, and int8 / int4 quantized at load (LLM(quantization=...),
-the same weights as `nanovllm quantize`); the embedding and the LM head stay bf16.
+the same weights as `nanovllm quantize`); the embedding and the LM head stay bf16. The quantized
+GEMMs' floor counts the same multiply-adds at the bf16 rate (unpacking the integers is work the
+floor does not excuse).
 
 Usage:
     python benchmarks/make_bench_model.py /tmp/qwen3-cpu --shape qwen3-cpu
@@ -36,6 +44,7 @@ from bench_report import machine, markdown_table, read_bandwidth, write_json
 from profile_cpu_step import WRAPPED, install_labels
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.embed_head import ParallelLMHead
 from nanovllm.layers.linear import LinearBase
 
@@ -87,8 +96,34 @@ def step_bytes(llm: LLM, batch: int, context: int) -> dict[str, int]:
             "attention": kv, "lm_head": head_bytes(model.lm_head)}
 
 
+def step_flops(llm: LLM, batch: int, context: int) -> dict[str, int]:
+    """Floating-point operations (2 per multiply-add) of a decode step's parts."""
+    runner = llm.engine.executor.runner
+    model = runner.model
+    spec = runner.kv_spec
+    heads = model.config.num_attention_heads
+    linear = sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, LinearBase))
+    return {"gemm": 2 * batch * linear,
+            "attention": 2 * batch * context * spec.num_layers * 2 * heads * spec.head_dim,
+            "lm_head": 2 * batch * model.lm_head.vocab_size * model.lm_head.hidden_size}
+
+
+def gemm_rate(repeats: int = 5) -> float:
+    """FLOP/s of a bf16 [256, 1024] x [1024, 6144] product on the engine's kernel for such a layer."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6144, 1024, generator=g).bfloat16()
+    x = torch.randn(256, 1024, generator=g).bfloat16()
+    packed = cpu_gemm.prepack(w) if cpu_gemm.can_prepack(w) else None
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        cpu_gemm.matmul(x, w, packed, None)
+        best = min(best, time.perf_counter() - start)
+    return 2 * 256 * 1024 * 6144 / best
+
+
 def run_variant(model: str, variant: str, batches: list[int], args: argparse.Namespace,
-                bandwidth: float) -> list[dict[str, Any]]:
+                bandwidth: float, rate: float) -> list[dict[str, Any]]:
     max_batch = max(batches)
     llm = LLM(model, dtype="bfloat16", quantization=VARIANTS[variant], max_num_seqs=max_batch,
               max_model_len=args.context + args.steps * (args.repeats + 2) + 64, kv_cache_memory_bytes=2 << 30)
@@ -122,10 +157,14 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
                     "lm_head": totals.get("lm_head", 0.0)}
         parts_ms["rest"] = totals["step"] - sum(parts_ms.values())
         nbytes = step_bytes(llm, batch, args.context)
-        floor_ms = {k: 1000 * v / bandwidth for k, v in nbytes.items()}
+        flops = step_flops(llm, batch, args.context)
+        read_ms = {k: 1000 * v / bandwidth for k, v in nbytes.items()}
+        compute_ms = {k: 1000 * v / rate for k, v in flops.items()}
+        floor_ms = {k: max(read_ms[k], compute_ms[k]) for k in nbytes}
         rows.append({"variant": variant, "batch": batch, "step_ms": step_ms, "tok_s": batch / step_ms * 1000,
-                     "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "parts_ms": parts_ms,
-                     "floor_parts_ms": floor_ms, "profiled_step_ms": totals["step"]})
+                     "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "flops": flops, "parts_ms": parts_ms,
+                     "floor_parts_ms": floor_ms, "read_floor_parts_ms": read_ms,
+                     "compute_floor_parts_ms": compute_ms, "profiled_step_ms": totals["step"]})
     engine.shutdown()
     return rows
 
@@ -134,17 +173,24 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     def pct(floor: float, ms: float) -> str:
         return f"{100 * floor / ms:.0f}%" if ms > 0 else "-"
 
+    def part(r: dict[str, Any], key: str) -> str:
+        ms, floor = r["parts_ms"][key], r["floor_parts_ms"][key]
+        bound = "compute" if r["compute_floor_parts_ms"][key] > r["read_floor_parts_ms"][key] else "bw"
+        return f"{ms:.2f} ({floor:.2f} {bound}, {pct(floor, ms)})"
+
     table = []
     for r in rows:
-        p, f = r["parts_ms"], r["floor_parts_ms"]
+        p = r["parts_ms"]
         table.append({
             "variant": r["variant"], "batch": r["batch"], "tok/s": f"{r['tok_s']:.1f}",
             "step ms (floor, %)": f"{r['step_ms']:.2f} ({r['floor_ms']:.2f}, {pct(r['floor_ms'], r['step_ms'])})",
             "MB read": f"{sum(r['bytes'].values()) / 1e6:.0f}",
-            "GEMMs ms (floor)": f"{p['gemm']:.2f} ({f['gemm']:.2f}, {pct(f['gemm'], p['gemm'])})",
-            "attention ms (floor)": f"{p['attention']:.2f} ({f['attention']:.2f}, {pct(f['attention'], p['attention'])})",
-            "LM head ms (floor)": f"{p['lm_head']:.2f} ({f['lm_head']:.2f}, {pct(f['lm_head'], p['lm_head'])})",
+            "GEMMs ms (floor)": part(r, "gemm"),
+            "attention ms (floor)": part(r, "attention"),
+            "LM head ms (floor)": part(r, "lm_head"),
             "rest ms": f"{p['rest']:.2f}",
+            "bandwidth floor ms (%)": f"{sum(r['read_floor_parts_ms'].values()):.2f} "
+                                      f"({pct(sum(r['read_floor_parts_ms'].values()), r['step_ms'])})",
         })
     print(markdown_table(table, list(table[0])))
 
@@ -158,14 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         if v not in VARIANTS:
             raise SystemExit(f"--variants takes {', '.join(VARIANTS)}, got {v!r}")
     bandwidth = read_bandwidth(torch.ones(1 << 28, dtype=torch.float32))  # 1 GiB
+    rate = gemm_rate()
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
-          f"read bandwidth: {bandwidth / 1e9:.1f} GB/s; parts timed under the profiler, the step without it; "
-          "a part's % is its floor over its time")
-    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, bandwidth)]
+          f"read bandwidth: {bandwidth / 1e9:.1f} GB/s; bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; parts timed under "
+          "the profiler, the step without it; a part's floor is the larger of its bytes over the bandwidth and its "
+          "FLOPs over the GEMM rate (bw / compute: which), its % that floor over its time")
+    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, bandwidth, rate)]
     print_rows(rows)
     if args.json is not None:
         write_json(args.json, {"model": args.model, "context": args.context, "threads": torch.get_num_threads(),
-                               "bandwidth_bytes_s": bandwidth, "machine": machine(), "rows": rows})
+                               "bandwidth_bytes_s": bandwidth, "gemm_flops_s": rate, "machine": machine(),
+                               "rows": rows})
     return 0
 
 
