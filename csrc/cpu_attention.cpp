@@ -181,6 +181,7 @@ template <typename T>
     float* p = sc + v * stride;
     const int n = base + (v % per_head) / group + 1;
     float m = p[0];
+#pragma omp simd reduction(max : m)
     for (int t = 1; t < n; ++t) m = std::max(m, p[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
