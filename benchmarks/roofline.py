@@ -21,7 +21,8 @@ AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This 
 The variants: the checkpoint in bf16, and int8 / int4 quantized at load (LLM(quantization=...),
 the same weights as `nanovllm quantize`); the embedding and the LM head stay bf16. The quantized
 GEMMs' floor counts the same multiply-adds at the bf16 rate (unpacking the integers is work the
-floor does not excuse).
+floor does not excuse). A mixture of experts' experts are counted in neither the bytes nor the FLOPs
+(the floor of such a model is too low): benchmarks/moe_decode.py measures their reads.
 
 Usage:
     python benchmarks/make_bench_model.py /tmp/qwen3-cpu --shape qwen3-cpu

@@ -576,6 +576,34 @@ void bind_scheduler(py::module_& m) {
 template <typename T>
 using InArray = py::array_t<T, py::array::c_style | py::array::forcecast>;
 
+// A one-dimensional numpy integer array as T, every value checked to fit T: a float array or a
+// value that would wrap is an error, not a conversion.
+template <typename T>
+InArray<T> int_array(py::handle obj, const char* name) {
+  if (!py::isinstance<py::array>(obj)) value_error(std::string(name) + " must be a numpy integer array");
+  const auto arr = py::reinterpret_borrow<py::array>(obj);
+  const char kind = arr.dtype().kind();
+  if (kind != 'i' && kind != 'u') value_error(std::string(name) + " must hold integers, got dtype " + std::string(py::str(arr.dtype())));
+  if (arr.ndim() != 1) value_error(std::string(name) + " must be one-dimensional");
+  auto bad = [name](py::ssize_t i, const std::string& v) {
+    value_error(std::string(name) + "[" + std::to_string(i) + "] = " + v + " does not fit " +
+                (sizeof(T) == 4 ? "int32" : "int64"));
+  };
+  if (kind == 'u') {
+    const auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    for (py::ssize_t i = 0; i < u.size(); ++i) {
+      if (u.data()[i] > static_cast<uint64_t>(std::numeric_limits<T>::max())) bad(i, std::to_string(u.data()[i]));
+    }
+  } else {
+    const auto w = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    for (py::ssize_t i = 0; i < w.size(); ++i) {
+      const int64_t v = w.data()[i];
+      if (v < std::numeric_limits<T>::min() || v > std::numeric_limits<T>::max()) bad(i, std::to_string(v));
+    }
+  }
+  return InArray<T>::ensure(arr);
+}
+
 template <typename T>
 py::array_t<T> to_array(const std::vector<T>& v) {
   py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
@@ -584,7 +612,6 @@ py::array_t<T> to_array(const std::vector<T>& v) {
 }
 
 std::span<const int32_t> checked_drafts(const InArray<int32_t>& num_drafts, int64_t& rows) {
-  if (num_drafts.ndim() != 1) value_error("num_drafts must be one-dimensional");
   const std::span<const int32_t> d(num_drafts.data(), num_drafts.size());
   rows = static_cast<int64_t>(d.size());
   for (size_t s = 0; s < d.size(); ++s) {
@@ -597,15 +624,17 @@ std::span<const int32_t> checked_drafts(const InArray<int32_t>& num_drafts, int6
 void bind_spec_verify(py::module_& m) {
   m.def(
       "verification_rows",
-      [](const InArray<int32_t>& num_drafts, const InArray<int32_t>& sample_indices, const InArray<int32_t>& input_ids) {
+      [](py::handle drafts_obj, py::handle samples_obj, py::handle inputs_obj) {
+        const auto num_drafts = int_array<int32_t>(drafts_obj, "num_drafts");
+        const auto sample_indices = int_array<int32_t>(samples_obj, "sample_indices");
+        const auto input_ids = int_array<int32_t>(inputs_obj, "input_ids");
         int64_t rows = 0;
         const auto d = checked_drafts(num_drafts, rows);
-        if (sample_indices.ndim() != 1 || sample_indices.size() != num_drafts.size()) {
+        if (sample_indices.size() != num_drafts.size()) {
           value_error("sample_indices must have one entry per sample (" + std::to_string(d.size()) + ")");
         }
-        if (input_ids.ndim() != 1) value_error("input_ids must be one-dimensional");
         for (size_t s = 0; s < d.size(); ++s) {
-          const int32_t last = sample_indices.data()[s];
+          const int64_t last = sample_indices.data()[s];
           if (last - d[s] < 0 || last >= input_ids.size()) {
             value_error("sample " + std::to_string(s) + ": sample index " + std::to_string(last) + " with " +
                         std::to_string(d[s]) + " drafts is outside the step's " + std::to_string(input_ids.size()) +
@@ -622,10 +651,13 @@ void bind_spec_verify(py::module_& m) {
       "each sample's last row.");
   m.def(
       "accept_greedy",
-      [](const InArray<int64_t>& tokens, const InArray<int64_t>& drafts, const InArray<int32_t>& num_drafts) {
+      [](py::handle tokens_obj, py::handle drafts_obj, py::handle num_drafts_obj) {
+        const auto tokens = int_array<int64_t>(tokens_obj, "tokens");
+        const auto drafts = int_array<int64_t>(drafts_obj, "drafts");
+        const auto num_drafts = int_array<int32_t>(num_drafts_obj, "num_drafts");
         int64_t rows = 0;
         const auto d = checked_drafts(num_drafts, rows);
-        if (tokens.ndim() != 1 || drafts.ndim() != 1 || tokens.size() != rows || drafts.size() != rows) {
+        if (tokens.size() != rows || drafts.size() != rows) {
           value_error("tokens and drafts must have one entry per verification row (" + std::to_string(rows) + ")");
         }
         const Accepted a = accept_greedy({tokens.data(), static_cast<size_t>(rows)},

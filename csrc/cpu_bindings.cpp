@@ -377,8 +377,9 @@ void check_moe_sizes(const char* what, int64_t rows, int64_t experts, int64_t to
 // One of a quantized MoE layer's two weights (n x k per expert, `experts` of them back to back),
 // checked against the sizes quant_gemm reads.
 MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t packed_bytes, uintptr_t scales,
-                                     int64_t scales_elements, uintptr_t zeros, int64_t group_size, int64_t bits,
-                                     double zero_offset, int64_t n, int64_t k, int64_t experts) {
+                                     int64_t scales_elements, uintptr_t zeros, int64_t zeros_elements,
+                                     int64_t group_size, int64_t bits, double zero_offset, int64_t n, int64_t k,
+                                     int64_t experts) {
   const std::string what = std::string("moe_quant_experts_cpu: ") + name;
   if (bits != 4 && bits != 8) value_error(what + " bits must be 4 or 8, got " + std::to_string(bits));
   if (group_size < 1 || group_size > k) value_error(what + " group_size must be in [1, " + std::to_string(k) + "]");
@@ -392,6 +393,10 @@ MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t
     value_error(what + ": " + std::to_string(packed_bytes) + " packed bytes and " + std::to_string(scales_elements) +
                 " scales for " + std::to_string(experts) + " experts that need " + std::to_string(experts * per_packed) +
                 " and " + std::to_string(experts * per_scales));
+  }
+  if (zeros_elements != (zeros ? experts * per_scales : 0)) {
+    value_error(what + ": " + std::to_string(zeros_elements) + " zero points, expected " +
+                std::to_string(zeros ? experts * per_scales : 0) + " (as many as scales, or none)");
   }
   if (!packed || !scales) value_error("null pointer passed to moe_quant_experts_cpu");
   return {reinterpret_cast<const uint8_t*>(packed), per_packed, reinterpret_cast<const float*>(scales), per_scales,
@@ -499,22 +504,23 @@ void bind_cpu_moe(py::module_& m) {
       [](uintptr_t x, int64_t x_stride, uintptr_t logits, int64_t logits_stride, int64_t rows, int64_t hidden,
          int64_t inter, int64_t experts, int64_t top_k, bool renormalize, uintptr_t out, int64_t out_stride,
          int64_t dtype, bool bf16_rows, uintptr_t w13_packed, int64_t w13_packed_bytes, uintptr_t w13_scales,
-         int64_t w13_scales_elements, uintptr_t w13_zeros, int64_t w13_group_size, int64_t w13_bits,
-         double w13_zero_offset, uintptr_t w2_packed, int64_t w2_packed_bytes, uintptr_t w2_scales,
-         int64_t w2_scales_elements, uintptr_t w2_zeros, int64_t w2_group_size, int64_t w2_bits, double w2_zero_offset,
-         int64_t num_threads) {
+         int64_t w13_scales_elements, uintptr_t w13_zeros, int64_t w13_zeros_elements, int64_t w13_group_size,
+         int64_t w13_bits, double w13_zero_offset, uintptr_t w2_packed, int64_t w2_packed_bytes, uintptr_t w2_scales,
+         int64_t w2_scales_elements, uintptr_t w2_zeros, int64_t w2_zeros_elements, int64_t w2_group_size,
+         int64_t w2_bits, double w2_zero_offset, int64_t num_threads) {
         check_moe_sizes("moe_quant_experts_cpu", rows, experts, top_k, logits_stride);
-        if (hidden < 1 || inter < 1 || inter > kInt32Max || x_stride < hidden || out_stride < hidden ||
+        if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max || x_stride < hidden || out_stride < hidden ||
             rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {
           value_error("moe_quant_experts_cpu: bad sizes");
         }
         const CpuDtype type = checked_dtype(dtype, "dtype");
-        const MoeQuantWeights w13 = quant_expert_weights("w13", w13_packed, w13_packed_bytes, w13_scales,
-                                                         w13_scales_elements, w13_zeros, w13_group_size, w13_bits,
-                                                         w13_zero_offset, moe_gate_up_rows(inter), hidden, experts);
-        const MoeQuantWeights w2 = quant_expert_weights("w2", w2_packed, w2_packed_bytes, w2_scales, w2_scales_elements,
-                                                        w2_zeros, w2_group_size, w2_bits, w2_zero_offset, hidden, inter,
-                                                        experts);
+        const MoeQuantWeights w13 =
+            quant_expert_weights("w13", w13_packed, w13_packed_bytes, w13_scales, w13_scales_elements, w13_zeros,
+                                 w13_zeros_elements, w13_group_size, w13_bits, w13_zero_offset,
+                                 moe_gate_up_rows(inter), hidden, experts);
+        const MoeQuantWeights w2 =
+            quant_expert_weights("w2", w2_packed, w2_packed_bytes, w2_scales, w2_scales_elements, w2_zeros,
+                                 w2_zeros_elements, w2_group_size, w2_bits, w2_zero_offset, hidden, inter, experts);
         const auto even_groups = [](const MoeQuantWeights& w, int64_t k) { return w.group_size % 2 == 0 || w.group_size == k; };
         if (bf16_rows && (!quant_has_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0 ||
                           !even_groups(w13, hidden) || !even_groups(w2, inter))) {
@@ -532,9 +538,10 @@ void bind_cpu_moe(py::module_& m) {
       py::arg("x"), py::arg("x_stride"), py::arg("logits"), py::arg("logits_stride"), py::arg("rows"),
       py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("top_k"), py::arg("renormalize"), py::arg("out"),
       py::arg("out_stride"), py::arg("dtype"), py::arg("bf16_rows"), py::arg("w13_packed"), py::arg("w13_packed_bytes"),
-      py::arg("w13_scales"), py::arg("w13_scales_elements"), py::arg("w13_zeros"), py::arg("w13_group_size"),
+      py::arg("w13_scales"), py::arg("w13_scales_elements"), py::arg("w13_zeros"), py::arg("w13_zeros_elements"),
+      py::arg("w13_group_size"),
       py::arg("w13_bits"), py::arg("w13_zero_offset"), py::arg("w2_packed"), py::arg("w2_packed_bytes"), py::arg("w2_scales"),
-      py::arg("w2_scales_elements"), py::arg("w2_zeros"), py::arg("w2_group_size"), py::arg("w2_bits"),
+      py::arg("w2_scales_elements"), py::arg("w2_zeros"), py::arg("w2_zeros_elements"), py::arg("w2_group_size"), py::arg("w2_bits"),
       py::arg("w2_zero_offset"), py::arg("num_threads") = 1,
       "A mixture-of-experts layer on int8 / int4 experts packed for quant_gemm_cpu, expert after expert (w13: "
       "[moe_gate_up_rows(inter), hidden] with gate/up rows interleaved; w2: [hidden, inter]), from raw pointers "

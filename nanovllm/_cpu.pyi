@@ -116,10 +116,10 @@ def moe_experts_cpu(x: int, x_stride: int, logits: int, logits_stride: int, w13:
 def moe_quant_experts_cpu(x: int, x_stride: int, logits: int, logits_stride: int, rows: int, hidden: int, inter: int,
                           experts: int, top_k: int, renormalize: bool, out: int, out_stride: int, dtype: int,
                           bf16_rows: bool, w13_packed: int, w13_packed_bytes: int, w13_scales: int,
-                          w13_scales_elements: int, w13_zeros: int, w13_group_size: int, w13_bits: int,
-                          w13_zero_offset: float, w2_packed: int, w2_packed_bytes: int, w2_scales: int,
-                          w2_scales_elements: int, w2_zeros: int, w2_group_size: int, w2_bits: int,
-                          w2_zero_offset: float, num_threads: int = 1) -> None:
+                          w13_scales_elements: int, w13_zeros: int, w13_zeros_elements: int, w13_group_size: int,
+                          w13_bits: int, w13_zero_offset: float, w2_packed: int, w2_packed_bytes: int,
+                          w2_scales: int, w2_scales_elements: int, w2_zeros: int, w2_zeros_elements: int,
+                          w2_group_size: int, w2_bits: int, w2_zero_offset: float, num_threads: int = 1) -> None:
     """moe_experts_cpu on int8 / int4 experts packed for quant_gemm_cpu, expert after expert (w13
     [moe_gate_up_rows(inter), hidden] with gate/up rows interleaved, w2 [hidden, inter]); `bf16_rows`:
     bf16 activations on the AVX512-BF16 dot products."""

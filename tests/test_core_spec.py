@@ -239,6 +239,11 @@ def test_verification_rows_and_greedy_acceptance_match_a_reference(seed: int) ->
      "one entry per sample"),
     (lambda: _C.accept_greedy(np.zeros(3, np.int64), np.zeros(3, np.int64), np.array([1], np.int32)),
      "one entry per verification row \\(2\\)"),
+    (lambda: _C.verification_rows(np.array([0]), np.array([2**32 + 1]), np.zeros(4, np.int32)),
+     "sample_indices\\[0\\] = 4294967297 does not fit int32"),
+    (lambda: _C.accept_greedy(np.array([1.7, 2.2]), np.array([1, -1]), np.array([1], np.int32)),
+     "tokens must hold integers"),
+    (lambda: _C.accept_greedy(np.zeros(2, np.int64), np.zeros(2, np.int64), [1]), "numpy integer array"),
 ])
 def test_verification_helpers_reject_bad_input(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -16,6 +16,7 @@ import torch
 
 from nanovllm import _cpu
 from nanovllm.cpu import KERNEL_DTYPES, huge_pages
+from nanovllm.cpu import moe as dense_moe
 from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.weights import QuantizedWeight
 
@@ -53,16 +54,13 @@ def can_pack(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> bool:
                for ws in (w13, w2))
 
 
-def interleave_gate_up(w: QuantizedWeight, inter: int) -> QuantizedWeight:
+def interleave_gate_up(w: QuantizedWeight) -> QuantizedWeight:
     """An expert's gate/up weight (`inter` gate rows, then `inter` up rows) with its rows, scales and
-    zero points in the order cpu_moe.interleave_gate_up gives dense ones: per 16 rows, 8 gate rows then
-    the 8 up rows of the same columns, `inter` padded to a multiple of 8 with rows of scale 0."""
-    inter8 = _cpu.moe_gate_up_rows(inter) // 2
-
+    zero points in the dense experts' order (nanovllm/cpu/moe.py interleave_gate_up: per 16 rows, 8
+    gate rows then the 8 up rows of the same columns, `inter` padded to a multiple of 8 with rows of
+    scale 0)."""
     def rows(t: torch.Tensor) -> torch.Tensor:
-        padded = t.new_zeros(2, inter8, t.shape[1])
-        padded[:, :inter] = t.view(2, inter, t.shape[1])
-        return padded.view(2, inter8 // 8, 8, t.shape[1]).transpose(0, 1).reshape(2 * inter8, t.shape[1])
+        return dense_moe.interleave_gate_up(t[None])[0]
 
     return QuantizedWeight(rows(w.qweight), rows(w.scales), None if w.zeros is None else rows(w.zeros), w.bits,
                            w.group_size)
@@ -86,7 +84,7 @@ def pack_experts(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> Packe
     if not can_pack(w13, w2):
         raise ValueError("the experts' weights differ in format or permute their inputs: they cannot be fused")
     inter, hidden = w2[0].in_features, w2[0].out_features
-    return PackedQuantExperts(_stack([interleave_gate_up(w, inter) for w in w13]), _stack(w2), len(w13), hidden, inter)
+    return PackedQuantExperts(_stack([interleave_gate_up(w) for w in w13]), _stack(w2), len(w13), hidden, inter)
 
 
 def _bf16_rows(x: torch.Tensor, p: PackedQuantExperts, top_k: int) -> bool:
@@ -117,7 +115,8 @@ def fused_experts(x: torch.Tensor, logits: torch.Tensor, p: PackedQuantExperts, 
     weights = []
     for w in (p.w13, p.w2):
         weights += [w.packed.data_ptr(), w.packed.numel(), w.scales.data_ptr(), w.scales.numel(),
-                    0 if w.zeros is None else w.zeros.data_ptr(), w.group_size, w.bits, w.zero_offset]
+                    0 if w.zeros is None else w.zeros.data_ptr(), 0 if w.zeros is None else w.zeros.numel(),
+                    w.group_size, w.bits, w.zero_offset]
     _cpu.moe_quant_experts_cpu(x.data_ptr(), p.hidden, logits.data_ptr(), p.experts, rows, p.hidden, p.inter,
                                p.experts, top_k, renormalize, out.data_ptr(), p.hidden, KERNEL_DTYPES[x.dtype],
                                _bf16_rows(x, p, top_k) if bf16_rows is None else bf16_rows, *weights,
