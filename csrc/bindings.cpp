@@ -611,12 +611,20 @@ py::array_t<T> to_array(const std::vector<T>& v) {
   return out;
 }
 
-std::span<const int32_t> checked_drafts(const InArray<int32_t>& num_drafts, int64_t& rows) {
-  const std::span<const int32_t> d(num_drafts.data(), num_drafts.size());
-  rows = static_cast<int64_t>(d.size());
-  for (size_t s = 0; s < d.size(); ++s) {
-    if (d[s] < 0) value_error("num_drafts[" + std::to_string(s) + "] = " + std::to_string(d[s]) + " is negative");
-    rows += d[s];
+// A verification step's drafts per sample (num_drafts, each >= 0) and the logits rows they make.
+struct DraftCounts {
+  InArray<int32_t> array;
+  std::span<const int32_t> counts;
+  int64_t rows = 0;  // samples + drafts
+};
+
+DraftCounts checked_drafts(py::handle obj) {
+  DraftCounts d{int_array<int32_t>(obj, "num_drafts"), {}, 0};
+  d.counts = {d.array.data(), static_cast<size_t>(d.array.size())};
+  d.rows = static_cast<int64_t>(d.counts.size());
+  for (size_t s = 0; s < d.counts.size(); ++s) {
+    if (d.counts[s] < 0) value_error("num_drafts[" + std::to_string(s) + "] = " + std::to_string(d.counts[s]) + " is negative");
+    d.rows += d.counts[s];
   }
   return d;
 }
@@ -625,12 +633,11 @@ void bind_spec_verify(py::module_& m) {
   m.def(
       "verification_rows",
       [](py::handle drafts_obj, py::handle samples_obj, py::handle inputs_obj) {
-        const auto num_drafts = int_array<int32_t>(drafts_obj, "num_drafts");
+        const DraftCounts drafts = checked_drafts(drafts_obj);
         const auto sample_indices = int_array<int32_t>(samples_obj, "sample_indices");
         const auto input_ids = int_array<int32_t>(inputs_obj, "input_ids");
-        int64_t rows = 0;
-        const auto d = checked_drafts(num_drafts, rows);
-        if (sample_indices.size() != num_drafts.size()) {
+        const std::span<const int32_t> d = drafts.counts;
+        if (static_cast<size_t>(sample_indices.size()) != d.size()) {
           value_error("sample_indices must have one entry per sample (" + std::to_string(d.size()) + ")");
         }
         for (size_t s = 0; s < d.size(); ++s) {
@@ -654,14 +661,12 @@ void bind_spec_verify(py::module_& m) {
       [](py::handle tokens_obj, py::handle drafts_obj, py::handle num_drafts_obj) {
         const auto tokens = int_array<int64_t>(tokens_obj, "tokens");
         const auto drafts = int_array<int64_t>(drafts_obj, "drafts");
-        const auto num_drafts = int_array<int32_t>(num_drafts_obj, "num_drafts");
-        int64_t rows = 0;
-        const auto d = checked_drafts(num_drafts, rows);
-        if (tokens.size() != rows || drafts.size() != rows) {
-          value_error("tokens and drafts must have one entry per verification row (" + std::to_string(rows) + ")");
+        const DraftCounts d = checked_drafts(num_drafts_obj);
+        if (tokens.size() != d.rows || drafts.size() != d.rows) {
+          value_error("tokens and drafts must have one entry per verification row (" + std::to_string(d.rows) + ")");
         }
-        const Accepted a = accept_greedy({tokens.data(), static_cast<size_t>(rows)},
-                                         {drafts.data(), static_cast<size_t>(rows)}, d);
+        const Accepted a = accept_greedy({tokens.data(), static_cast<size_t>(d.rows)},
+                                         {drafts.data(), static_cast<size_t>(d.rows)}, d.counts);
         return py::make_tuple(to_array(a.tokens), to_array(a.offsets), to_array(a.rows));
       },
       py::arg("tokens"), py::arg("drafts"), py::arg("num_drafts"),

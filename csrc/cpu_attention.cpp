@@ -123,38 +123,8 @@ constexpr int64_t kPrefetchBlocks = 2;
   }
 }
 
-// The KV heads [head_off / head_dim, + heads) of every row of block `block`: the whole block when
-// the task has every head, else each row's slice of them (a task of fewer heads, its siblings on
-// other threads, would otherwise ask for their rows too).
-template <typename T>
-[[gnu::always_inline]] inline void prefetch_block(const PagedAttentionArgs& a, const int32_t* table, int64_t block,
-                                                  int64_t head_off, int heads, const void* cache) {
-  const int64_t row_bytes = static_cast<int64_t>(a.num_kv_heads) * a.head_dim * sizeof(T);
-  const int64_t slice = static_cast<int64_t>(heads) * a.head_dim * sizeof(T);
-  const char* p = static_cast<const char*>(cache) + static_cast<int64_t>(table[block]) * a.block_size * row_bytes +
-                  head_off * sizeof(T);
-  if (slice == row_bytes) {
-    prefetch_bytes(p, a.block_size * row_bytes);
-    return;
-  }
-  for (int64_t r = 0; r < a.block_size; ++r, p += row_bytes) prefetch_bytes(p, slice);
-}
-
-// At the start of block `t0 / bs` of a pass over keys [0, L): the blocks kPrefetchBlocks ahead
-// (at the first block, also the ones before them).
-template <typename T>
-[[gnu::always_inline]] inline void prefetch_ahead(const PagedAttentionArgs& a, const int32_t* table, int64_t t0,
-                                                  int64_t L, int64_t head_off, int heads, const void* cache) {
-  const int64_t blocks = (L + a.block_size - 1) / a.block_size;
-  const int64_t b = t0 / a.block_size;
-  for (int64_t next = b == 0 ? 1 : b + kPrefetchBlocks; next <= b + kPrefetchBlocks && next < blocks; ++next)
-    prefetch_block<T>(a, table, next, head_off, heads, cache);
-}
-
-// Rows [r, r + n) of a pass over keys [0, L), within one block, their slice of the task's KV heads:
-// the AVX2 path asks for the rows kPrefetchBlocks blocks ahead a few at a time, as it goes (asking
-// for a whole block at its start stalled the core while the burst of requests drained: 32 x 1000
-// keys bf16 on one thread 6.6-7.4 ms against 8.5-9.3, fp32 32 x 200 20-30% faster; Zen 4).
+// Rows [r, r + n) of a pass over keys [0, L), within one block, their slice of the task's KV heads
+// (a task of fewer heads asks only for its own: its siblings run on other threads).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_rows(const PagedAttentionArgs& a, const int32_t* table, int64_t r, int n,
                                                  int64_t L, int64_t head_off, int heads, const void* cache) {
@@ -165,6 +135,20 @@ template <typename T>
                   (static_cast<int64_t>(table[r / a.block_size]) * a.block_size + r % a.block_size) * row_bytes +
                   head_off * sizeof(T);
   for (int i = 0; i < n; ++i, p += row_bytes) prefetch_bytes(p, slice);
+}
+
+// At the start of block `t0 / bs` of a pass over keys [0, L): the blocks kPrefetchBlocks ahead
+// (at the first block, also the ones before them), whole, as the portable loops walk them. The
+// AVX2 path asks for the rows ahead a few at a time as it goes instead (asking for a whole block
+// at its start stalled the core while the burst of requests drained: 32 x 1000 keys bf16 on one
+// thread 6.6-7.4 ms against 8.5-9.3, fp32 32 x 200 20-30% faster; Zen 4).
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_ahead(const PagedAttentionArgs& a, const int32_t* table, int64_t t0,
+                                                  int64_t L, int64_t head_off, int heads, const void* cache) {
+  const int64_t blocks = (L + a.block_size - 1) / a.block_size;
+  const int64_t b = t0 / a.block_size;
+  for (int64_t next = b == 0 ? 1 : b + kPrefetchBlocks; next <= b + kPrefetchBlocks && next < blocks; ++next)
+    prefetch_rows<T>(a, table, next * a.block_size, a.block_size, L, head_off, heads, cache);
 }
 
 // acc += p . V for a task's vectors, each with its own visibility, p in rows `stride` apart. The

@@ -54,7 +54,6 @@ NANOVLLM_AVX2 inline void dot8(const float* __restrict q, const T* __restrict k,
   _mm256_storeu_ps(out, sum_lanes8(a0, a1, a2, a3, a4, a5, a6, a7));
 }
 
-
 // acc[v][c * 8 ..] += sum over keys i < n of p[v * p_stride + i] * x_i[c * 8 ..] for NV vectors and
 // W chunks of eight columns, accumulators held in registers across the keys (x_i = x + i * x_stride).
 template <int NV, int W, typename T>

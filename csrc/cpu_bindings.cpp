@@ -322,6 +322,10 @@ void bind_cpu_gemm(py::module_& m) {
       "from gemm_pack_cpu's: PackedWeight.pairs does).");
 }
 
+// Whether every group of input columns starts on an even column: int4 values and bf16 activations
+// come in pairs of input columns, so a group may not start inside a pair.
+bool groups_pair(int64_t group_size, int64_t k) { return group_size % 2 == 0 || group_size >= k; }
+
 void bind_cpu_gemm_quant(py::module_& m) {
   m.def("quant_isa_supported", [](int64_t isa) { return quant_isa_supported(static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3))); },
         py::arg("isa"), "Whether this CPU runs quant_gemm_cpu with isa (0 auto, 1 portable, 2 AVX2, 3 AVX-512).");
@@ -345,11 +349,10 @@ void bind_cpu_gemm_quant(py::module_& m) {
         if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n || group_size < 1 || group_size > k) {
           value_error("quant_gemm_cpu: bad sizes");
         }
-        // int4 values come in pairs of input columns: a group may not start inside a pair.
-        if (bits == 4 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: int4 needs an even group size");
+        if (bits == 4 && !groups_pair(group_size, k)) value_error("quant_gemm_cpu: int4 needs an even group size");
         if (x_bf16 && !quant_has_bf16()) value_error("quant_gemm_cpu: bf16 activations need AVX512-BF16");
         if (x_bf16 && x_stride < k + k % 2) value_error("quant_gemm_cpu: bf16 rows must hold k rounded up to even");
-        if (x_bf16 && group_size % 2 && group_size < k) value_error("quant_gemm_cpu: bf16 activations need even groups");
+        if (x_bf16 && !groups_pair(group_size, k)) value_error("quant_gemm_cpu: bf16 activations need even groups");
         if (m > 0 && (!(x || x_bf16) || !packed || !scales || !y)) value_error("null pointer passed to quant_gemm_cpu");
         const QuantGemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(x_bf16),
                               reinterpret_cast<const uint8_t*>(packed),
@@ -373,7 +376,6 @@ void check_moe_sizes(const char* what, int64_t rows, int64_t experts, int64_t to
   if (rows < 0 || logits_stride < experts || rows > kInt32Max / top_k) value_error(std::string(what) + ": bad sizes");
 }
 
-
 // One of a quantized MoE layer's two weights (n x k per expert, `experts` of them back to back),
 // checked against the sizes quant_gemm reads.
 MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t packed_bytes, uintptr_t scales,
@@ -383,7 +385,7 @@ MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t
   const std::string what = std::string("moe_quant_experts_cpu: ") + name;
   if (bits != 4 && bits != 8) value_error(what + " bits must be 4 or 8, got " + std::to_string(bits));
   if (group_size < 1 || group_size > k) value_error(what + " group_size must be in [1, " + std::to_string(k) + "]");
-  if (bits == 4 && group_size % 2 && group_size < k) value_error(what + ": int4 needs an even group size");
+  if (bits == 4 && !groups_pair(group_size, k)) value_error(what + ": int4 needs an even group size");
   const int64_t per_packed = quant_gemm_packed_bytes(n, k, static_cast<int>(bits));
   const int64_t per_scales = gemm_panels(n) * ((k + group_size - 1) / group_size) * kGemmPanel;
   if (per_packed > std::numeric_limits<int64_t>::max() / experts || per_scales > std::numeric_limits<int64_t>::max() / 4 / experts) {
@@ -521,9 +523,8 @@ void bind_cpu_moe(py::module_& m) {
         const MoeQuantWeights w2 =
             quant_expert_weights("w2", w2_packed, w2_packed_bytes, w2_scales, w2_scales_elements, w2_zeros,
                                  w2_zeros_elements, w2_group_size, w2_bits, w2_zero_offset, hidden, inter, experts);
-        const auto even_groups = [](const MoeQuantWeights& w, int64_t k) { return w.group_size % 2 == 0 || w.group_size == k; };
         if (bf16_rows && (!quant_has_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0 ||
-                          !even_groups(w13, hidden) || !even_groups(w2, inter))) {
+                          !groups_pair(w13.group_size, hidden) || !groups_pair(w2.group_size, inter))) {
           value_error("moe_quant_experts_cpu: bf16 rows need an AVX512-BF16 CPU, bf16 activations, an even hidden size "
                       "and groups of an even size");
         }

@@ -26,6 +26,12 @@ ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 HAS_BF16 = _cpu.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
 
 
+def groups_pair(group_size: int, k: int) -> bool:
+    """Whether every group of a `k`-column weight starts on an even input column: int4 values and
+    bf16 activations come in pairs of input columns, so a group may not start inside a pair."""
+    return group_size % 2 == 0 or group_size >= k
+
+
 def isa_supported(isa: Isa) -> bool:
     return bool(_cpu.quant_isa_supported(ISA_CODES[isa]))
 
@@ -69,7 +75,7 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
     values pair up two input columns to a byte, so groups must start at even columns: int4 in groups
     of an odd size (no format writes them, but nothing forbids them) is stored a byte per value."""
     n, k, bits = w.out_features, w.in_features, w.bits
-    if bits == 4 and w.group_size % 2 and w.group_size < k:
+    if bits == 4 and not groups_pair(w.group_size, k):
         bits = 8
     q = w.qweight if bits == 8 else (w.qweight.to(torch.int16) + 8).to(torch.uint8)
     if bits == 4 and k % 2:
@@ -92,7 +98,7 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
 
 
 def _check_groups(p: PackedQuantWeight) -> None:
-    if p.bits == 4 and p.group_size % 2 and p.group_size < p.in_features:
+    if p.bits == 4 and not groups_pair(p.group_size, p.in_features):
         raise ValueError(f"int4 groups must have an even size (got {p.group_size}): pack() stores odd ones as int8")
 
 
@@ -139,7 +145,7 @@ def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa
     # bf16 activations: bf16 dot products where the CPU has them (pairs of input columns, so not
     # with groups of an odd size).
     bf16 = (x.dtype == torch.bfloat16 and m >= BF16_MIN_ROWS[p.bits] and isa in ("auto", "avx512") and HAS_BF16
-            and (p.group_size % 2 == 0 or p.group_size == p.in_features))
+            and groups_pair(p.group_size, p.in_features))
     xs, stride = _bf16_rows(rows) if bf16 else cpu_gemm.fp32_rows(rows)
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, p.out_features), dtype=torch.float32)

@@ -92,7 +92,7 @@ def _bf16_rows(x: torch.Tensor, p: PackedQuantExperts, top_k: int) -> bool:
     expert sees on average) where the CPU has them and the groups allow pairs of input columns."""
     if x.dtype != torch.bfloat16 or not cpu_kernel.HAS_BF16 or p.hidden % 2:
         return False
-    if any(w.group_size % 2 and w.group_size != k for w, k in ((p.w13, p.hidden), (p.w2, p.inter))):
+    if not (cpu_kernel.groups_pair(p.w13.group_size, p.hidden) and cpu_kernel.groups_pair(p.w2.group_size, p.inter)):
         return False
     assignments = x.shape[0] * top_k
     per_expert = assignments / max(1, min(p.experts, assignments))
