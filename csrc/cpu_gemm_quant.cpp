@@ -47,6 +47,18 @@ struct Segments {
   }
 };
 
+// What every panel's pass reads of the rows, made once per call.
+struct RowPrep {
+  // Each row's sum of x over each segment, for the zero points of the in-register paths (the fp32
+  // one takes at most kMaxDirectRows rows; the buffered path reads none).
+  std::vector<float> xsum;
+  // On the bf16 int4 path, the bf16 rows with each quad of columns reordered x0 x2 x1 x3, the pairs
+  // QuadDecoder's lanes take (rows x_stride apart); empty where quads would straddle a segment.
+  std::vector<uint16_t> quads;
+
+  RowPrep(const QuantGemmArgs& a, const Segments& segs);
+};
+
 }  // namespace
 
 // --- the kernel body, once per instruction set ---------------------------------------------------
@@ -181,18 +193,49 @@ NANOVLLM_AVX512BF16 inline __m512bh weight_pairs(const uint8_t* w, bool last_odd
   }
 }
 
+// Two int4 steps at once (depths 2j .. 2j + 3 of 16 columns, 32 bytes): vpermw puts column c's bytes
+// of both steps into lane c (the odd columns' high bytes, shifted down), so one mask makes the
+// weights at depths 2j and 2j + 2 and a shift and mask those at 2j + 1 and 2j + 3: three operations a
+// step fewer than weight_pairs' widening, which bounded one row at ~12 GB/s of int4 on a Zen 4 core
+// (this pair ~20 from memory). The activations' pairs must match: RowPrep::quads.
+struct QuadDecoder {
+  __m512i index, shift, mask, magic;
+  NANOVLLM_AVX512BF16 QuadDecoder()
+      : index(_mm512_set_epi16(15, 7, 15, 7, 14, 6, 14, 6, 13, 5, 13, 5, 12, 4, 12, 4, 11, 3, 11, 3, 10, 2, 10, 2, 9, 1,
+                               9, 1, 8, 0, 8, 0)),
+        shift(_mm512_set_epi32(8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0)),
+        mask(_mm512_set1_epi32(0x000f000f)),
+        magic(_mm512_set1_epi32(0x43004300)) {}
+  NANOVLLM_AVX512BF16 void operator()(const uint8_t* w, __m512bh& even, __m512bh& odd) const {
+    const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const __m512i lanes = _mm512_srlv_epi32(_mm512_permutexvar_epi16(index, b), shift);
+    // imm 0xEA: (A & B) | C.
+    even = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(lanes, mask, magic, 0xEA));
+    odd = reinterpret_cast<__m512bh>(_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4), mask, magic, 0xEA));
+  }
+};
+
+// The bf16 pair at `pair` in every lane.
+NANOVLLM_AVX512BF16 inline __m512bh bcast(const uint16_t* pair) {
+  int32_t bits;
+  std::memcpy(&bits, pair, sizeof bits);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
+}
+
 // R rows (x rows ldx apart, pairs of bf16) against panel p's slice at k0, segment by segment, as
-// direct_slice; xsum holds these rows' segment sums.
+// direct_slice; xsum holds these rows' segment sums, xq the rows as RowPrep::quads (null: single
+// steps only).
 template <int R, int Bits>
 NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p,
-                                           int64_t k0, const uint8_t* w, const uint16_t* x, const float* xsum,
-                                           float* y) {
+                                           int64_t k0, const uint8_t* w, const uint16_t* x, const uint16_t* xq,
+                                           const float* xsum, float* y) {
   constexpr int S = std::clamp(8 / R, 1, 4);  // accumulator sets, as dot_segment
   constexpr int kRowBytes = kGemmPanel * Bits / 8;
   const float magic = Bits == 4 ? 128.0f : 0.0f;
-  const int64_t groups = (a.k + a.group_size - 1) / a.group_size;
+  const int64_t panels = gemm_panels(a.n);
   const int64_t col0 = p * kGemmPanel;
   const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+  const QuadDecoder quad;
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
     const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
     const int64_t pairs = (len + 1) / 2;
@@ -204,20 +247,35 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     const auto step = [&](int64_t j, __m512* into) NANOVLLM_AVX512BF16 {
       const __m512bh b = weight_pairs<Bits>(ws + 2 * j * kRowBytes, Bits == 8 && 2 * j + 1 == len);
 #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) into[r] = _mm512_dpbf16_ps(into[r], b, bcast(x + r * a.x_stride + s0 + 2 * j));
+    };
+    // Steps j and j + 1 (j even) through the quad decoder, into two accumulator sets.
+    const auto quad_step = [&](int64_t j, __m512* even_into, __m512* odd_into) NANOVLLM_AVX512BF16 {
+      __m512bh even, odd;
+      quad(ws + 2 * j * kRowBytes, even, odd);
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * a.x_stride + s0 + 2 * j, sizeof pair);
-        into[r] = _mm512_dpbf16_ps(into[r], b, reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)));
+        const uint16_t* q = xq + r * a.x_stride + s0 + 2 * j;
+        even_into[r] = _mm512_dpbf16_ps(even_into[r], even, bcast(q));
+        odd_into[r] = _mm512_dpbf16_ps(odd_into[r], odd, bcast(q + 2));
       }
     };
     int64_t j = 0;
+    if (Bits == 4 && xq != nullptr) {
+      constexpr int kQuads = std::max(S / 2, 1);
+      for (; j + 2 * kQuads <= pairs - (len & 1); j += 2 * kQuads) {
+#pragma GCC unroll 4
+        for (int u = 0; u < kQuads; ++u) quad_step(j + 2 * u, part[(2 * u) % S], part[(2 * u + 1) % S]);
+      }
+      for (; j + 2 <= pairs - (len & 1); j += 2) quad_step(j, part[0], part[1 % S]);
+    }
     for (; j + S <= pairs; j += S) {
 #pragma GCC unroll 4
       for (int t = 0; t < S; ++t) step(j + t, part[t]);
     }
     for (; j < pairs; ++j) step(j, part[0]);
     __m512 s[1], z[1];
-    group_params(a, groups, p, s0 / a.group_size, s, z);
+    group_params(a, panels, p, s0 / a.group_size, s, z);
     const __m512 zero = _mm512_add_ps(z[0], _mm512_set1_ps(magic));
     const bool first = s0 == 0;
     alignas(64) float b16[kGemmPanel] = {};
@@ -234,7 +292,7 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
 }
 
 template <int Bits>
-NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0,
+NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
                                      int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
   const int64_t kp = padded_depth(a.k, Bits);
@@ -243,18 +301,19 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
       row_tiles(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
         direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
-                                   xsum + r * segs.count(), a.y + r * a.y_stride);
+                                   rows.quads.empty() ? nullptr : rows.quads.data() + r * a.x_stride,
+                                   rows.xsum.data() + r * segs.count(), a.y + r * a.y_stride);
       });
     }
   }
 }
 
-NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0,
+NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
                                   int64_t p1) {
   if (a.bits == 8) {
-    panels_bf16<8>(a, segs, xsum, p0, p1);
+    panels_bf16<8>(a, segs, rows, p0, p1);
   } else {
-    panels_bf16<4>(a, segs, xsum, p0, p1);
+    panels_bf16<4>(a, segs, rows, p0, p1);
   }
 }
 }  // namespace
@@ -305,11 +364,8 @@ QuantIsa quant_isa_best() {
 
 namespace {
 
-// Each row's sum of x over each segment, for the zero points of the in-register paths (the fp32 one
-// takes at most kMaxDirectRows rows; the buffered path does not read it).
-std::vector<float> segment_sums(const QuantGemmArgs& a, const Segments& segs) {
-  std::vector<float> xsum;
-  if (a.x_bf16 == nullptr && a.m > kMaxDirectRows) return xsum;
+RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs) {
+  if (a.x_bf16 == nullptr && a.m > kMaxDirectRows) return;
   xsum.assign(a.m * segs.count(), 0.0f);
   for (int64_t r = 0; r < a.m; ++r) {
     for (int64_t s = 0; s < segs.count(); ++s) {
@@ -320,22 +376,27 @@ std::vector<float> segment_sums(const QuantGemmArgs& a, const Segments& segs) {
       xsum[r * segs.count() + s] = sum;
     }
   }
-  return xsum;
+  // Quads must not straddle a segment: every group (and slice) starts on a multiple of 4.
+  if (a.x_bf16 == nullptr || a.bits != 4 || (a.group_size % 4 != 0 && a.group_size < a.k)) return;
+  quads.assign(a.x_bf16, a.x_bf16 + a.m * a.x_stride);
+  for (int64_t r = 0; r < a.m; ++r) {
+    for (int64_t i = 0; i + 4 <= a.k; i += 4) std::swap(quads[r * a.x_stride + i + 1], quads[r * a.x_stride + i + 2]);
+  }
 }
 
-void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
   if (a.x_bf16 != nullptr) {
-    quant_avx512::run_bf16(a, segs, xsum, p0, p1);
+    quant_avx512::run_bf16(a, segs, rows, p0, p1);
     return;
   }
 #endif
   switch (isa == QuantIsa::kAuto ? quant_isa_best() : isa) {
 #if defined(__x86_64__)
-    case QuantIsa::kAvx512: quant_avx512::run(a, segs, xsum, p0, p1); break;
-    case QuantIsa::kAvx2: quant_avx2::run(a, segs, xsum, p0, p1); break;
+    case QuantIsa::kAvx512: quant_avx512::run(a, segs, rows.xsum.data(), p0, p1); break;
+    case QuantIsa::kAvx2: quant_avx2::run(a, segs, rows.xsum.data(), p0, p1); break;
 #endif
-    default: quant_portable::run(a, segs, xsum, p0, p1); break;
+    default: quant_portable::run(a, segs, rows.xsum.data(), p0, p1); break;
   }
 }
 
@@ -344,16 +405,16 @@ void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const f
 void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
   if (a.m == 0) return;
   const Segments segs(a.k, a.group_size);
-  const std::vector<float> xsum = segment_sums(a, segs);
+  const RowPrep rows(a, segs);
   parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
-                [&](int64_t p0, int64_t p1) { run_isa(a, isa, segs, xsum.data(), p0, p1); });
+                [&](int64_t p0, int64_t p1) { run_isa(a, isa, segs, rows, p0, p1); });
 }
 
 void quant_gemm_panels(const QuantGemmArgs& a, QuantIsa isa, int64_t p0, int64_t p1) {
   if (a.m == 0 || p0 >= p1) return;
   const Segments segs(a.k, a.group_size);
-  const std::vector<float> xsum = segment_sums(a, segs);
-  run_isa(a, isa, segs, xsum.data(), p0, p1);
+  const RowPrep rows(a, segs);
+  run_isa(a, isa, segs, rows, p0, p1);
 }
 
 }  // namespace nanovllm

@@ -8,8 +8,10 @@
 //   int8: a panel slice is [depth][16] signed bytes;
 //   int4: [depth / 2][16] bytes, byte c of row j holding column c at depths 2j (low nibble) and
 //         2j + 1 (high nibble), values 0..15; K is padded to even (the pad nibble is never read).
-// Group parameters, per panel and group: 16 fp32 scales ([panels][groups][16]) and, when the
-// weight has zero points, 16 int8 zero points ([panels][groups][16]). Columns past n have scale 0.
+// Group parameters, per group and panel: 16 fp32 scales ([groups][panels][16]) and, when the
+// weight has zero points, 16 int8 zero points ([groups][panels][16]). Columns past n have scale 0.
+// Group-major, so a pass over the panels at one depth reads them as sequential streams too (panel-
+// major, the scale loads missed the cache, a third of a decode GEMM's time).
 // A weight value is w = (q - z) * s with q the stored value (int4: the nibble) and z the zero
 // point plus `zero_offset` (int4 symmetric: z = 8, the stored zero point then absent).
 //

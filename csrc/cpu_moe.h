@@ -92,9 +92,9 @@ void moe_experts(const MoeExpertsArgs& a, int num_threads);
 struct MoeQuantWeights {
   const uint8_t* packed;  // experts x packed_stride bytes
   int64_t packed_stride;
-  const float* scales;  // experts x scales_stride floats: [panels][groups][16]
+  const float* scales;  // experts x scales_stride floats: [groups][panels][16]
   int64_t scales_stride;
-  const int8_t* zeros;  // nullable; experts x zeros_stride: [panels][groups][16]
+  const int8_t* zeros;  // nullable; experts x zeros_stride: [groups][panels][16]
   int64_t zeros_stride;
   int64_t group_size;
   int bits;

@@ -86,6 +86,29 @@ def test_bf16_dot_product_path(bits: int) -> None:
                           63, 63, 16, 63, 4, 8.0, 0, 1, x.data_ptr())
 
 
+@pytest.mark.skipif(not _cpu.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("group", [32, 64, 6, 10, 0])
+def test_bf16_path_sums_in_fp32(group: int) -> None:
+    """The bf16 path's fp32 output against float64: the products of bf16 activations and integer
+    weights are exact, so only fp32 summation separates them. int4 groups of a multiple of 4 take
+    two depths of weights per step (the activations reordered to match); groups of 4j + 2 and odd
+    tails (depths 4j + 1..3 of a group or of k) the single steps; group 0 is one group per row."""
+    for i, (rows, k, n) in enumerate([(1, 1030, 40), (2, 257, 33), (3, 515, 16), (5, 96, 48), (12, 262, 17),
+                                      (13, 301, 32)]):
+        gs = group or k
+        w = random_quantized(n, k, 4, gs, symmetric=bool(i % 2), seed=10 + i)
+        p = cpu_kernel.pack(w)
+        assert p.bits == 4
+        x = torch.randn(rows, k + k % 2, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        x[:, k:] = 0  # the pad column of an odd k
+        y = torch.empty(rows, n)
+        _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
+                          0, y.data_ptr(), rows, n, k, x.shape[1], n, gs, 4, p.zero_offset, 0, 2, x.data_ptr())
+        expected = reference(x[:, :k].float(), w, None)
+        scale = F.linear(x[:, :k].double().abs(), w.dequantize(torch.float64).abs()).max().item()
+        torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * scale)
+
+
 def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
     """Threads split the output panels, never a sum: every thread count gives the same bits."""
     w = random_quantized(200, 300, 4, 64, symmetric=False, seed=3)
@@ -120,7 +143,7 @@ def test_packed_sizes() -> None:
     w = random_quantized(33, 333, 4, 112, symmetric=False, seed=1)
     p = cpu_kernel.pack(w)
     assert p.packed.numel() == 48 * 334 // 2 and tuple(p.scales.shape) == (3, 3, 16) == tuple(p.zeros.shape)
-    assert p.scales[2, :, 1:].eq(0).all()  # columns past n: scale 0
+    assert p.scales[:, 2, 1:].eq(0).all()  # columns past n: scale 0
 
 
 def test_bad_metadata_is_an_error() -> None:

@@ -43,8 +43,8 @@ def best_isa() -> Isa:
 @dataclasses.dataclass(frozen=True)
 class PackedQuantWeight:
     packed: torch.Tensor  # uint8, _cpu.quant_gemm_packed_bytes(out, in, bits)
-    scales: torch.Tensor  # float32 [panels, groups, 16]
-    zeros: torch.Tensor | None  # int8 [panels, groups, 16]
+    scales: torch.Tensor  # float32 [groups, panels, 16]
+    zeros: torch.Tensor | None  # int8 [groups, panels, 16]
     out_features: int
     in_features: int
     bits: int
@@ -92,8 +92,8 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
     packed = torch.cat(slices).contiguous()
     if packed.numel() != _cpu.quant_gemm_packed_bytes(n, k, bits):
         raise AssertionError("packed size disagrees with the kernel's layout")
-    scales = _panels(w.scales).transpose(1, 2).contiguous()
-    zeros = None if w.zeros is None else _panels(w.zeros).transpose(1, 2).contiguous()
+    scales = _panels(w.scales).permute(2, 0, 1).contiguous()
+    zeros = None if w.zeros is None else _panels(w.zeros).permute(2, 0, 1).contiguous()
     return PackedQuantWeight(packed, scales, zeros, n, k, bits, w.group_size, w.perm)
 
 
@@ -110,12 +110,12 @@ def check(p: PackedQuantWeight) -> None:
                                                                                        p.bits):
         raise ValueError(f"packed weight of {p.packed.numel()} {p.packed.dtype} elements for a {p.bits}-bit "
                          f"[{p.out_features}, {p.in_features}] weight")
-    if p.scales.dtype != torch.float32 or tuple(p.scales.shape) != (panels, groups, PANEL):
+    if p.scales.dtype != torch.float32 or tuple(p.scales.shape) != (groups, panels, PANEL):
         raise ValueError(f"packed scales {tuple(p.scales.shape)} ({p.scales.dtype}): expected float32 "
-                         f"[{panels}, {groups}, {PANEL}]")
-    if p.zeros is not None and (p.zeros.dtype != torch.int8 or tuple(p.zeros.shape) != (panels, groups, PANEL)):
+                         f"[{groups}, {panels}, {PANEL}]")
+    if p.zeros is not None and (p.zeros.dtype != torch.int8 or tuple(p.zeros.shape) != (groups, panels, PANEL)):
         raise ValueError(f"packed zero points {tuple(p.zeros.shape)} ({p.zeros.dtype}): expected int8 "
-                         f"[{panels}, {groups}, {PANEL}]")
+                         f"[{groups}, {panels}, {PANEL}]")
     if not all(t.is_contiguous() for t in (p.packed, p.scales, p.zeros) if t is not None):
         raise ValueError("packed tensors must be contiguous")
 

@@ -25,7 +25,7 @@ from nanovllm.layers.quantization.weights import QuantizedWeight
 class StackedQuantWeights:
     """One projection of every expert, each packed by cpu_kernel.pack, back to back."""
     packed: torch.Tensor  # uint8 [experts * bytes per expert], on huge pages (a decode step streams it)
-    scales: torch.Tensor  # float32 [experts, panels, groups, 16]
+    scales: torch.Tensor  # float32 [experts, groups, panels, 16]
     zeros: torch.Tensor | None  # int8, as scales
     bits: int
     group_size: int
