@@ -342,7 +342,7 @@ void bind_cpu_gemm_quant(py::module_& m) {
       "quant_gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t scales, uintptr_t zeros, uintptr_t bias, uintptr_t y, int64_t m,
          int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int64_t group_size, int64_t bits, double zero_offset,
-         int64_t isa, int64_t num_threads, uintptr_t x_bf16) {
+         int64_t isa, int64_t num_threads, uintptr_t x_bf16, bool y_bf16) {
         const auto which = static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3));
         if (!quant_isa_supported(which)) value_error("quant_gemm_cpu: this CPU does not run isa " + std::to_string(isa));
         if (bits != 4 && bits != 8) value_error("quant_gemm_cpu: bits must be 4 or 8, got " + std::to_string(bits));
@@ -357,16 +357,18 @@ void bind_cpu_gemm_quant(py::module_& m) {
         const QuantGemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const uint16_t*>(x_bf16),
                               reinterpret_cast<const uint8_t*>(packed),
                               reinterpret_cast<const float*>(scales), reinterpret_cast<const int8_t*>(zeros),
-                              reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                              y_stride, group_size, static_cast<int>(bits), static_cast<float>(zero_offset)};
+                              reinterpret_cast<const float*>(bias), y_bf16 ? nullptr : reinterpret_cast<float*>(y),
+                              m, n, k, x_stride, y_stride, group_size, static_cast<int>(bits),
+                              static_cast<float>(zero_offset), y_bf16 ? reinterpret_cast<uint16_t*>(y) : nullptr};
         py::gil_scoped_release release;
         quant_gemm(a, which, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bias"), py::arg("y"), py::arg("m"),
       py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("y_stride"), py::arg("group_size"), py::arg("bits"),
       py::arg("zero_offset"), py::arg("isa") = 0, py::arg("num_threads") = 1, py::arg("x_bf16") = 0,
-      "y [m, n] = x [m, k] dequant(W)^T (+ bias) in fp32 on a packed int4 / int8 weight, from raw pointers "
-      "(nanovllm.layers.quantization.cpu_kernel checks the tensors).");
+      py::arg("y_bf16") = false,
+      "y [m, n] = x [m, k] dequant(W)^T (+ bias) on a packed int4 / int8 weight, from raw pointers: y fp32, or bf16 "
+      "(rounded from the fp32 sums) with y_bf16 (nanovllm.layers.quantization.cpu_kernel checks the tensors).");
 }
 
 // The routing arguments every MoE binding takes: the sizes, and that the ids fit int32 offsets.

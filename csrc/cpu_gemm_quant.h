@@ -38,14 +38,17 @@ struct QuantGemmArgs {
   // the fp32 FMA rate). Needs quant_has_bf16() and groups of an even size (or one per row).
   const uint16_t* x_bf16;
   const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
-  const float* scales;       // [panels][groups][16]
-  const int8_t* zeros;       // nullable: [panels][groups][16]
+  const float* scales;       // [groups][panels][16]
+  const int8_t* zeros;       // nullable: [groups][panels][16]
   const float* bias;         // nullable, [n]
-  float* y;                  // [m, n], rows y_stride apart
+  float* y;                  // [m, n], rows y_stride apart (unused with y_bf16)
   int64_t m, n, k, x_stride, y_stride;
   int64_t group_size;        // groups = ceil(k / group_size); group_size = k: one per output column
   int bits;                  // 4 or 8
   float zero_offset;         // added to every zero point (and the zero point when there are none)
+  // Nullable: the output rounded to bf16 instead of y, [m, n], rows y_stride apart; quant_gemm
+  // sums in fp32 in a buffer of its own (quant_gemm_panels takes y only).
+  uint16_t* y_bf16;
 };
 
 // Whether this CPU runs `isa` (kAuto and kPortable: always).

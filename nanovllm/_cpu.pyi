@@ -89,9 +89,10 @@ def quant_gemm_packed_bytes(n: int, k: int, bits: int) -> int:
 
 def quant_gemm_cpu(x: int, packed: int, scales: int, zeros: int, bias: int, y: int, m: int, n: int, k: int,
                    x_stride: int, y_stride: int, group_size: int, bits: int, zero_offset: float, isa: int = 0,
-                   num_threads: int = 1, x_bf16: int = 0) -> None:
-    """y [m, n] = x [m, k] dequant(W)^T (+ bias, when not 0) in fp32 on a packed int4 / int8 weight with
-    per-group scales and zero points (0: none); bf16 activations at `x_bf16` instead of fp32 at `x`."""
+                   num_threads: int = 1, x_bf16: int = 0, y_bf16: bool = False) -> None:
+    """y [m, n] = x [m, k] dequant(W)^T (+ bias, when not 0) on a packed int4 / int8 weight with
+    per-group scales and zero points (0: none); bf16 activations at `x_bf16` instead of fp32 at `x`;
+    y fp32, or bf16 (rounded from the fp32 sums) with `y_bf16`."""
 def moe_route_cpu(logits: int, rows: int, experts: int, logits_stride: int, top_k: int, renormalize: bool,
                   topk_ids: int, topk_weights: int, expert_offsets: int, sorted: int, num_threads: int = 1) -> None:
     """Softmax over fp32 router logits [rows, experts], each row's top_k (ids int32 and fp32 weights

@@ -109,6 +109,27 @@ def test_bf16_path_sums_in_fp32(group: int) -> None:
         torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_output_is_the_fp32_output_rounded(isa: str) -> None:
+    """y_bf16: each thread rounds its own columns of the fp32 sums, as torch's .to(bfloat16) would."""
+    for i, (rows, k, n, group, bits) in enumerate([(1, 300, 40, 64, 4), (7, 520, 100, 520, 8), (20, 256, 33, 32, 4)]):
+        w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=20 + i)
+        p = cpu_kernel.pack(w)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i))
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(50 + i))
+        code = cpu_kernel.ISA_CODES[isa]
+        for threads in (1, 3):
+            outs = {}
+            for dtype in (torch.float32, torch.bfloat16):
+                y = torch.full((rows, n + 3), -1.0, dtype=dtype)  # a wider row: y_stride
+                _cpu.quant_gemm_cpu(x.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
+                                  0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n,
+                                  k, k, n + 3, group, p.bits, p.zero_offset, code, threads, 0, dtype == torch.bfloat16)
+                assert y[:, n:].eq(-1).all()
+                outs[dtype] = y[:, :n]
+            assert torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16)), (i, threads)
+
+
 def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
     """Threads split the output panels, never a sum: every thread count gives the same bits."""
     w = random_quantized(200, 300, 4, 64, symmetric=False, seed=3)

@@ -148,13 +148,14 @@ def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa
             and groups_pair(p.group_size, p.in_features))
     xs, stride = _bf16_rows(rows) if bf16 else cpu_gemm.fp32_rows(rows)
     b = None if bias is None else bias.float().contiguous()
-    y = torch.empty((m, p.out_features), dtype=torch.float32)
+    # bf16 activations get bf16 out of the kernel (rounded from its fp32 sums); others fp32, converted.
+    y = torch.empty((m, p.out_features), dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
     if m:
         _cpu.quant_gemm_cpu(0 if bf16 else xs.data_ptr(), p.packed.data_ptr(), p.scales.data_ptr(),
                           0 if p.zeros is None else p.zeros.data_ptr(), 0 if b is None else b.data_ptr(),
                           y.data_ptr(), m, p.out_features, p.in_features, stride, p.out_features, p.group_size,
                           p.bits, p.zero_offset, ISA_CODES[isa],
                           torch.get_num_threads() if num_threads is None else num_threads,
-                          xs.data_ptr() if bf16 else 0)
-    y = y if x.dtype == torch.float32 else y.to(x.dtype)
+                          xs.data_ptr() if bf16 else 0, y.dtype == torch.bfloat16)
+    y = y if y.dtype == x.dtype else y.to(x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], p.out_features)
