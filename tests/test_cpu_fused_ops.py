@@ -67,6 +67,10 @@ def test_layers_fall_back_to_torch_for_what_the_kernels_do_not_take() -> None:
     torch.testing.assert_close(norm(x), norm._norm(x))
     with pytest.raises(ValueError, match="unsupported"):
         fused_ops.silu_and_mul(x)
+    # the layers' entry points: None (the torch code runs), never an error
+    assert fused_ops.try_silu_and_mul(x) is None and fused_ops.try_rms_norm(x, norm.weight, 1e-6) is None
+    q = torch.randn(3, 4, 16)
+    assert not fused_ops.try_rotary_(torch.arange(3, dtype=torch.int32), q, q[:, :2].clone(), torch.ones(7))
 
 
 LLAMA3 = RopeConfig(theta=500000.0, rope_type="llama3", scaling={

@@ -13,7 +13,8 @@ class SiluAndMul(nn.Module):
     """`[..., 2*I]` (gate | up) -> silu(gate) * up `[..., I]`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops.can_silu_and_mul(x):
-            return fused_ops.silu_and_mul(x)  # one C++ pass on CPU instead of three ops
+        out = fused_ops.try_silu_and_mul(x)  # one C++ pass on CPU instead of three ops
+        if out is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -39,8 +39,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if fused_ops.can_rms_norm(x, self.weight, residual):
-            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        out = fused_ops.try_rms_norm(x, self.weight, self.eps, residual)
+        if out is not None:
+            return out
         if residual is None:
             return self._norm(x)
         x = x + residual

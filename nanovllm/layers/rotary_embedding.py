@@ -83,8 +83,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[T]`; q `[T, Hq, D]`, k `[T, Hkv, D]` -> rotated (q, k), same dtypes. On CPU
         (fp32, bf16) one C++ pass rotates q and k in place and returns them."""
-        if fused_ops.can_rotary(positions, q, k):
-            fused_ops.rotary_(positions, q, k, self.inv_freq)
+        if fused_ops.try_rotary_(positions, q, k, self.inv_freq):
             return q, k
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
