@@ -244,8 +244,7 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
     const int64_t pairs = (len + 1) / 2;
     const uint8_t* ws = w + (s0 - k0) * kRowBytes;
-    // The group's scales and zero points are loaded first: panel by panel (kPanelMajorRows) they sit a
-    // row of panels apart, a cache miss the dot products below hide.
+    // The group's scales and zero points are loaded first, a possible cache miss the dot products hide.
     __m512 s[1], z[1];
     group_params(a, panels, p, s0 / a.group_size, s, z);
     __m512 part[S][R];
@@ -298,44 +297,19 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
 }
 
 
-// Rows from which panels_bf16 goes panel by panel (measured on Zen 4, 2 threads, int4 g128: 7-12%
-// faster from 8 rows, up to 1.5x slower at 2-4).
-constexpr int64_t kPanelMajorRows = 8;
-
 template <int Bits>
 NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
                                      int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
   const int64_t kp = padded_depth(a.k, Bits);
-  // Rows [r, r + R) against panel p's slice at k0, into y (their panel columns, ldy apart).
-  const auto slice_rows = [&]<int R>(int64_t r, int64_t slice, int64_t p, int64_t k0, float* y,
-                                     int64_t ldy) NANOVLLM_AVX512BF16 {
-    direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits),
-                               a.x_bf16 + r * a.x_stride,
-                               rows.quads.empty() ? nullptr : rows.quads.data() + r * a.x_stride,
-                               rows.xsum.data() + r * segs.count(), y, ldy);
-  };
-  if (a.m >= kPanelMajorRows) {
-    // Panel-major: a register tile's rows take the panel's whole depth, summing in L1 (tile), and
-    // write y once; slice-major, every segment read and wrote y, 32 x 6144 fp32 for a gate/up
-    // projection at 32 rows, more than L2 holds. Fewer rows keep the weights one sequential stream.
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t col0 = p * kGemmPanel;
-      const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
-      row_tiles(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
-        alignas(64) float tile[R][kGemmPanel];
-        for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
-          slice_rows.template operator()<R>(r, slice, p, k0, tile[0], kGemmPanel);
-        }
-        for (int i = 0; i < R; ++i) std::copy_n(tile[i], cols, a.y + (r + i) * a.y_stride + col0);
-      });
-    }
-    return;
-  }
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
       row_tiles(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
-        slice_rows.template operator()<R>(r, slice, p, k0, a.y + r * a.y_stride + p * kGemmPanel, a.y_stride);
+        direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
+                                   rows.quads.empty() ? nullptr : rows.quads.data() + r * a.x_stride,
+                                   rows.xsum.data() + r * segs.count(), a.y + r * a.y_stride + p * kGemmPanel,
+                                   a.y_stride);
       });
     }
   }

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from nanovllm import _cpu
 from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.cpu import huge_pages
 from nanovllm.layers.quantization.weights import QuantizedWeight
 
 PANEL = 16  # csrc/cpu_gemm.h kGemmPanel
@@ -89,9 +90,12 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
             pairs = block.reshape(block.shape[0], -1, 2, PANEL)
             block = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
         slices.append(block.reshape(-1))
-    packed = torch.cat(slices).contiguous()
-    if packed.numel() != _cpu.quant_gemm_packed_bytes(n, k, bits):
+    if sum(s.numel() for s in slices) != _cpu.quant_gemm_packed_bytes(n, k, bits):
         raise AssertionError("packed size disagrees with the kernel's layout")
+    # On 2 MiB pages, as the dense packed weights (cpu/huge_pages.py): streamed from memory every
+    # step, 1.1-1.3x faster at one row on Zen 4 (2 threads, 96 MB of weights cycled).
+    packed = huge_pages.empty(_cpu.quant_gemm_packed_bytes(n, k, bits), torch.uint8)
+    torch.cat(slices, out=packed)
     scales = _panels(w.scales).permute(2, 0, 1).contiguous()
     zeros = None if w.zeros is None else _panels(w.zeros).permute(2, 0, 1).contiguous()
     return PackedQuantWeight(packed, scales, zeros, n, k, bits, w.group_size, w.perm)
