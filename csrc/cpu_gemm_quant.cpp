@@ -23,6 +23,8 @@ constexpr int64_t kQuantKc = 256;
 constexpr int64_t kQuantMc = 144;
 // The most rows any instruction set's in-register path takes (each says its own, kDirectRows).
 constexpr int64_t kMaxDirectRows = 12;
+// The most rows the bf16 int4 path reorders for two steps a decode (RowPrep::quads): a decode batch.
+constexpr int64_t kQuadMaxRows = 64;
 
 // int4 rows come in pairs: K is padded to even in the packed weight.
 int64_t padded_depth(int64_t k, int bits) { return bits == 4 ? (k + 1) / 2 * 2 : k; }
@@ -224,7 +226,7 @@ NANOVLLM_AVX512BF16 inline __m512bh bcast(const uint16_t* pair) {
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(bits));
 }
 
-// R rows (x rows ldx apart, pairs of bf16) against panel p's slice at k0, segment by segment, as
+// R rows (x rows a.x_stride apart, pairs of bf16) against panel p's slice at k0, segment by segment, as
 // direct_slice; xsum holds these rows' segment sums, xq the rows as RowPrep::quads (null: single
 // steps only); y the rows' panel columns, ldy apart.
 template <int R, int Bits>
@@ -232,7 +234,8 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
                                            int64_t k0, const uint8_t* w, const uint16_t* x, const uint16_t* xq,
                                            const float* xsum, float* y, int64_t ldy) {
   // Accumulator sets, as dot_segment; a quad step's even and odd depths go to different sets, so up
-  // to 8 rows get two (with one, each row's two dot products a step waited on each other: 10-30%).
+  // to 8 rows get at least two (with one, each row's two dot products a step waited on each other:
+  // 10-30%).
   constexpr int S = std::clamp(16 / R, 1, 4);
   constexpr int kRowBytes = kGemmPanel * Bits / 8;
   const float magic = Bits == 4 ? 128.0f : 0.0f;
@@ -295,7 +298,6 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     }
   }
 }
-
 
 template <int Bits>
 NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
@@ -383,11 +385,18 @@ RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs) {
       xsum[r * segs.count() + s] = sum;
     }
   }
-  // Quads must not straddle a segment: every group (and slice) starts on a multiple of 4.
-  if (a.x_bf16 == nullptr || a.bits != 4 || (a.group_size % 4 != 0 && a.group_size < a.k)) return;
-  quads.assign(a.x_bf16, a.x_bf16 + a.m * a.x_stride);
+  // Quads must not straddle a segment: every group (and slice) starts on a multiple of 4. A prefill's
+  // thousands of rows take single steps: the copy runs on one thread before the GEMM, and a tile of
+  // 12 rows already spreads a step's decode over 12 products.
+  if (a.x_bf16 == nullptr || a.bits != 4 || a.m > kQuadMaxRows || (a.group_size % 4 != 0 && a.group_size < a.k)) {
+    return;
+  }
+  const int64_t row = a.k + a.k % 2;  // what a row holds; x_stride may be wider
+  quads.assign((a.m - 1) * a.x_stride + row, 0);
   for (int64_t r = 0; r < a.m; ++r) {
-    for (int64_t i = 0; i + 4 <= a.k; i += 4) std::swap(quads[r * a.x_stride + i + 1], quads[r * a.x_stride + i + 2]);
+    uint16_t* q = quads.data() + r * a.x_stride;
+    std::copy_n(a.x_bf16 + r * a.x_stride, row, q);
+    for (int64_t i = 0; i + 4 <= a.k; i += 4) std::swap(q[i + 1], q[i + 2]);
   }
 }
 

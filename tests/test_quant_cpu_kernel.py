@@ -7,6 +7,10 @@ every group size, symmetric and asymmetric, activation order; and bad metadata i
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,6 +111,48 @@ def test_bf16_path_sums_in_fp32(group: int) -> None:
         expected = reference(x[:, :k].float(), w, None)
         scale = F.linear(x[:, :k].double().abs(), w.dequantize(torch.float64).abs()).max().item()
         torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 * scale)
+        yb = torch.empty(rows, n, dtype=torch.bfloat16)  # bf16 out: the same sums, rounded by the kernel
+        _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
+                          0, yb.data_ptr(), rows, n, k, x.shape[1], n, gs, 4, p.zero_offset, 0, 2, x.data_ptr(), True)
+        assert torch.equal(yb, y.to(torch.bfloat16))
+
+
+GUARDED_ROWS = """
+import ctypes, mmap, sys, torch
+from quant_helpers import random_quantized
+from nanovllm import _cpu
+from nanovllm.layers.quantization import cpu_kernel
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+page = mmap.PAGESIZE
+base = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # read/write, private anonymous
+assert libc.mprotect(base + page, page, 0) == 0  # the second page: no access
+m, k, n, stride, group = 2, 64, 16, 128, 32
+start = base + page - 2 * (stride + k)  # the last row ends where the guard page begins
+x = torch.randn(m, k).to(torch.bfloat16)
+rows = torch.frombuffer((ctypes.c_uint16 * (stride + k)).from_address(start), dtype=torch.int16)
+rows[:k] = x[0].view(torch.int16)
+rows[stride:] = x[1].view(torch.int16)
+w = random_quantized(n, k, 4, group, False, seed=1)
+p = cpu_kernel.pack(w)
+y = torch.empty(m, n)
+_cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), p.zeros.data_ptr(), 0, y.data_ptr(), m, n, k,
+                  stride, n, group, 4, p.zero_offset, 0, 1, start, False)
+err = (y - torch.nn.functional.linear(x.double(), w.dequantize(torch.float64)).float()).abs().max().item()
+print("max error", err)
+sys.exit(0 if err < 1e-3 else 3)
+"""
+
+
+@pytest.mark.skipif(not _cpu.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
+def test_bf16_rows_are_read_only_to_their_length() -> None:
+    """Rows x_stride apart (a view of a wider tensor) are read up to k + k % 2 each and no further:
+    the last row ends at a page the process may not read (in a subprocess: a read there kills it)."""
+    proc = subprocess.run([sys.executable, "-c", GUARDED_ROWS], cwd=Path(__file__).parent, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
 
 
 @pytest.mark.parametrize("isa", ISAS)
