@@ -404,8 +404,7 @@ MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t
   }
   if (!packed || !scales) value_error("null pointer passed to moe_quant_experts_cpu");
   return {reinterpret_cast<const uint8_t*>(packed), per_packed, reinterpret_cast<const float*>(scales), per_scales,
-          reinterpret_cast<const int8_t*>(zeros), per_scales, group_size, static_cast<int>(bits),
-          static_cast<float>(zero_offset)};
+          reinterpret_cast<const int8_t*>(zeros), group_size, static_cast<int>(bits), static_cast<float>(zero_offset)};
 }
 
 void bind_cpu_moe(py::module_& m) {

@@ -239,7 +239,6 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
   constexpr int S = std::clamp(16 / R, 1, 4);
   constexpr int kRowBytes = kGemmPanel * Bits / 8;
   const float magic = Bits == 4 ? 128.0f : 0.0f;
-  const int64_t panels = gemm_panels(a.n);
   const int64_t col0 = p * kGemmPanel;
   const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
   const QuadDecoder quad;
@@ -249,7 +248,7 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     const uint8_t* ws = w + (s0 - k0) * kRowBytes;
     // The group's scales and zero points are loaded first, a possible cache miss the dot products hide.
     __m512 s[1], z[1];
-    group_params(a, panels, p, s0 / a.group_size, s, z);
+    group_params(a, p, s0 / a.group_size, s, z);
     __m512 part[S][R];
     for (int t = 0; t < S; ++t) {
       for (int r = 0; r < R; ++r) part[t][r] = _mm512_setzero_ps();

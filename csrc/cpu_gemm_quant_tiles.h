@@ -30,8 +30,8 @@ inline void put(float* y, const V* v, int cols, bool add) {
 }
 
 // Group g's scales and zero points (zero_offset added) of panel p.
-inline void group_params(const QuantGemmArgs& a, int64_t panels, int64_t p, int64_t g, V* s, V* z) {
-  const int64_t at = (g * panels + p) * kGemmPanel;
+inline void group_params(const QuantGemmArgs& a, int64_t p, int64_t g, V* s, V* z) {
+  const int64_t at = (g * gemm_panels(a.n) + p) * kGemmPanel;
   load16(a.scales + at, s);
   if (a.zeros == nullptr) {
     for (int v = 0; v < kVecs; ++v) z[v] = Isa::bcast(&a.zero_offset);
@@ -106,7 +106,6 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t l
 template <int R, int Bits>
 void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
                   const float* xsum) {
-  const int64_t panels = gemm_panels(a.n);
   const int64_t col0 = p * kGemmPanel;
   const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
@@ -117,7 +116,7 @@ void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, i
     }
     dot_segment<R, Bits>(a.x + s0, a.x_stride, w + (s0 - k0) * kGemmPanel * Bits / 8, len, acc);
     V s[kVecs], z[kVecs], bias[kVecs];
-    group_params(a, panels, p, s0 / a.group_size, s, z);
+    group_params(a, p, s0 / a.group_size, s, z);
     const bool first = s0 == 0;
     for (int v = 0; v < kVecs; ++v) bias[v] = Isa::zero();
     if (first) {
@@ -141,11 +140,10 @@ void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, i
 template <int Bits>
 void dequant_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
                    float* buf) {
-  const int64_t panels = gemm_panels(a.n);
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
     const int64_t s0 = segs.start[sg], s1 = segs.start[sg + 1];
     V s[kVecs], z[kVecs];
-    group_params(a, panels, p, s0 / a.group_size, s, z);
+    group_params(a, p, s0 / a.group_size, s, z);
     const auto store = [&](int64_t i, const V* q) {
       for (int v = 0; v < kVecs; ++v) Isa::store(buf + (i - k0) * kGemmPanel + v * kLanes, Isa::mul(Isa::sub(q[v], z[v]), s[v]));
     };

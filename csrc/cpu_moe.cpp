@@ -172,7 +172,7 @@ class QuantExperts {
     }
     g.packed = w.packed + e * w.packed_stride;
     g.scales = w.scales + e * w.scales_stride;
-    g.zeros = w.zeros == nullptr ? nullptr : w.zeros + e * w.zeros_stride;
+    g.zeros = w.zeros == nullptr ? nullptr : w.zeros + e * w.scales_stride;
     g.y = y;
     g.m = m;
     g.n = n;

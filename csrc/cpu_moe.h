@@ -94,8 +94,7 @@ struct MoeQuantWeights {
   int64_t packed_stride;
   const float* scales;  // experts x scales_stride floats: [groups][panels][16]
   int64_t scales_stride;
-  const int8_t* zeros;  // nullable; experts x zeros_stride: [groups][panels][16]
-  int64_t zeros_stride;
+  const int8_t* zeros;  // nullable; as scales (experts x scales_stride): [groups][panels][16]
   int64_t group_size;
   int bits;
   float zero_offset;
