@@ -211,6 +211,11 @@ def test_packed_sizes() -> None:
     p = cpu_kernel.pack(w)
     assert p.packed.numel() == 48 * 334 // 2 and tuple(p.scales.shape) == (3, 3, 16) == tuple(p.zeros.shape)
     assert p.scales[:, 2, 1:].eq(0).all()  # columns past n: scale 0
+    assert cpu_kernel.packed_bytes(w) == p.packed.numel()
+    into = torch.empty(2 * p.packed.numel(), dtype=torch.uint8)[p.packed.numel():]  # a caller's buffer
+    assert torch.equal(cpu_kernel.pack(w, into).packed, p.packed) and into.equal(p.packed)
+    with pytest.raises(ValueError, match="out must be uint8"):
+        cpu_kernel.pack(w, into[1:])
 
 
 def test_bad_metadata_is_an_error() -> None:

@@ -71,13 +71,23 @@ def _panels(t: torch.Tensor) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, pad)).reshape(-1, PANEL, t.shape[1])
 
 
-def pack(w: QuantizedWeight) -> PackedQuantWeight:
-    """The kernel's copy of `w` (csrc/cpu_gemm_quant.h: panels of 16 columns, slices 256 deep). int4
-    values pair up two input columns to a byte, so groups must start at even columns: int4 in groups
-    of an odd size (no format writes them, but nothing forbids them) is stored a byte per value."""
-    n, k, bits = w.out_features, w.in_features, w.bits
-    if bits == 4 and not groups_pair(w.group_size, k):
-        bits = 8
+def stored_bits(w: QuantizedWeight) -> int:
+    """The width pack() stores `w`'s values at: int4 values pair up two input columns to a byte, so
+    groups must start at even columns; int4 in groups of an odd size (no format writes them, but
+    nothing forbids them) is stored a byte per value."""
+    return 8 if w.bits == 4 and not groups_pair(w.group_size, w.in_features) else w.bits
+
+
+def packed_bytes(w: QuantizedWeight) -> int:
+    """The size of pack(w).packed."""
+    return _cpu.quant_gemm_packed_bytes(w.out_features, w.in_features, stored_bits(w))
+
+
+def pack(w: QuantizedWeight, out: torch.Tensor | None = None) -> PackedQuantWeight:
+    """The kernel's copy of `w` (csrc/cpu_gemm_quant.h: panels of 16 columns, slices 256 deep, values
+    at stored_bits(w)). The packed values go into `out` (uint8 [packed_bytes(w)]: a caller's buffer,
+    such as one expert's part of the stacked experts), else into a new tensor on 2 MiB pages."""
+    n, k, bits = w.out_features, w.in_features, stored_bits(w)
     q = w.qweight if bits == 8 else (w.qweight.to(torch.int16) + 8).to(torch.uint8)
     if bits == 4 and k % 2:
         q = F.pad(q, (0, 1))  # int4 rows come in pairs; the pad is never read
@@ -90,15 +100,19 @@ def pack(w: QuantizedWeight) -> PackedQuantWeight:
             pairs = block.reshape(block.shape[0], -1, 2, PANEL)
             block = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
         slices.append(block.reshape(-1))
-    if sum(s.numel() for s in slices) != _cpu.quant_gemm_packed_bytes(n, k, bits):
+    size = packed_bytes(w)
+    if sum(s.numel() for s in slices) != size:
         raise AssertionError("packed size disagrees with the kernel's layout")
-    # On 2 MiB pages, as the dense packed weights (cpu/huge_pages.py): streamed from memory every
-    # step, 1.1-1.3x faster at one row on Zen 4 (2 threads, 96 MB of weights cycled).
-    packed = huge_pages.empty(_cpu.quant_gemm_packed_bytes(n, k, bits), torch.uint8)
-    torch.cat(slices, out=packed)
+    if out is None:
+        # On 2 MiB pages, as the dense packed weights (cpu/huge_pages.py): streamed from memory every
+        # step, 1.1-1.3x faster at one row on Zen 4 (2 threads, 96 MB of weights cycled).
+        out = huge_pages.empty(size, torch.uint8)
+    elif out.dtype != torch.uint8 or tuple(out.shape) != (size,):
+        raise ValueError(f"pack: out must be uint8 [{size}], got {out.dtype} {tuple(out.shape)}")
+    torch.cat(slices, out=out)
     scales = _panels(w.scales).permute(2, 0, 1).contiguous()
     zeros = None if w.zeros is None else _panels(w.zeros).permute(2, 0, 1).contiguous()
-    return PackedQuantWeight(packed, scales, zeros, n, k, bits, w.group_size, w.perm)
+    return PackedQuantWeight(out, scales, zeros, n, k, bits, w.group_size, w.perm)
 
 
 def _check_groups(p: PackedQuantWeight) -> None:

@@ -67,12 +67,10 @@ def interleave_gate_up(w: QuantizedWeight) -> QuantizedWeight:
 
 
 def _stack(weights: list[QuantizedWeight]) -> StackedQuantWeights:
-    packs = [cpu_kernel.pack(w) for w in weights]
+    per = cpu_kernel.packed_bytes(weights[0])  # the same for every expert (can_pack)
+    flat = huge_pages.empty(len(weights) * per, torch.uint8)
+    packs = [cpu_kernel.pack(w, flat[e * per:(e + 1) * per]) for e, w in enumerate(weights)]
     first = packs[0]
-    per = first.packed.numel()
-    flat = huge_pages.empty(len(packs) * per, torch.uint8)
-    for e, p in enumerate(packs):
-        flat[e * per:(e + 1) * per] = p.packed
     zeros = None if first.zeros is None else torch.stack([p.zeros for p in packs])  # type: ignore[misc]
     return StackedQuantWeights(flat, torch.stack([p.scales for p in packs]), zeros, first.bits, first.group_size,
                                first.zero_offset)
