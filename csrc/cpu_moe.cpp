@@ -232,7 +232,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       for (int64_t c = 0; c < hidden; ++c) narrow(widen(src[c]), dst + c);
     }
 #pragma omp barrier
-    const Share up_panels(gemm_panels(gate_up), t, team);
+    const PanelShare up_panels(gemm_panels(gate_up), t, team);
     for (const int32_t e : chosen) {
       const int64_t first = offsets[e], m = offsets[e + 1] - first;
       experts.gate_up(e, xs + first * hidden, hidden, h + first * gate_up, gate_up, m, up_panels.begin, up_panels.end);
@@ -249,7 +249,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       }
     }
 #pragma omp barrier
-    const Share down_panels(gemm_panels(hidden), t, team);
+    const PanelShare down_panels(gemm_panels(hidden), t, team);
     for (const int32_t e : chosen) {
       const int64_t first = offsets[e];
       experts.down(e, act + first * inter8, inter8, y + first * hidden, hidden, offsets[e + 1] - first,

@@ -167,6 +167,24 @@ def test_avx2_gemm_is_the_same_on_any_number_of_threads() -> None:
     torch.testing.assert_close(outs[0], F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not _cpu.has_avx512_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("rows", [3, 150])  # below and above the rows that take the software prefetch
+def test_bf16_pair_gemm_is_the_same_on_any_number_of_threads(rows: int) -> None:
+    """The pair layout interleaves panels 2j and 2j + 1: threads split at even panels, whatever their
+    number, with an odd panel count (13) whose last panel stands alone."""
+    g = torch.Generator().manual_seed(12)
+    w, x = torch.randn(200, 300, generator=g).bfloat16(), torch.randn(rows, 300, generator=g).bfloat16()
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight) and packed.pairs
+    outs = []
+    for threads in (1, 2, 3, 5, 7):
+        y = torch.empty(rows, 200)
+        _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), rows, 200, 300, 300, 200, threads)
+        outs.append(y)
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+    torch.testing.assert_close(outs[0], F.linear(x.float(), w.float()))
+
+
 @pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 def test_avx2_gemm_rejects_bad_sizes() -> None:
     w, x = torch.randn(32, 64), torch.randn(4, 64)
