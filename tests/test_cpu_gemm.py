@@ -284,6 +284,22 @@ def test_lm_head_prepacked_and_a_tied_one_keeps_the_embedding() -> None:
     assert torch.equal(embedding(ids), dense[ids])  # the lookup still reads the dense rows
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_lm_head_takes_our_gemm_unless_the_cpu_has_amx(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head sees decode rows only: ours (even the pair tiles where linear layers take oneDNN),
+    but AMX keeps the dense layers' choice."""
+    monkeypatch.setattr(cpu_gemm, "amx_tiles", lambda: amx)
+    head = _filled(ParallelLMHead(4096, 256), seed=6).to(torch.bfloat16)
+    weight = head.weight.detach().clone()
+    ours = cpu_features.gemm_kernel() == "avx2"
+    expected_kernel = "avx2" if ours and not amx else cpu_gemm.layer_kernel(weight)
+    assert cpu_gemm.head_kernel(weight) == expected_kernel
+    assert head.prepack_for_cpu()
+    assert isinstance(head.packed, cpu_gemm.PackedWeight) == (expected_kernel == "avx2")
+    hidden = torch.randn(3, 256).to(torch.bfloat16)
+    torch.testing.assert_close(head(hidden).float(), F.linear(hidden.float(), weight.float()), rtol=2 ** -7, atol=2e-2)
+
+
 @pytest.fixture(scope="module")
 def builtin_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The built-in model's shapes (most of its layers above the prepack threshold), two layers.

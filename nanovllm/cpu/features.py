@@ -27,6 +27,12 @@ def native_bf16() -> bool:
     return _probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported")
 
 
+@functools.cache
+def amx_tiles() -> bool:
+    """AMX tiles (Intel Sapphire Rapids and later): bf16 products several times a vector unit's."""
+    return _probe("_is_amx_tile_supported")
+
+
 GemmKernel = Literal["avx2", "onednn"]
 
 

@@ -13,9 +13,10 @@ Two packed forms; `prepack` picks one per weight (`layer_kernel`):
   within the machine's noise of it.
 - oneDNN (`mkldnn._reorder_linear_weight` for a batch of ~64 rows, then `_linear_pointwise`) for
   bf16 weights of PREPACK_MIN_WEIGHTS and more where the CPU computes bf16 natively (AVX512-BF16,
-  AMX): on Zen 4 our pair tiles decoded 1.25x faster at one row but prefilled at 0.8x (oneDNN's
-  bf16 kernels ran 20-25% faster from 64 rows up), and AMX tiles multiply bf16 several times
-  faster than vector units; and for every layer on CPUs without AVX2.
+  AMX), but the LM head's without AMX (`head_kernel`: it sees decode rows only): on Zen 4 our
+  pair tiles ran the bench model's layers 1.7-2.3x faster at one row, even at 32-64 rows, but
+  10-30% slower from 256 rows up (a prefill), and AMX tiles multiply bf16 several times faster
+  than vector units; and for every layer on CPUs without AVX2.
 
 Either way the results differ from `F.linear`'s only in summation order (and, on pair-packed bf16
 weights, fp32 activations are rounded to bf16 first, and vdpbf16ps treats denormal inputs and
@@ -32,7 +33,7 @@ from torch import nn
 
 from nanovllm import _cpu
 from nanovllm.cpu import KERNEL_DTYPES, huge_pages
-from nanovllm.cpu.features import GemmKernel, gemm_kernel, native_bf16
+from nanovllm.cpu.features import GemmKernel, amx_tiles, gemm_kernel, native_bf16
 
 PREPACK_MIN_WEIGHTS = 1 << 17
 BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
@@ -68,6 +69,17 @@ def layer_kernel(weight: torch.Tensor) -> GemmKernel:
             and torch.backends.mkldnn.is_available()):
         return "onednn"
     return gemm_kernel()
+
+
+def head_kernel(weight: torch.Tensor) -> GemmKernel:
+    """The LM head's packing: ours wherever it runs, but on AMX CPUs. The head sees only the rows
+    being sampled (a decode batch, the last token of each prefilled prompt), and on the AVX512-BF16
+    Zen 4 our pair tiles read its bf16 weight at 30-33 GB/s up to 8 rows, 1.2-1.55x oneDNN's speed,
+    and were even with it at 32 (benchmarks/RESULTS.md, "The LM head on our GEMM"); AMX tiles
+    multiply a batch's rows several times faster than either."""
+    if gemm_kernel() == "avx2" and not (weight.dtype == torch.bfloat16 and amx_tiles()):
+        return "avx2"
+    return layer_kernel(weight)
 
 
 def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
@@ -165,13 +177,14 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def prepack_layer(layer: nn.Module, keep_dense: bool = False) -> bool:
+def prepack_layer(layer: nn.Module, keep_dense: bool = False, kernel: GemmKernel | None = None) -> bool:
     """Give a layer with `weight` and `packed` attributes (a linear layer, the LM head) a packed
-    copy of its weight when it gains from it; its dense weight is released (an empty tensor) unless
-    `keep_dense` (a tied LM head: the embedding still looks rows up in it)."""
-    if layer.packed is not None or not can_prepack(layer.weight):
+    copy of its weight for `kernel` (default: `layer_kernel`'s) when it gains from it; its dense
+    weight is released (an empty tensor) unless `keep_dense` (a tied LM head: the embedding still
+    looks rows up in it)."""
+    if layer.packed is not None or not can_prepack(layer.weight, kernel):
         return False
-    layer.packed = prepack(layer.weight)
+    layer.packed = prepack(layer.weight, kernel)
     if not keep_dense:
         layer.weight.data = layer.weight.data.new_empty(0)
     return True
