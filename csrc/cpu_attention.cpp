@@ -1,6 +1,7 @@
 #include "cpu_attention.h"
 
 #include "cpu_attention_avx2.h"
+#include "cpu_attention_bf16.h"
 #include "cpu_isa.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace nanovllm {
@@ -36,6 +38,7 @@ struct Task {
 
 struct Scratch {
   std::vector<float> q, scores, acc, row;
+  std::vector<Bf16> qb;  // the query vectors as stored, for the AVX512-BF16 scores
 };
 
 // Scores of query vectors [v, end) (rows of `q`, D apart) against one key, into column t of `sc`
@@ -206,11 +209,13 @@ template <typename T>
 #if defined(__x86_64__)
 // Scores, softmax and weighted values of one task with the AVX2 tiles (cpu_attention_avx2.h):
 // the same results as attend_task's portable loops up to fp32 rounding. qf holds the task's V
-// scaled query vectors, sc is [V, stride] with stride >= L rounded up to 8, acc [V, D] zeros.
+// scaled query vectors, sc is [V, stride] with stride >= L rounded up to 8, acc [V, D] zeros. qb,
+// when not null, holds the same vectors unscaled in bf16, and the scores take the AVX512-BF16
+// dot products (cpu_attention_bf16.h).
 template <typename T>
 NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads,
-                               int per_head, int base, int64_t L, int64_t stride, const float* qf, float* sc,
-                               float* acc) {
+                               int per_head, int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb,
+                               float* sc, float* acc) {
   const int group = a.num_heads / a.num_kv_heads;
   const int D = a.head_dim;
   const int bs = a.block_size;
@@ -226,8 +231,16 @@ NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table
     const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
     const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
     for (int h = 0; h < heads; ++h) {
-      for (int v = h * per_head + first; v < (h + 1) * per_head; ++v)
+      for (int v = h * per_head + first; v < (h + 1) * per_head; ++v) {
+        if constexpr (std::is_same_v<T, Bf16>) {
+          if (qb != nullptr) {
+            avx512_bf16::dot8(qb + static_cast<int64_t>(v) * D, k + static_cast<int64_t>(h) * D, kv_row, D, a.scale,
+                              sc + v * stride + t0);
+            continue;
+          }
+        }
         avx2::dot8(qf + static_cast<int64_t>(v) * D, k + static_cast<int64_t>(h) * D, kv_row, D, sc + v * stride + t0);
+      }
     }
   }
   softmax_visible(sc, stride, V, per_head, group, base, L);
@@ -320,7 +333,22 @@ template <typename T>
 
 #if defined(__x86_64__)
   if (D % 8 == 0 && bs % 8 == 0 && has_avx2_fma()) {
-    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, sc, acc);
+    const Bf16* qb = nullptr;
+    if constexpr (std::is_same_v<T, Bf16>) {
+      if (D % 32 == 0 && has_avx512_bf16()) {
+        s.qb.resize(static_cast<size_t>(V) * D);
+        for (int h = 0; h < heads; ++h) {
+          for (int r = 0; r < rows; ++r) {
+            std::memcpy(s.qb.data() + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D,
+                        query + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
+                                 static_cast<int64_t>(task.head_begin + h) * group) * D,
+                        sizeof(Bf16) * group * D);
+          }
+        }
+        qb = s.qb.data();
+      }
+    }
+    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc);
     write_task_output<T>(a, task, acc);
     return;
   }

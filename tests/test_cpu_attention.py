@@ -81,8 +81,9 @@ def test_few_decode_rows_split_their_heads_over_threads(heads: int, kv_heads: in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# head_dim and block_size multiples of 8 take the AVX2 score tiles (on a CPU with AVX2), the others
-# the portable loops.
+# head_dim and block_size multiples of 8 take the AVX2 score tiles (on a CPU with AVX2; bf16 with
+# head_dim a multiple of 32 the AVX512-BF16 scores where the CPU has them), the others the portable
+# loops.
 @pytest.mark.parametrize(("dim", "block_size"), [(64, 16), (64, 256), (20, 16), (64, 12)],
                          ids=["tiles_bs16", "tiles_bs256", "portable_dim20", "portable_bs12"])
 def test_mixed_decode_and_prefill_chunks_match_reference(dim: int, block_size: int, dtype: torch.dtype) -> None:
