@@ -4,10 +4,13 @@ matmul on a reordered weight as the engine calls it, MKL's packed sgemm, and nan
 them), in fp32 and bf16. A variant the CPU cannot run (oneDNN bf16 needs AVX512-BW or
 AVX-NE-CONVERT; ours needs AVX2 + FMA) is reported as such.
 
-Median microseconds of `--repeats` calls per shape; nanovllm/cpu/gemm.py says which variant
-the engine takes on which CPU (see benchmarks/RESULTS.md).
+Median microseconds of `--repeats` calls per shape, the variants taking turns call by call (the
+host's speed drifts); nanovllm/cpu/gemm.py says which variant the engine takes on which CPU (see
+benchmarks/RESULTS.md). `--shapes` replaces the built-in list (e.g. the LM head at decode batches:
+`--shapes 1x1024x32000,8x1024x32000,32x1024x32000 --dtypes bfloat16`).
 
-Usage: python benchmarks/cpu_linear.py [--repeats 30] [--json out.json]
+Usage: python benchmarks/cpu_linear.py [--repeats 30] [--shapes MxKxN,...] [--dtypes float32,bfloat16]
+[--json out.json]
 """
 
 from __future__ import annotations
@@ -35,15 +38,32 @@ SHAPES = [(64, 1024, 2048), (64, 1024, 1024), (64, 1024, 6144), (64, 3072, 1024)
           (1, 1024, 6144), (256, 1024, 2048), (256, 1024, 6144), (256, 3072, 1024), (512, 1024, 6144)]
 
 
-def median_us(fn: Callable[[], object], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
+def median_us(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float | str]:
+    """Each variant's median microseconds per call, the variants taking turns; a variant the CPU
+    cannot run gets the reason instead."""
+    times: dict[str, list[float]] = {}
+    out: dict[str, float | str] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(3):
+                fn()
+            times[name] = []
+        except RuntimeError as e:
+            out[name] = f"unsupported ({str(e).splitlines()[0].split(':')[0]})"
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+        for name in times:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    out.update({name: round(1e6 * statistics.median(t)) for name, t in times.items()})
+    return out
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = [tuple(int(d) for d in s.split("x")) for s in text.split(",")]
+    if any(len(s) != 3 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"shapes are MxKxN, comma-separated: {text!r}")
+    return shapes  # type: ignore[return-value]
 
 
 def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -69,19 +89,17 @@ def _unsupported(why: str) -> Callable[[], object]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--shapes", type=parse_shapes, default=SHAPES, help="MxKxN,... (default: the bench models')")
+    p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for m, k, n in SHAPES:
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for m, k, n in args.shapes:
             g = torch.Generator().manual_seed(0)
             x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
             row: dict[str, object] = {"dtype": str(dtype).removeprefix("torch."), "shape": f"{m}x{k}x{n}"}
-            for name, fn in variants(x, w).items():
-                try:
-                    row[name] = round(median_us(fn, args.repeats))
-                except RuntimeError as e:  # the CPU lacks what the variant needs
-                    row[name] = f"unsupported ({str(e).splitlines()[0].split(':')[0]})"
+            row.update(median_us(variants(x, w), args.repeats))
             rows.append(row)
     print(f"{machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads; median us per call")
     columns = ["dtype", "shape", "F.linear", "oneDNN prepacked", "MKL packed", "nanovllm gemm_cpu"]
