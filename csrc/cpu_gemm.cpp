@@ -283,6 +283,7 @@ struct Operands {
 // The thread's panels [p0, p1): each kc slice of a panel is loaded once per kMc rows of x.
 template <typename Tiles>
 void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
+  if (p0 >= p1) return;  // a team wider than its panels (PanelShare's pairs): nothing to pack rows for
   const int64_t panels = gemm_panels(a.n);
   // The slice kPrefetchSlices after (k0, m0, p) in this walk, and its rows; none past the end.
   const auto ahead = [&](int64_t k0, int64_t m0, int64_t p) -> std::pair<const typename Tiles::W*, int64_t> {
