@@ -210,8 +210,8 @@ template <typename T>
 // Scores, softmax and weighted values of one task with the AVX2 tiles (cpu_attention_avx2.h):
 // the same results as attend_task's portable loops up to fp32 rounding. qf holds the task's V
 // scaled query vectors, sc is [V, stride] with stride >= L rounded up to 8, acc [V, D] zeros. qb,
-// when not null, holds the same vectors unscaled in bf16, and the scores take the AVX512-BF16
-// dot products (cpu_attention_bf16.h).
+// when not null, holds the same vectors unscaled in bf16 instead (qf is then not filled), and the
+// scores take the AVX512-BF16 dot products (cpu_attention_bf16.h).
 template <typename T>
 NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads,
                                int per_head, int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb,
@@ -321,34 +321,33 @@ template <typename T>
   float* __restrict qf = s.q.data();
   float* __restrict sc = s.scores.data();  // [V, L]
   float* __restrict acc = s.acc.data();    // [V, D]
+#if defined(__x86_64__)
+  const bool tiles = D % 8 == 0 && bs % 8 == 0 && has_avx2_fma();
+#else
+  const bool tiles = false;
+#endif
+  // A bf16 cache on AVX512-BF16 takes the query vectors as stored (qb), every other path scaled fp32 (qf).
+  const bool bf16_scores = std::is_same_v<T, Bf16> && tiles && D % 32 == 0 && has_avx512_bf16();
+  if (bf16_scores) s.qb.resize(static_cast<size_t>(V) * D);
   for (int h = 0; h < heads; ++h) {
     for (int r = 0; r < rows; ++r) {
       const T* src = query + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
                               static_cast<int64_t>(task.head_begin + h) * group) * D;
-      float* dst = qf + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+      const int64_t at = (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D;
+      if (bf16_scores) {
+        std::memcpy(s.qb.data() + at, src, sizeof(Bf16) * group * D);
+        continue;
+      }
+      float* dst = qf + at;
 #pragma omp simd
       for (int d = 0; d < group * D; ++d) dst[d] = widen(src[d]) * a.scale;
     }
   }
 
 #if defined(__x86_64__)
-  if (D % 8 == 0 && bs % 8 == 0 && has_avx2_fma()) {
-    const Bf16* qb = nullptr;
-    if constexpr (std::is_same_v<T, Bf16>) {
-      if (D % 32 == 0 && has_avx512_bf16()) {
-        s.qb.resize(static_cast<size_t>(V) * D);
-        for (int h = 0; h < heads; ++h) {
-          for (int r = 0; r < rows; ++r) {
-            std::memcpy(s.qb.data() + (static_cast<int64_t>(h) * per_head + static_cast<int64_t>(r) * group) * D,
-                        query + (static_cast<int64_t>(q_start + task.row_begin + r) * a.num_heads +
-                                 static_cast<int64_t>(task.head_begin + h) * group) * D,
-                        sizeof(Bf16) * group * D);
-          }
-        }
-        qb = s.qb.data();
-      }
-    }
-    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc);
+  if (tiles) {
+    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, bf16_scores ? s.qb.data() : nullptr, sc,
+                   acc);
     write_task_output<T>(a, task, acc);
     return;
   }

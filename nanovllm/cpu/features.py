@@ -22,15 +22,15 @@ def _probe(name: str) -> bool:
 
 
 @functools.cache
-def native_bf16() -> bool:
-    """AVX512-BF16 or AMX tiles (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later)."""
-    return _probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported")
-
-
-@functools.cache
 def amx_tiles() -> bool:
     """AMX tiles (Intel Sapphire Rapids and later): bf16 products several times a vector unit's."""
     return _probe("_is_amx_tile_supported")
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """AVX512-BF16 or AMX tiles (Intel Cooper Lake / Sapphire Rapids and later, AMD Zen 4 and later)."""
+    return _probe("_is_avx512_bf16_supported") or amx_tiles()
 
 
 GemmKernel = Literal["avx2", "onednn"]
