@@ -257,49 +257,46 @@ void bind_cpu_gemm(py::module_& m) {
         }
         return gemm_packed_elements(n, k);
       }, py::arg("n"), py::arg("k"), "Elements of gemm_pack_cpu's copy of an [n, k] weight.");
-  m.def(
-      "gemm_pack_cpu",
-      [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
-        if (n < 1 || k < 1 || w_stride < k) value_error("gemm_pack_cpu: bad sizes");
-        if (!w || !packed) value_error("null pointer passed to gemm_pack_cpu");
-        const auto type = checked_dtype(dtype, "dtype");
-        py::gil_scoped_release release;
-        gemm_pack(reinterpret_cast<const void*>(w), type, n, k, w_stride, reinterpret_cast<void*>(packed));
-      },
-      py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
-      "Pack an [n, k] weight (fp32 0 / bf16 1) for gemm_cpu into gemm_packed_elements(n, k) elements of "
-      "the same dtype (nanovllm.cpu.gemm allocates them).");
+  m.def("has_avx512f", &has_avx512f, "Whether this CPU runs the AVX-512 fp32 pair tiles (gemm_cpu with pairs).");
   m.def("has_avx512_bf16", &has_avx512_bf16, "Whether this CPU runs the AVX512-BF16 pair tiles (bf16 linear layers and MoE experts).");
   m.def(
-      "gemm_pack_bf16_pairs_cpu",
-      [](uintptr_t w, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed) {
-        if (n < 1 || k < 2 || k % 2 != 0 || w_stride < k) value_error("gemm_pack_bf16_pairs_cpu: bad sizes (k even)");
-        if (!w || !packed) value_error("null pointer passed to gemm_pack_bf16_pairs_cpu");
+      "gemm_pack_cpu",
+      [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed, bool pairs) {
+        const auto type = checked_dtype(dtype, "dtype");
+        if (n < 1 || k < 1 || w_stride < k) value_error("gemm_pack_cpu: bad sizes");
+        if (pairs && type == CpuDtype::kBFloat16 && k % 2 != 0) value_error("gemm_pack_cpu: bf16 pairs need k even");
+        if (!w || !packed) value_error("null pointer passed to gemm_pack_cpu");
         py::gil_scoped_release release;
-        gemm_pack_bf16_pairs(reinterpret_cast<const Bf16*>(w), n, k, w_stride, reinterpret_cast<Bf16*>(packed));
+        gemm_pack(reinterpret_cast<const void*>(w), type, n, k, w_stride, reinterpret_cast<void*>(packed), pairs);
       },
-      py::arg("w"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
-      "Pack a bf16 [n, k] weight (k even) for the AVX512-BF16 pair tiles into gemm_packed_elements(n, k) elements.");
+      py::arg("w"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("w_stride"), py::arg("packed"),
+      py::arg("pairs") = false,
+      "Pack an [n, k] weight (fp32 0 / bf16 1) into gemm_packed_elements(n, k) elements of the same dtype "
+      "(nanovllm.cpu.gemm allocates them): for gemm_cpu's AVX2 tiles, or with pairs for the AVX-512 pair tiles "
+      "(fp32: gemm_cpu with pairs; bf16, k even: gemm_bf16_cpu).");
   m.def(
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-         int64_t y_stride, int64_t packed_dtype, int64_t num_threads, int64_t isa) {
+         int64_t y_stride, int64_t packed_dtype, int64_t num_threads, bool pairs) {
         if (!has_avx2_fma()) value_error("gemm_cpu needs a CPU with AVX2 and FMA");
-        const auto tiles = static_cast<GemmIsa>(checked_int32(isa, "isa", 0, 1));
+        const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
+        if (pairs && (!has_avx512f() || weights != CpuDtype::kFloat32)) {
+          value_error("gemm_cpu: pairs need fp32 weights and a CPU with AVX-512F (bf16 pairs: gemm_bf16_cpu)");
+        }
         if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_cpu: bad sizes");
         if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
         const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
                          reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                         y_stride, checked_dtype(packed_dtype, "packed_dtype"), tiles};
+                         y_stride, weights, pairs};
         py::gil_scoped_release release;
         gemm(a, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("y_stride"), py::arg("packed_dtype"), py::arg("num_threads") = 1,
-      py::arg("isa") = 0,
-      "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W, from raw pointers "
-      "(nanovllm.cpu.gemm checks the tensors). isa 0: the best tiles for an fp32 weight (AVX-512's "
-      "where the CPU has it), 1: the AVX2 ones.");
+      py::arg("pairs") = false,
+      "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W (packed with the same pairs), from "
+      "raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells the layouts apart: "
+      "PackedWeight.pairs does).");
   m.def(
       "gemm_bf16_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
@@ -317,9 +314,9 @@ void bind_cpu_gemm(py::module_& m) {
       },
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1,
-      "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_bf16_pairs_cpu's copy of W (AVX512-BF16), "
+      "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_cpu's copy of W with pairs (AVX512-BF16), "
       "from raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells a pair-packed weight "
-      "from gemm_pack_cpu's: PackedWeight.pairs does).");
+      "from another: PackedWeight.pairs does).");
 }
 
 // Whether every group of input columns starts on an even column: int4 values and bf16 activations
@@ -459,7 +456,7 @@ void bind_cpu_moe(py::module_& m) {
   m.def(
       "moe_experts_cpu",
       [](uintptr_t x, int64_t x_stride, uintptr_t logits, int64_t logits_stride, uintptr_t w13, int64_t w13_elements,
-         uintptr_t w2, int64_t w2_elements, int64_t weight_dtype, bool bf16_pairs, int64_t rows, int64_t hidden,
+         uintptr_t w2, int64_t w2_elements, int64_t weight_dtype, bool pairs, int64_t rows, int64_t hidden,
          int64_t inter, int64_t experts, int64_t top_k, bool renormalize, uintptr_t out, int64_t out_stride,
          int64_t dtype, int64_t num_threads) {
         if (!has_avx2_fma()) value_error("moe_experts_cpu needs a CPU with AVX2 and FMA");
@@ -468,14 +465,16 @@ void bind_cpu_moe(py::module_& m) {
           value_error("moe_experts_cpu: bad sizes");
         }
         const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
-        if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || weights != CpuDtype::kBFloat16 ||
-                           hidden % 2 != 0)) {
-          value_error("moe_experts_cpu: bf16 pairs need an AVX512-BF16 CPU, bf16 activations and weights and an even "
-                      "hidden size");
+        if (pairs && weights == CpuDtype::kBFloat16 &&
+            (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0)) {
+          value_error("moe_experts_cpu: bf16 pairs need an AVX512-BF16 CPU, bf16 activations and an even hidden size");
+        }
+        if (pairs && weights == CpuDtype::kFloat32 && !has_avx512f()) {
+          value_error("moe_experts_cpu: fp32 pairs need a CPU with AVX-512F");
         }
         // Each expert's packed weights, and every row buffer of the call, must fit int64 offsets.
         const int64_t per_w13 = gemm_packed_elements(moe_gate_up_rows(inter), hidden);
-        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, bf16_pairs));
+        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, pairs && weights == CpuDtype::kBFloat16));
         if (per_w13 > std::numeric_limits<int64_t>::max() / 2 / experts ||
             per_w2 > std::numeric_limits<int64_t>::max() / 2 / experts ||
             rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {
@@ -491,16 +490,16 @@ void bind_cpu_moe(py::module_& m) {
         const MoeExpertsArgs a{{reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
                                 logits_stride, rows, hidden, inter, experts, top_k, renormalize,
                                 reinterpret_cast<void*>(out), out_stride, type},
-                               reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2), weights, bf16_pairs};
+                               reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2), weights, pairs};
         py::gil_scoped_release release;
         moe_experts(a, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("x_stride"), py::arg("logits"), py::arg("logits_stride"), py::arg("w13"),
-      py::arg("w13_elements"), py::arg("w2"), py::arg("w2_elements"), py::arg("weight_dtype"), py::arg("bf16_pairs"),
+      py::arg("w13_elements"), py::arg("w2"), py::arg("w2_elements"), py::arg("weight_dtype"), py::arg("pairs"),
       py::arg("rows"), py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("top_k"),
       py::arg("renormalize"), py::arg("out"), py::arg("out_stride"), py::arg("dtype"), py::arg("num_threads") = 1,
       "A mixture-of-experts layer (routing, every chosen expert's SiLU MLP, the weighted sum) on experts packed "
-      "by gemm_pack_cpu or gemm_pack_bf16_pairs_cpu (gate/up rows interleaved: moe_gate_up_rows), from raw "
+      "by gemm_pack_cpu, with pairs or without (gate/up rows interleaved: moe_gate_up_rows), from raw "
       "pointers (nanovllm.cpu.moe checks the tensors).");
   m.def(
       "moe_quant_experts_cpu",

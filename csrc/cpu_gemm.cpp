@@ -36,11 +36,12 @@ int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
   return (k0 * panels + p * std::min(kKc, k - k0)) * kGemmPanel;
 }
 
-// pairs: the two weights of a k pair next to each other (k even), and the slices of panels 2j and
-// 2j + 1 interleaved pair by pair (cpu_gemm.h): [depth / 2][2][16][2], a last odd panel
-// [depth / 2][16][2].
+// pairs: the slices of panels 2j and 2j + 1 interleaved unit by unit (cpu_gemm.h), a unit being
+// one fp32 weight per column ([depth][2][16]) or a bf16 k pair ([depth / 2][2][16][2], k even); a
+// last odd panel alone ([depth][16], [depth / 2][16][2]).
 template <typename T>
 void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed, bool pairs) {
+  constexpr int64_t unit = sizeof(T) == 2 ? 2 : 1;
   const int64_t panels = gemm_panels(n);
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t first = pairs ? p - p % 2 : p;  // the panel whose slice starts the tile's stream
@@ -49,7 +50,7 @@ void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed, b
       const int64_t row = p * kGemmPanel + c;
       for (int64_t i = 0; i < k; ++i) {
         const int64_t k0 = i - i % kKc, d = i - k0;
-        const int64_t at = pairs ? ((d / 2 * group + p - first) * kGemmPanel + c) * 2 + d % 2 : d * kGemmPanel + c;
+        const int64_t at = pairs ? ((d / unit * group + p - first) * kGemmPanel + c) * unit + d % unit : d * kGemmPanel + c;
         // Rows past n pad the last panel with zeros.
         packed[slice_offset(panels, k, first, k0) + at] = row < n ? w[row * w_stride + i] : T{0};
       }
@@ -113,6 +114,26 @@ struct WidenedTiles {
   }
 };
 
+// The AVX-512 pair tiles' accumulators, R rows x P panels, into c (+= or from the bias; `cols`
+// counts the columns of all P panels, the last ones masked).
+template <int R, int P>
+NANOVLLM_AVX512F inline void store_tile(const __m512 (&acc)[P][R], float* c, int64_t ldc, int cols, bool accumulate,
+                                        const float* bias) {
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+    const int n = std::clamp(cols - p * static_cast<int>(kGemmPanel), 0, static_cast<int>(kGemmPanel));
+    const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 start = !accumulate && bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + p * kGemmPanel)
+                                                        : _mm512_setzero_ps();
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      float* out = c + r * ldc + p * kGemmPanel;
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : start;
+      _mm512_mask_storeu_ps(out, keep, _mm512_add_ps(acc[p][r], base));
+    }
+  }
+}
+
 // AVX512-BF16: bf16 rows of x on pair-packed bf16 weights, each vdpbf16ps two products per fp32
 // lane (twice an FMA's), summed in fp32. Up to two panels per tile (P, 32 columns: 24
 // accumulators), so that each broadcast of x feeds two dot products: with one panel the loads set
@@ -154,54 +175,48 @@ struct Bf16PairTiles {
         for (int p = 0; p < P; ++p) acc[p][r] = _mm512_dpbf16_ps(acc[p][r], x, w[p]);
       }
     }
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) {
-      const int n = std::clamp(cols - p * static_cast<int>(kGemmPanel), 0, static_cast<int>(kGemmPanel));
-      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
-      const __m512 start = !accumulate && bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + p * kGemmPanel)
-                                                          : _mm512_setzero_ps();
-#pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) {
-        float* out = c + r * ldc + p * kGemmPanel;
-        const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : start;
-        _mm512_mask_storeu_ps(out, keep, _mm512_add_ps(acc[p][r], base));
-      }
-    }
+    store_tile<R, P>(acc, c, ldc, cols, accumulate, bias);
   }
 };
 
-// AVX-512: fp32 rows of x on fp32 weights, one zmm of 16 columns per row. Twelve rows per weight
-// load: each FMA needs only its row's broadcast, so the FMA units, not the loads, set the pace (the
-// AVX2 tiles' 6 x 16 ran 15-30% below oneDNN's past a few rows on an AVX-512 CPU).
-struct Fp32Avx512Tiles {
+// AVX-512: fp32 rows of x on pair-packed fp32 weights (panels 2j and 2j + 1 interleaved k by k),
+// two zmm of 16 columns per row: each broadcast of x feeds two FMAs. With one panel a tile (12 x 16)
+// issued a load per FMA, and on Zen 5, whose full-width FMA units do twice Zen 4's work a cycle,
+// ran at 250-280 GF/s against oneDNN's ~370; 12 x 32 ran 1.2-1.4x faster.
+struct Fp32PairTiles {
   using X = float;
   using W = float;
   static constexpr int kRows = 12;
   static constexpr int kUnit = 1;
-  static constexpr int kPanels = 1;
+  static constexpr int kPanels = 2;
 
   template <int R, int P>
   static NANOVLLM_AVX512F void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc,
                                     int cols, bool accumulate, const float* bias, const float* prefetch,
                                     int64_t prefetch_rows) {
-    static_assert(P == 1);
-    __m512 acc[R];
+    __m512 acc[P][R];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[p][r] = _mm512_setzero_ps();
+    }
     for (int64_t i = 0; i < kc; ++i) {
-      if (i < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(prefetch + i * kGemmPanel), _MM_HINT_T0);
-      const __m512 w = _mm512_loadu_ps(b + i * kGemmPanel);
+      __m512 w[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        if (i + p * kc < prefetch_rows) {
+          _mm_prefetch(reinterpret_cast<const char*>(prefetch + (i + p * kc) * kGemmPanel), _MM_HINT_T0);
+        }
+        w[p] = _mm512_loadu_ps(b + (i * P + p) * kGemmPanel);
+      }
 #pragma GCC unroll 12
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[i * R + r]), w, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_set1_ps(a[i * R + r]);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) acc[p][r] = _mm512_fmadd_ps(x, w[p], acc[p][r]);
+      }
     }
-    const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
-    const __m512 start = !accumulate && bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) {
-      float* out = c + r * ldc;
-      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(keep, out) : start;
-      _mm512_mask_storeu_ps(out, keep, _mm512_add_ps(acc[r], base));
-    }
+    store_tile<R, P>(acc, c, ldc, cols, accumulate, bias);
   }
 };
 
@@ -326,22 +341,18 @@ void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
 
 }  // namespace
 
-void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed) {
+void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed, bool pairs) {
   if (dtype == CpuDtype::kFloat32) {
-    pack_typed(static_cast<const float*>(w), n, k, w_stride, static_cast<float*>(packed), false);
+    pack_typed(static_cast<const float*>(w), n, k, w_stride, static_cast<float*>(packed), pairs);
   } else {
-    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<Bf16*>(packed), false);
+    pack_typed(static_cast<const Bf16*>(w), n, k, w_stride, static_cast<Bf16*>(packed), pairs);
   }
-}
-
-void gemm_pack_bf16_pairs(const Bf16* w, int64_t n, int64_t k, int64_t w_stride, Bf16* packed) {
-  pack_typed(w, n, k, w_stride, packed, true);
 }
 
 void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  if (a.packed_dtype == CpuDtype::kFloat32 && a.isa == GemmIsa::kBest && has_avx512f()) {
-    gemm_panels_range<Fp32Avx512Tiles>({a.x, static_cast<const float*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
+  if (a.pairs) {
+    gemm_panels_range<Fp32PairTiles>({a.x, static_cast<const float*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
                                         a.x_stride, a.y_stride},
                                        p0, p1);
   } else if (a.packed_dtype == CpuDtype::kFloat32) {
@@ -370,16 +381,23 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 #endif
 }
 
+namespace {
+// The n columns' panels split over the team at even panels, where the pair layouts' tiles start
+// (PanelShare's rule, with parallel_rows's choice of how many threads the work is worth).
+template <typename Run>
+void parallel_panel_pairs(int64_t n, int64_t m, int64_t k, int num_threads, const Run& run) {
+  const int64_t panels = gemm_panels(n);
+  parallel_rows((panels + 1) / 2, m * k * 2 * kGemmPanel, num_threads,
+                [&run, panels](int64_t q0, int64_t q1) { run(2 * q0, std::min(panels, 2 * q1)); });
+}
+}  // namespace
+
 void gemm(const GemmArgs& a, int num_threads) {
-  parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads,
-                [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
+  parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
 }
 
 void gemm_bf16(const GemmBf16Args& a, int num_threads) {
-  const int64_t panels = gemm_panels(a.n);
-  parallel_rows((panels + 1) / 2, a.m * a.k * 2 * kGemmPanel, num_threads, [&a, panels](int64_t q0, int64_t q1) {
-    gemm_bf16_panel_range(a, 2 * q0, std::min(panels, 2 * q1));
-  });
+  parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a](int64_t p0, int64_t p1) { gemm_bf16_panel_range(a, p0, p1); });
 }
 
 }  // namespace nanovllm

@@ -1,5 +1,5 @@
 // y = x W^T + bias in fp32 on an AVX2 + FMA CPU, on a weight packed once at load time: the
-// engine's linear layers on CPUs without AVX-512 (nanovllm/cpu/gemm.py picks it), and the
+// engine's fp32 linear layers and LM head (nanovllm/cpu/gemm.py picks the kernels), and the
 // mixture-of-experts layers' experts on every AVX2 CPU (cpu_moe.h).
 //
 // Why our own: oneDNN's prepacked fp32 matmul ran these shapes at 60-75% of the two cores' FMA
@@ -28,11 +28,13 @@ inline int64_t gemm_panels(int64_t n) { return (n + kGemmPanel - 1) / kGemmPanel
 inline int64_t gemm_packed_elements(int64_t n, int64_t k) { return gemm_panels(n) * k * kGemmPanel; }
 
 // w [n, k] of `dtype`, rows w_stride elements apart -> packed, gemm_packed_elements(n, k) elements
-// of the same dtype.
-void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed);
-
-// The register tiles of an fp32 weight: AVX-512's where the CPU has it (kBest), or the AVX2 ones.
-enum class GemmIsa : int32_t { kBest = 0, kAvx2 = 1 };
+// of the same dtype. With `pairs`, laid out for the AVX-512 pair tiles: the slices of panels 2j and
+// 2j + 1 interleaved unit by unit, a unit being one weight per column in fp32 and a k pair in bf16
+// (k even; the two weights of the pair next to each other: [depth / 2][2][16][2]); a last odd
+// panel alone. A tile of two panels then reads one sequential stream: two streams 8 KB apart ran
+// 1.6-1.7x slower from DRAM at 2-4 rows (Zen 4, one core), the hardware prefetcher follows one
+// stream far better. Without, the AVX2 tiles' layout.
+void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_stride, void* packed, bool pairs);
 
 struct GemmArgs {
   const float* x;      // [m, k], rows x_stride apart
@@ -41,19 +43,13 @@ struct GemmArgs {
   float* y;            // [m, n], rows y_stride apart
   int64_t m, n, k, x_stride, y_stride;
   CpuDtype packed_dtype;
-  GemmIsa isa = GemmIsa::kBest;
+  // fp32 weights packed with pairs, for the AVX-512 tiles (12 x 32); else the AVX2 tiles (6 x 16),
+  // fp32 weights or bf16 ones widened in registers.
+  bool pairs = false;
 };
 
-// Needs AVX2 + FMA (has_avx2_fma()); the binding checks.
+// Needs AVX2 + FMA (has_avx2_fma()), and AVX-512F for pairs; the binding checks.
 void gemm(const GemmArgs& a, int num_threads);
-
-// A bf16 [n, k] weight (k even) packed for AVX512-BF16 dot products: the same panels and slices as
-// gemm_pack's, gemm_packed_elements(n, k) elements, but within a slice the two weights of each k
-// pair lie next to each other ([depth / 2][16][2]), and the slices of panels 2j and 2j + 1 are
-// interleaved k pair by k pair ([depth / 2][2][16][2]; a last odd panel alone): a tile of two
-// panels then reads one sequential stream. Two streams 8 KB apart ran 1.6-1.7x slower from DRAM
-// at 2-4 rows (Zen 4, one core): the hardware prefetcher follows one stream far better.
-void gemm_pack_bf16_pairs(const Bf16* w, int64_t n, int64_t k, int64_t w_stride, Bf16* packed);
 
 // Panels [begin, end) of `panels` for thread `thread` of `team`, split at even panels: the pair
 // layout's tiles start at an even panel (gemm_bf16_panel_range's p0).
@@ -66,7 +62,7 @@ struct PanelShare {
 
 struct GemmBf16Args {
   const Bf16* x;       // [m, k], rows x_stride apart
-  const Bf16* packed;  // gemm_pack_bf16_pairs's output for an [n, k] weight
+  const Bf16* packed;  // gemm_pack's output for a bf16 [n, k] weight, with pairs
   const float* bias;   // nullable, [n]
   float* y;            // [m, n], rows y_stride apart
   int64_t m, n, k, x_stride, y_stride;

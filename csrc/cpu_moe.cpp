@@ -107,14 +107,15 @@ struct Share {
   Share(int64_t n, int64_t thread, int64_t team) : begin(n * thread / team), end(n * (thread + 1) / team) {}
 };
 
-// Our GEMM's packed experts (gemm_panel_range): fp32 rows on the dense kernel's fp32 tiles (AVX-512
-// where the CPU has it, else AVX2; bf16 weights widened), bf16 rows on the AVX512-BF16 pair tiles.
+// Our GEMM's packed experts (gemm_panel_range): fp32 rows on the dense kernel's fp32 tiles (the
+// AVX-512 pair tiles on fp32 weights packed in pairs, else AVX2's; bf16 weights widened), bf16 rows on
+// the AVX512-BF16 pair tiles.
 class DenseExperts {
  public:
   explicit DenseExperts(const MoeExpertsArgs& a)
       : a_(a),
         w13_bytes_(gemm_packed_elements(moe_gate_up_rows(a.layer.inter), a.layer.hidden) * weight_bytes()),
-        w2_bytes_(gemm_packed_elements(a.layer.hidden, moe_down_depth(a.layer.inter, a.bf16_pairs)) * weight_bytes()) {}
+        w2_bytes_(gemm_packed_elements(a.layer.hidden, moe_down_depth(a.layer.inter, a.bf16_pairs())) * weight_bytes()) {}
 
   template <typename A>
   void gate_up(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
@@ -126,14 +127,14 @@ class DenseExperts {
   void down(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
             int64_t p1) const {
     gemm(x, x_stride, static_cast<const char*>(a_.w2) + e * w2_bytes_, y, y_stride, m, a_.layer.hidden,
-         moe_down_depth(a_.layer.inter, a_.bf16_pairs), p0, p1);
+         moe_down_depth(a_.layer.inter, a_.bf16_pairs()), p0, p1);
   }
 
  private:
   int64_t weight_bytes() const { return a_.weight_dtype == CpuDtype::kFloat32 ? 4 : 2; }
   void gemm(const float* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
             int64_t k, int64_t p0, int64_t p1) const {
-    gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, a_.weight_dtype}, p0, p1);
+    gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, a_.weight_dtype, a_.pairs}, p0, p1);
   }
   void gemm(const Bf16* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
             int64_t k, int64_t p0, int64_t p1) const {
@@ -307,7 +308,7 @@ void experts_for_dtype(const MoeLayerArgs& layer, const Experts& experts, bool b
 }  // namespace
 
 void moe_experts(const MoeExpertsArgs& a, int num_threads) {
-  experts_for_dtype(a.layer, DenseExperts(a), a.bf16_pairs, num_threads);
+  experts_for_dtype(a.layer, DenseExperts(a), a.bf16_pairs(), num_threads);
 }
 
 void moe_quant_experts(const MoeQuantExpertsArgs& a, int num_threads) {

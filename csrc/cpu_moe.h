@@ -49,16 +49,16 @@ void moe_combine(const MoeCombineArgs& a, int num_threads);
 // the 8 up rows of the same intermediate columns (inter padded to a multiple of 8 with zero rows), so
 // a thread that computed a panel can apply SiLU-and-mul to it at once; it lies at w13 + e *
 // gemm_packed_elements(moe_gate_up_rows(inter), hidden) elements. Expert e's down weight [hidden,
-// moe_down_depth(inter, bf16_pairs)] (zero columns past inter) at w2 + e * gemm_packed_elements(hidden,
+// moe_down_depth(inter, bf16 pairs)] (zero columns past inter) at w2 + e * gemm_packed_elements(hidden,
 // moe_down_depth(...)). Threads split each GEMM's output panels evenly (every chosen expert's),
-// synchronizing twice; an expert no row chose is never read. With bf16_pairs (bf16 activations and
-// weights, hidden even, an AVX512-BF16 CPU) the weights are packed in k pairs (gemm_pack_bf16_pairs) and
-// the GEMMs take bf16 rows on the pair tiles; otherwise activations are widened to fp32 for our AVX2
-// tiles. With bf16 activations every product is rounded to bf16 where the torch layers round it (the
+// synchronizing twice; an expert no row chose is never read. With pairs the weights are packed for
+// the AVX-512 pair tiles (gemm_pack's pairs): bf16 ones (bf16 activations, hidden even, an
+// AVX512-BF16 CPU) take bf16 rows, fp32 ones (an AVX-512F CPU) fp32 rows; otherwise activations are
+// widened to fp32 for our AVX2 tiles. With bf16 activations every product is rounded to bf16 where the torch layers round it (the
 // gate/up output, SiLU-and-mul, each expert's down output). Needs AVX2 + FMA (the binding checks).
 inline int64_t moe_gate_up_rows(int64_t inter) { return 2 * ((inter + 7) / 8 * 8); }
 
-// The packed down weight's depth: inter, or inter padded to 8 for the pair tiles (an even depth).
+// The packed down weight's depth: inter, or inter padded to 8 for the bf16 pair tiles (an even depth).
 inline int64_t moe_down_depth(int64_t inter, bool bf16_pairs) { return bf16_pairs ? moe_gate_up_rows(inter) / 2 : inter; }
 
 // What every kind of experts shares: the rows in and out, the router logits, the layer's shape.
@@ -79,7 +79,8 @@ struct MoeExpertsArgs {
   const void* w13;
   const void* w2;
   CpuDtype weight_dtype;
-  bool bf16_pairs;
+  bool pairs;
+  bool bf16_pairs() const { return pairs && weight_dtype == CpuDtype::kBFloat16; }
 };
 
 void moe_experts(const MoeExpertsArgs& a, int num_threads);

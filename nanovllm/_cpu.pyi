@@ -54,26 +54,26 @@ def has_avx2_fma() -> bool:
 def gemm_packed_elements(n: int, k: int) -> int:
     """Elements of gemm_pack_cpu's copy of an [n, k] weight."""
 
-def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int) -> None:
-    """Pack an [n, k] weight (rows `w_stride` apart) into gemm_packed_elements(n, k) elements of
-    its dtype at `packed`."""
+def has_avx512f() -> bool:
+    """Whether this CPU runs the AVX-512 fp32 pair tiles (gemm_cpu with pairs)."""
 
 def has_avx512_bf16() -> bool:
     """Whether this CPU runs the AVX512-BF16 pair tiles (bf16 linear layers and MoE experts)."""
 
-def gemm_pack_bf16_pairs_cpu(w: int, n: int, k: int, w_stride: int, packed: int) -> None:
-    """Pack a bf16 [n, k] weight (k even) for the AVX512-BF16 pair tiles: gemm_pack_cpu's panels and
-    slices, the two weights of each k pair next to each other."""
+def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int, pairs: bool = False) -> None:
+    """Pack an [n, k] weight (rows `w_stride` apart) into gemm_packed_elements(n, k) elements of
+    its dtype at `packed`: for the AVX2 tiles, or with `pairs` for the AVX-512 pair tiles (panels 2j
+    and 2j + 1 interleaved; bf16 also in k pairs, k even)."""
 
 def gemm_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
-             packed_dtype: int, num_threads: int = 1, isa: int = 0) -> None:
-    """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu; isa 0 the
-    best tiles for an fp32 W (AVX-512 where the CPU has it), 1 the AVX2 ones."""
+             packed_dtype: int, num_threads: int = 1, pairs: bool = False) -> None:
+    """y [m, n] = x [m, k] W^T (+ bias, when not 0) in fp32, W packed by gemm_pack_cpu with the same
+    `pairs`: the AVX2 tiles, or with pairs (fp32 W, AVX-512F) the AVX-512 pair tiles."""
 
 def gemm_bf16_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
                   num_threads: int = 1) -> None:
-    """y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias, when not 0), W packed by gemm_pack_bf16_pairs_cpu
-    (k even; AVX512-BF16)."""
+    """y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias, when not 0), W bf16 packed by gemm_pack_cpu
+    with pairs (k even; AVX512-BF16)."""
 
 def quant_isa_supported(isa: int) -> bool:
     """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512)."""
@@ -105,14 +105,14 @@ def moe_combine_cpu(y: int, y_stride: int, sorted: int, topk_weights: int, rows:
     moe_route_cpu's sorted order) weighted and summed; `sorted` must be a permutation."""
 
 def moe_experts_cpu(x: int, x_stride: int, logits: int, logits_stride: int, w13: int, w13_elements: int, w2: int,
-                    w2_elements: int, weight_dtype: int, bf16_pairs: bool, rows: int, hidden: int, inter: int,
+                    w2_elements: int, weight_dtype: int, pairs: bool, rows: int, hidden: int, inter: int,
                     experts: int, top_k: int, renormalize: bool, out: int, out_stride: int, dtype: int,
                     num_threads: int = 1) -> None:
     """A mixture-of-experts layer in one call: routing as moe_route_cpu, every chosen expert's
-    silu(x W_gate^T) * (x W_up^T) W_down^T on weights packed by gemm_pack_cpu, or by
-    gemm_pack_bf16_pairs_cpu with `bf16_pairs` (gate/up rows interleaved, moe_gate_up_rows(inter) of
-    them per expert; the down weight's depth padded to moe_gate_up_rows(inter) / 2 with pairs), the
-    weighted sum into out [rows, hidden]."""
+    silu(x W_gate^T) * (x W_up^T) W_down^T on weights packed by gemm_pack_cpu, with `pairs` or
+    without (gate/up rows interleaved, moe_gate_up_rows(inter) of them per expert; a bf16 down
+    weight's depth padded to moe_gate_up_rows(inter) / 2 with pairs), the weighted sum into out
+    [rows, hidden]."""
 
 def moe_quant_experts_cpu(x: int, x_stride: int, logits: int, logits_stride: int, rows: int, hidden: int, inter: int,
                           experts: int, top_k: int, renormalize: bool, out: int, out_stride: int, dtype: int,

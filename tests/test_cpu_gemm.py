@@ -1,5 +1,5 @@
 """CPU GEMMs on prepacked weights (nanovllm/cpu/gemm.py), both kernels: ours (`gemm_cpu` with
-AVX2 or AVX-512 tiles, `gemm_bf16_cpu` with AVX512-BF16 pair tiles) and oneDNN's. The same products as `F.linear` up to summation order (register tiles, cache blocks
+AVX2 tiles or AVX-512 pair tiles, `gemm_bf16_cpu` with AVX512-BF16 pair tiles) and oneDNN's. The same products as `F.linear` up to summation order (register tiles, cache blocks
 and panels cut anywhere: ragged rows, columns and depths), the dense weight released (a tied LM
 head packs a copy, the embedding keeps its own); bad sizes are errors; and an engine whose layers
 are prepacked still matches transformers token for token. Also: the CPU kernels share torch's
@@ -82,20 +82,23 @@ RAGGED = [(1, 64, 16), (5, 600, 40), (7, 256, 1000), (13, 1000, 48), (150, 300, 
 
 @pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 @pytest.mark.parametrize("rows,k,n", RAGGED)  # 6- and 12-row tiles, 144-row blocks, 256-deep slices, cut ragged
-def test_fp32_tiles_of_either_isa_match_f_linear(rows: int, k: int, n: int) -> None:
-    """isa 0 takes the AVX-512 tiles where the CPU has them, 1 the AVX2 ones: both are F.linear."""
+def test_fp32_tiles_of_either_layout_match_f_linear(rows: int, k: int, n: int) -> None:
+    """An fp32 weight packed in panel pairs takes the AVX-512 tiles (12 x 32, where the CPU has
+    AVX-512F), packed without them the AVX2 tiles (6 x 16): both are F.linear."""
     g = torch.Generator().manual_seed(rows + k + n)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k + 3, generator=g)[:, 1:1 + k], torch.randn(n, generator=g)
-    packed = cpu_gemm.prepack(w, "avx2")
-    assert isinstance(packed, cpu_gemm.PackedWeight)
-    for isa in (0, 1):
-        y = torch.full((rows, n + 2), 7.0)
-        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), b.data_ptr(), y.data_ptr(), rows, n, k, k + 3, n + 2, 0, 2,
-                      isa)
+    y = torch.full((rows, n + 2), 7.0)
+    for pairs in (False, True) if _cpu.has_avx512f() else (False,):
+        packed = torch.empty(_cpu.gemm_packed_elements(n, k))
+        _cpu.gemm_pack_cpu(w.data_ptr(), 0, n, k, k, packed.data_ptr(), pairs)
+        y.fill_(7.0)
+        _cpu.gemm_cpu(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), rows, n, k, k + 3, n + 2, 0, 2, pairs)
         torch.testing.assert_close(y[:, :n], F.linear(x, w, b), rtol=1e-4, atol=1e-4)
         assert torch.equal(y[:, n:], torch.full((rows, 2), 7.0))  # nothing written past n
-    with pytest.raises(ValueError, match="isa"):
-        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), rows, n, k, k + 3, n + 2, 0, 1, 2)
+    assert cpu_gemm.can_pair(w) == _cpu.has_avx512f()
+    bf16 = torch.empty(_cpu.gemm_packed_elements(n, k), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pairs need fp32 weights"):  # bf16 pairs are gemm_bf16_cpu's
+        _cpu.gemm_cpu(x.data_ptr(), bf16.data_ptr(), 0, y.data_ptr(), rows, n, k, k + 3, n + 2, 1, 1, True)
 
 
 @pytest.mark.skipif(not _cpu.has_avx512_bf16(), reason="the CPU lacks AVX512-BF16")
@@ -153,7 +156,8 @@ def test_layer_kernel_gives_large_native_bf16_weights_to_onednn() -> None:
 
 @pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 def test_avx2_gemm_is_the_same_on_any_number_of_threads() -> None:
-    """Threads split the output panels, never a sum: every thread count gives the same bits."""
+    """Threads split the output panels (at even ones, where fp32 weights are packed in panel pairs),
+    never a sum: every thread count gives the same bits."""
     g = torch.Generator().manual_seed(11)
     w, x = torch.randn(200, 300, generator=g), torch.randn(150, 300, generator=g)
     packed = cpu_gemm.prepack(w, "avx2")
@@ -161,7 +165,8 @@ def test_avx2_gemm_is_the_same_on_any_number_of_threads() -> None:
     outs = []
     for threads in (1, 2, 3, 5):
         y = torch.empty(150, 200)
-        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 150, 200, 300, 300, 200, 0, threads)
+        _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0, y.data_ptr(), 150, 200, 300, 300, 200, 0, threads,
+                      packed.pairs)
         outs.append(y)
     assert all(torch.equal(outs[0], y) for y in outs[1:])
     torch.testing.assert_close(outs[0], F.linear(x, w), rtol=1e-4, atol=1e-4)

@@ -18,8 +18,11 @@ from nanovllm.layers.fused_moe import FusedMoE
 
 AVX2 = pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 PAIRS = pytest.mark.skipif(not (_cpu.has_avx2_fma() and _cpu.has_avx512_bf16()), reason="the CPU lacks AVX512-BF16")
+FP32_PAIRS = pytest.mark.skipif(not (_cpu.has_avx2_fma() and _cpu.has_avx512f()), reason="the CPU lacks AVX-512")
 ONEDNN = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
-PATHS = [pytest.param("avx2", marks=AVX2), pytest.param("onednn", marks=ONEDNN), "dense", "torch"]
+# avx2: our AVX2 tiles; pairs: our AVX-512 pair tiles (fp32 here)
+PATHS = [pytest.param("avx2", marks=AVX2), pytest.param("pairs", marks=FP32_PAIRS), pytest.param("onednn", marks=ONEDNN),
+         "dense", "torch"]
 
 
 def run_path(path: str, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -28,8 +31,8 @@ def run_path(path: str, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor
         ids, weights = moe_torch.route(logits, top_k, renormalize)
         return moe_torch.experts(x, ids, weights, w13, w2)
     packed: cpu_moe.PackedExperts | None = None
-    if path in ("avx2", "pairs"):  # pairs: bf16 experts on the AVX512-BF16 tiles
-        packed = cpu_moe.pack_experts(w13, w2, "avx2", bf16_pairs=path == "pairs")
+    if path in ("avx2", "pairs"):  # pairs: the AVX-512 tiles (AVX512-BF16's for bf16 experts)
+        packed = cpu_moe.pack_experts(w13, w2, "avx2", pairs=path == "pairs")
         assert isinstance(packed, cpu_moe.GemmPackedExperts) and packed.w13.dtype == w13.dtype
         w13, w2 = w13.new_empty(0), w2.new_empty(0)  # the layer releases them: never read
     elif path == "onednn":  # packed whatever the size (the engine leaves small ones dense)
@@ -82,12 +85,14 @@ def test_experts_nobody_chose_do_not_reach_the_output() -> None:
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("pairs", [pytest.param(False, marks=AVX2), pytest.param(True, marks=PAIRS)])
-def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool) -> None:
+@pytest.mark.parametrize("pairs,dtype", [pytest.param(False, torch.float32, marks=AVX2),
+                                         pytest.param(True, torch.float32, marks=FP32_PAIRS),
+                                         pytest.param(True, torch.bfloat16, marks=PAIRS)])
+def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool, dtype: torch.dtype) -> None:
     """Threads split (expert, panel) pairs and rows, never a sum: every thread count gives the same bits."""
     c = Case(16, 4, 100, 200, 72, True)
-    x, logits, w13, w2 = make_weights(c, seed=7, dtype=torch.bfloat16 if pairs else torch.float32)
-    packed = cpu_moe.pack_experts(w13, w2, "avx2", bf16_pairs=pairs)
+    x, logits, w13, w2 = make_weights(c, seed=7, dtype=dtype)
+    packed = cpu_moe.pack_experts(w13, w2, "avx2", pairs=pairs)
     before = torch.get_num_threads()
     outs = []
     try:
@@ -255,17 +260,17 @@ def test_bad_input_is_a_value_error() -> None:
             _cpu.moe_experts_cpu(x.data_ptr(), 64, logits.data_ptr(), 4, packed.w13.data_ptr(),
                                  packed.w13.numel() * 3 // 4, packed.w2.data_ptr(), packed.w2.numel(), 0, False, 3,
                                  64, 32, 4, 2, True, x.data_ptr(), 64, 0)
-        with pytest.raises(ValueError, match="bf16 pairs need"):  # fp32 weights, or a CPU without AVX512-BF16
-            cpu_moe.pack_experts(w13, w2, "avx2", bf16_pairs=True)
+        with pytest.raises(ValueError, match="pairs need"):  # an odd hidden size, or a CPU without AVX512-BF16
+            cpu_moe.pack_experts(w13[:, :, :63].bfloat16(), w2[:, :63].bfloat16(), "avx2", pairs=True)
         with pytest.raises(ValueError, match="bf16 pairs need"):  # fp32 activations
             _cpu.moe_experts_cpu(x.data_ptr(), 64, logits.data_ptr(), 4, packed.w13.data_ptr(), packed.w13.numel(),
                                  packed.w2.data_ptr(), packed.w2.numel(), 1, True, 3, 64, 32, 4, 2, True, x.data_ptr(),
                                  64, 0)
     if _cpu.has_avx2_fma() and _cpu.has_avx512_bf16():
-        paired = cpu_moe.pack_experts(w13.bfloat16(), w2.bfloat16(), "avx2", bf16_pairs=True)
+        paired = cpu_moe.pack_experts(w13.bfloat16(), w2.bfloat16(), "avx2", pairs=True)
         with pytest.raises(ValueError, match="packed for bf16 activations, got torch.float32"):
             cpu_moe.fused_experts(x, logits, w13, w2, paired, 2, True)
         with pytest.raises(ValueError, match="k even"):
-            _cpu.gemm_pack_bf16_pairs_cpu(w13.data_ptr(), 4, 63, 63, w13.data_ptr())
+            _cpu.gemm_pack_cpu(w13.data_ptr(), 1, 4, 63, 63, w13.data_ptr(), True)
     with pytest.raises(ValueError, match="unsupported input"):
         cpu_moe.fused_experts(torch.randn(3, 64, dtype=torch.float64), logits, w13, w2, None, 2, True)

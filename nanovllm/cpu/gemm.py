@@ -4,9 +4,10 @@ Two packed forms; `prepack` picks one per weight (`layer_kernel`):
 
 - ours (kernel "avx2", csrc/cpu_gemm.cpp) wherever the CPU has AVX2 + FMA: a BLIS-style
   register-tiled GEMM on a weight packed in 16-column panels, the rows of x packed per cache block.
-  fp32 weights: AVX-512 tiles (12 x 16) where the CPU has AVX-512, else AVX2 ones (6 x 16). bf16
-  weights: AVX512-BF16 dot products on weights packed in k pairs (12 x 32 tiles) where the CPU has
-  them, else the bf16 weight widened in registers (half the memory and bandwidth of an fp32 copy).
+  fp32 weights: AVX-512 tiles (12 x 32) on weights packed in panel pairs where the CPU has AVX-512,
+  else AVX2 ones (6 x 16). bf16 weights: AVX512-BF16 dot products on weights packed in k pairs
+  (12 x 32 tiles) where the CPU has them, else the bf16 weight widened in registers (half the
+  memory and bandwidth of an fp32 copy).
   On the AVX2 machine it ran the bench models' shapes at 130-175 GF/s of the two cores' ~185
   (oneDNN's prepacked matmul: 85-140). On an AVX-512 Zen 4 (benchmarks/RESULTS.md, "Our GEMM on
   AVX-512 CPUs"): fp32 decode at one row 1.5-1.7x oneDNN's tokens/s, at 32 rows and in prefill
@@ -42,7 +43,8 @@ BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """Our copy of an `[out_features, in_features]` weight: for `gemm_cpu` fp32, or bf16 from a bf16
-    one; with `pairs`, bf16 packed in k pairs for `gemm_bf16_cpu` (AVX512-BF16 dot products)."""
+    one; with `pairs`, laid out for the AVX-512 pair tiles: fp32 in panel pairs (`gemm_cpu`'s
+    pairs), bf16 in k pairs for `gemm_bf16_cpu` (AVX512-BF16 dot products)."""
     data: torch.Tensor  # flat, _cpu.gemm_packed_elements(out_features, in_features) elements
     out_features: int
     in_features: int
@@ -50,8 +52,12 @@ class PackedWeight:
 
 
 def can_pair(weight: torch.Tensor) -> bool:
-    """Whether a bf16 weight takes the AVX512-BF16 pair tiles here: twice the multiply-adds of an
-    FMA per instruction, on the bf16 values themselves (a bf16 GEMM with fp32 accumulation)."""
+    """Whether a weight takes the AVX-512 pair tiles here. fp32: on any AVX-512 CPU (two panels a
+    tile, each broadcast of x feeding two FMAs). bf16: with AVX512-BF16 and an even depth (twice
+    the multiply-adds of an FMA per instruction, on the bf16 values themselves: a bf16 GEMM with
+    fp32 accumulation)."""
+    if weight.dtype == torch.float32:
+        return _cpu.has_avx512f()
     return weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0 and _cpu.has_avx512_bf16()
 
 
@@ -104,11 +110,9 @@ def prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> Packed:
         if stride is None:
             w = w.contiguous()
             stride = k
-        if can_pair(w):
-            _cpu.gemm_pack_bf16_pairs_cpu(w.data_ptr(), n, k, stride, data.data_ptr())
-            return PackedWeight(data, n, k, pairs=True)
-        _cpu.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, stride, data.data_ptr())
-        return PackedWeight(data, n, k)
+        pairs = can_pair(w)
+        _cpu.gemm_pack_cpu(w.data_ptr(), KERNEL_DTYPES[w.dtype], n, k, stride, data.data_ptr(), pairs)
+        return PackedWeight(data, n, k, pairs)
     if emulated_bf16(weight):
         w = w.float()
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), BATCH_HINT)
@@ -142,8 +146,8 @@ def fp32_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Our GEMM on 2-D rows (gemm_cpu, or gemm_bf16_cpu for a pair-packed weight); the product is
-    fp32, returned in the rows' dtype."""
+    """Our GEMM on 2-D rows (gemm_cpu, or gemm_bf16_cpu for a pair-packed bf16 weight); the product
+    is fp32, returned in the rows' dtype."""
     if rows.shape[1] != packed.in_features:
         raise ValueError(f"input has {rows.shape[1]} features, the weight {packed.in_features}")
     if bias is not None and bias.shape != (packed.out_features,):
@@ -151,7 +155,7 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     m, k = rows.shape
     b = None if bias is None else bias.float().contiguous()
     y = torch.empty((m, packed.out_features), dtype=torch.float32)
-    if m and packed.pairs:
+    if m and packed.pairs and packed.data.dtype == torch.bfloat16:
         x, stride = bf16_rows(rows)
         _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
                            packed.out_features, k, stride, packed.out_features, torch.get_num_threads())
@@ -159,7 +163,7 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
         x, stride = fp32_rows(rows)
         _cpu.gemm_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), m,
                       packed.out_features, k, stride, packed.out_features,
-                      KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads())
+                      KERNEL_DTYPES[packed.data.dtype], torch.get_num_threads(), packed.pairs)
     return y if rows.dtype == torch.float32 else y.to(rows.dtype)
 
 

@@ -36,15 +36,20 @@ from nanovllm.cpu.features import GemmKernel
 class GemmPackedExperts:
     """Our GEMM's copies of every expert, back to back: w13 experts x [moe_gate_up_rows(inter),
     hidden] (gate and up rows interleaved, `interleave_gate_up`), w2 experts x [hidden, depth], each
-    flat in the weights' dtype. `bf16_pairs`: bf16 weights packed in k pairs for the AVX512-BF16 tiles
-    (the down weights' depth padded to moe_gate_up_rows(inter) / 2), else for the widening AVX2 tiles
-    (depth inter)."""
+    flat in the weights' dtype. `pairs`: packed for the AVX-512 pair tiles (cpu_gemm.can_pair): fp32
+    in panel pairs, bf16 in k pairs for the AVX512-BF16 tiles (the down weights' depth padded to
+    moe_gate_up_rows(inter) / 2); else for the AVX2 tiles (depth inter)."""
     w13: torch.Tensor
     w2: torch.Tensor
     experts: int
     hidden: int
     inter: int
-    bf16_pairs: bool
+    pairs: bool
+
+    @property
+    def bf16_pairs(self) -> bool:
+        """bf16 experts in k pairs: they take bf16 activations only."""
+        return self.pairs and self.w13.dtype == torch.bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,26 +78,27 @@ def expert_kernel() -> GemmKernel:
 
 
 def can_pair(w13: torch.Tensor) -> bool:
-    """Whether bf16 experts w13 `[E, 2I, H]` can take the AVX512-BF16 pair tiles on this CPU: bf16
-    dot products run twice an FMA's multiply-adds (a bf16 prefill's experts are compute-bound)."""
+    """Whether experts w13 `[E, 2I, H]` can take the AVX-512 pair tiles on this CPU (cpu_gemm.can_pair:
+    fp32 on AVX-512, bf16 on AVX512-BF16, whose dot products run twice an FMA's multiply-adds)."""
     return cpu_gemm.can_pair(w13)
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor, kernel: GemmKernel | None = None,
-                 bf16_pairs: bool | None = None) -> PackedExperts | None:
+                 pairs: bool | None = None) -> PackedExperts | None:
     """The packed copies of w13 `[E, 2I, H]` and w2 `[E, H, I]` for `kernel` (default:
-    `expert_kernel()`), or None when cpu_gemm packs nothing of this kind. Ours packs bf16 experts in
-    k pairs where `can_pair` (unless `bf16_pairs` says otherwise)."""
+    `expert_kernel()`), or None when cpu_gemm packs nothing of this kind. Ours packs the experts for
+    the pair tiles where `can_pair` (unless `pairs` says otherwise)."""
     kernel = kernel or expert_kernel()
     if not cpu_gemm.can_prepack(w13[0], kernel):
         return None
     if kernel == "avx2":
         experts, two_inter, hidden = w13.shape
         inter = two_inter // 2
-        pairs = can_pair(w13) if bf16_pairs is None else bf16_pairs
+        pairs = can_pair(w13) if pairs is None else pairs
         if pairs and not can_pair(w13):
-            raise ValueError("bf16 pairs need bf16 experts of an even hidden size on an AVX512-BF16 CPU")
-        if pairs:  # the down weights' depth padded with zero columns, as the pair tiles need it even
+            raise ValueError("pairs need fp32 experts on an AVX-512 CPU, or bf16 experts of an even hidden size on an "
+                             "AVX512-BF16 CPU")
+        if pairs and w13.dtype == torch.bfloat16:  # the down weights' depth padded: the bf16 pair tiles need it even
             w2 = F.pad(w2.detach(), (0, _cpu.moe_gate_up_rows(inter) // 2 - inter))
         return GemmPackedExperts(_gemm_pack_all(interleave_gate_up(w13), pairs), _gemm_pack_all(w2, pairs), experts,
                                  hidden, inter, pairs)
@@ -100,7 +106,7 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor, kernel: GemmKernel | None 
 
 
 def _gemm_pack_all(w: torch.Tensor, pairs: bool) -> torch.Tensor:
-    """gemm_pack_cpu's (or with `pairs` gemm_pack_bf16_pairs_cpu's) copy of every `w[e]` of w
+    """gemm_pack_cpu's copy (with `pairs` or without) of every `w[e]` of w
     `[E, n, k]`, back to back in one flat tensor on huge pages (a decode step streams it)."""
     if not _cpu.has_avx2_fma():
         raise ValueError("the avx2 GEMM needs a CPU with AVX2 and FMA")
@@ -109,10 +115,7 @@ def _gemm_pack_all(w: torch.Tensor, pairs: bool) -> torch.Tensor:
     per = _cpu.gemm_packed_elements(n, k)
     flat = huge_pages.empty(experts * per, w.dtype)
     for e in range(experts):
-        if pairs:
-            _cpu.gemm_pack_bf16_pairs_cpu(w[e].data_ptr(), n, k, k, flat[e * per:].data_ptr())
-        else:
-            _cpu.gemm_pack_cpu(w[e].data_ptr(), KERNEL_DTYPES[w.dtype], n, k, k, flat[e * per:].data_ptr())
+        _cpu.gemm_pack_cpu(w[e].data_ptr(), KERNEL_DTYPES[w.dtype], n, k, k, flat[e * per:].data_ptr(), pairs)
     return flat
 
 
@@ -210,7 +213,7 @@ def _gemm_experts(x: torch.Tensor, logits: torch.Tensor, packed: GemmPackedExper
     out = torch.empty(rows, hidden, dtype=x.dtype)
     _cpu.moe_experts_cpu(x.data_ptr(), hidden, logits.data_ptr(), packed.experts, packed.w13.data_ptr(),
                          packed.w13.numel(), packed.w2.data_ptr(), packed.w2.numel(), KERNEL_DTYPES[packed.w13.dtype],
-                         packed.bf16_pairs, rows, hidden, packed.inter, packed.experts, top_k, renormalize,
+                         packed.pairs, rows, hidden, packed.inter, packed.experts, top_k, renormalize,
                          out.data_ptr(), hidden, KERNEL_DTYPES[x.dtype], torch.get_num_threads())
     return out
 
