@@ -16,8 +16,7 @@
 #include <cstdint>
 
 #include "cpu_dtype.h"
-
-#define NANOVLLM_AVX2 __attribute__((target("avx2,fma")))
+#include "cpu_isa.h"
 
 namespace nanovllm::avx2 {
 

@@ -1,6 +1,9 @@
 // Which x86 vector extensions the CPU has, for the kernels that pick a path at run time.
 #pragma once
 
+// Code for AVX2 + FMA CPUs (has_avx2_fma), compiled for them whatever the build's baseline.
+#define NANOVLLM_AVX2 __attribute__((target("avx2,fma")))
+
 namespace nanovllm {
 
 struct CpuIsa {
