@@ -422,7 +422,12 @@ void parallel_panel_pairs(int64_t n, int64_t m, int64_t k, int num_threads, cons
 }  // namespace
 
 void gemm(const GemmArgs& a, int num_threads) {
-  parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
+  const auto run = [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); };
+  if (a.pairs) {
+    parallel_panel_pairs(a.n, a.m, a.k, num_threads, run);
+  } else {  // the AVX2 tiles take any panel range: a finer split
+    parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, run);
+  }
 }
 
 void gemm_bf16(const GemmBf16Args& a, int num_threads) {

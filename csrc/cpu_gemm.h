@@ -52,7 +52,8 @@ struct GemmArgs {
 void gemm(const GemmArgs& a, int num_threads);
 
 // Panels [begin, end) of `panels` for thread `thread` of `team`, split at even panels: the pair
-// layout's tiles start at an even panel (gemm_bf16_panel_range's p0).
+// layouts' tiles start at an even panel (the p0 of gemm_bf16_panel_range, and of gemm_panel_range
+// with pairs).
 struct PanelShare {
   int64_t begin, end;
   PanelShare(int64_t panels, int64_t thread, int64_t team)
@@ -78,7 +79,9 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 void gemm_bf16(const GemmBf16Args& a, int num_threads);
 
 // The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling
-// thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp).
+// thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp). With
+// pairs, p0 must be even and p1 even or the last panel (PanelShare): a pair's stream read from its
+// second panel would be taken for a lone panel's.
 void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1);
 
 }  // namespace nanovllm

@@ -47,10 +47,11 @@ void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize
 
 // Columns [col_begin, col_end) of rows [begin, end) of the combine; `position` is the inverse of
 // `sorted`. An expert's output is rounded to TO first, as the torch layers hold it in the
-// activations' dtype. For AVX2 CPUs (the layer's callers check): eight lanes where the baseline's
-// four left the combine at 4-7% of a MoE prefill.
+// activations' dtype. Always inlined, so that it takes its caller's vector width: AVX2's eight
+// lanes inside the fused layer (the baseline's four left the combine at 4-7% of a MoE prefill), the
+// baseline in moe_combine, which also runs on CPUs without AVX2.
 template <typename TY, typename TO>
-NANOVLLM_AVX2 void combine_rows(const TY* y, int64_t y_stride, const int32_t* position, const float* weights, int64_t k,
+[[gnu::always_inline]] inline void combine_rows(const TY* y, int64_t y_stride, const int32_t* position, const float* weights, int64_t k,
                   TO* out, int64_t out_stride, int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
   for (int64_t row = begin; row < end; ++row) {
     for (int64_t h0 = col_begin; h0 < col_end; h0 += kCombineColumns) {
@@ -226,9 +227,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   const int64_t work = static_cast<int64_t>(chosen.size() + assignments) * (gate_up + inter) * hidden;
   const int64_t threads = std::clamp<int64_t>(work / kMinElementsPerThread, 1, num_threads);
 
-  // The gather and SiLU-and-mul loops in AVX2's eight lanes (the layer needs AVX2 + FMA anyway): in
-  // the baseline's four, with bf16's rounding emulated, they were a fifth of a bf16 prefill's layer.
-  parallel_team(threads, [&](int64_t t, int64_t team) NANOVLLM_AVX2 {
+  const auto thread_part = [&](int64_t t, int64_t team) __attribute__((always_inline)) {
     const Share rows(assignments, t, team);
     for (int64_t r = rows.begin; r < rows.end; ++r) {
       const T* __restrict src = x + sorted[r] / k * a.x_stride;
@@ -266,7 +265,15 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     }
     combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
                            down_panels.begin * kGemmPanel, std::min(hidden, down_panels.end * kGemmPanel));
-  });
+  };
+  // The gather, SiLU-and-mul and combine loops in AVX2's eight lanes where the CPU has them: in the
+  // baseline's four, with bf16's rounding emulated, they were a fifth of a bf16 prefill's layer. The
+  // quantized experts also run on CPUs without AVX2 (their portable kernel), hence the choice.
+  if (has_avx2_fma()) {
+    parallel_team(threads, [&](int64_t t, int64_t team) NANOVLLM_AVX2 { thread_part(t, team); });
+  } else {
+    parallel_team(threads, thread_part);
+  }
 }
 
 }  // namespace
