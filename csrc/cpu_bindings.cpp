@@ -465,8 +465,8 @@ void bind_cpu_moe(py::module_& m) {
           value_error("moe_experts_cpu: bad sizes");
         }
         const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
-        if (pairs && weights == CpuDtype::kBFloat16 &&
-            (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0)) {
+        const bool bf16_pairs = pairs && weights == CpuDtype::kBFloat16;  // MoeExpertsArgs::bf16_pairs()
+        if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0)) {
           value_error("moe_experts_cpu: bf16 pairs need an AVX512-BF16 CPU, bf16 activations and an even hidden size");
         }
         if (pairs && weights == CpuDtype::kFloat32 && !has_avx512f()) {
@@ -474,7 +474,7 @@ void bind_cpu_moe(py::module_& m) {
         }
         // Each expert's packed weights, and every row buffer of the call, must fit int64 offsets.
         const int64_t per_w13 = gemm_packed_elements(moe_gate_up_rows(inter), hidden);
-        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, pairs && weights == CpuDtype::kBFloat16));
+        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, bf16_pairs));
         if (per_w13 > std::numeric_limits<int64_t>::max() / 2 / experts ||
             per_w2 > std::numeric_limits<int64_t>::max() / 2 / experts ||
             rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {

@@ -51,8 +51,9 @@ void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize
 // lanes inside the fused layer (the baseline's four left the combine at 4-7% of a MoE prefill), the
 // baseline in moe_combine, which also runs on CPUs without AVX2.
 template <typename TY, typename TO>
-[[gnu::always_inline]] inline void combine_rows(const TY* y, int64_t y_stride, const int32_t* position, const float* weights, int64_t k,
-                  TO* out, int64_t out_stride, int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
+[[gnu::always_inline]] inline void combine_rows(const TY* y, int64_t y_stride, const int32_t* position,
+                                                const float* weights, int64_t k, TO* out, int64_t out_stride,
+                                                int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
   for (int64_t row = begin; row < end; ++row) {
     for (int64_t h0 = col_begin; h0 < col_end; h0 += kCombineColumns) {
       const int64_t cols = std::min(kCombineColumns, col_end - h0);
@@ -118,7 +119,8 @@ class DenseExperts {
   explicit DenseExperts(const MoeExpertsArgs& a)
       : a_(a),
         w13_bytes_(gemm_packed_elements(moe_gate_up_rows(a.layer.inter), a.layer.hidden) * weight_bytes()),
-        w2_bytes_(gemm_packed_elements(a.layer.hidden, moe_down_depth(a.layer.inter, a.bf16_pairs())) * weight_bytes()) {}
+        w2_bytes_(gemm_packed_elements(a.layer.hidden, moe_down_depth(a.layer.inter, a.bf16_pairs())) *
+                  weight_bytes()) {}
 
   template <typename A>
   void gate_up(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,

@@ -54,8 +54,9 @@ void moe_combine(const MoeCombineArgs& a, int num_threads);
 // synchronizing twice; an expert no row chose is never read. With pairs the weights are packed for
 // the AVX-512 pair tiles (gemm_pack's pairs): bf16 ones (bf16 activations, hidden even, an
 // AVX512-BF16 CPU) take bf16 rows, fp32 ones (an AVX-512F CPU) fp32 rows; otherwise activations are
-// widened to fp32 for our AVX2 tiles. With bf16 activations every product is rounded to bf16 where the torch layers round it (the
-// gate/up output, SiLU-and-mul, each expert's down output). Needs AVX2 + FMA (the binding checks).
+// widened to fp32 for our AVX2 tiles. With bf16 activations every product is rounded to bf16 where
+// the torch layers round it (the gate/up output, SiLU-and-mul, each expert's down output). Needs
+// AVX2 + FMA (the binding checks).
 inline int64_t moe_gate_up_rows(int64_t inter) { return 2 * ((inter + 7) / 8 * 8); }
 
 // The packed down weight's depth: inter, or inter padded to 8 for the bf16 pair tiles (an even depth).
