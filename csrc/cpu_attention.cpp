@@ -1,6 +1,7 @@
 #include "cpu_attention.h"
 
 #include "cpu_attention_avx2.h"
+#include "cpu_attention_avx512.h"
 #include "cpu_attention_bf16.h"
 #include "cpu_isa.h"
 #include "cpu_math.h"
@@ -183,6 +184,21 @@ template <typename T>
   }
 }
 
+// The largest of p[0, n), n >= 1: an elementwise max over sixteen lanes, which the compiler
+// vectorizes for every target (a max reduction it left scalar, ~8% of a decode's attention).
+[[gnu::always_inline]] inline float row_max(const float* __restrict p, int n) {
+  float lane[16];
+  std::fill(lane, lane + 16, p[0]);
+  int t = 0;
+  for (; t + 16 <= n; t += 16) {
+    for (int j = 0; j < 16; ++j) lane[j] = p[t + j] > lane[j] ? p[t + j] : lane[j];
+  }
+  float m = p[0];
+  for (int j = 0; j < 16; ++j) m = std::max(m, lane[j]);
+  for (; t < n; ++t) m = std::max(m, p[t]);
+  return m;
+}
+
 // Softmax of each score row (`stride` apart) over the keys its vector sees (base + row + 1, row =
 // (v % per_head) / group), the rest of the row up to `width` set to 0.
 [[gnu::always_inline]] inline void softmax_visible(float* __restrict sc, int64_t stride, int V, int per_head,
@@ -190,9 +206,7 @@ template <typename T>
   for (int v = 0; v < V; ++v) {
     float* p = sc + v * stride;
     const int n = base + (v % per_head) / group + 1;
-    float m = p[0];
-#pragma omp simd reduction(max : m)
-    for (int t = 1; t < n; ++t) m = std::max(m, p[t]);
+    const float m = row_max(p, n);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < n; ++t) {
@@ -207,66 +221,59 @@ template <typename T>
 }
 
 #if defined(__x86_64__)
-// Scores, softmax and weighted values of one task with the AVX2 tiles (cpu_attention_avx2.h):
-// the same results as attend_task's portable loops up to fp32 rounding. qf holds the task's V
-// scaled query vectors, sc is [V, stride] with stride >= L rounded up to 8, acc [V, D] zeros. qb,
-// when not null, holds the same vectors unscaled in bf16 instead (qf is then not filled), and the
-// scores take the AVX512-BF16 dot products (cpu_attention_bf16.h).
-template <typename T>
-NANOVLLM_AVX2 void attend_avx2(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads,
-                               int per_head, int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb,
-                               float* sc, float* acc) {
-  const int group = a.num_heads / a.num_kv_heads;
-  const int D = a.head_dim;
-  const int bs = a.block_size;
-  const int V = heads * per_head;
-  const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
-  const T* k_cache = static_cast<const T*>(a.k_cache) + head_off;
-  // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
-  // its block that this sequence has not written: their scores land past L and are never used.
-  const int64_t ahead = kPrefetchBlocks * bs;
-  for (int64_t r = 0; r < ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.k_cache);
-  for (int64_t t0 = 0; t0 < L; t0 += 8) {
-    prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off, heads, a.k_cache);
-    const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
-    const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
-    for (int h = 0; h < heads; ++h) {
-      for (int v = h * per_head + first; v < (h + 1) * per_head; ++v) {
-        if constexpr (std::is_same_v<T, Bf16>) {
-          if (qb != nullptr) {
-            avx512_bf16::dot8(qb + static_cast<int64_t>(v) * D, k + static_cast<int64_t>(h) * D, kv_row, D, a.scale,
-                              sc + v * stride + t0);
-            continue;
-          }
-        }
-        avx2::dot8(qf + static_cast<int64_t>(v) * D, k + static_cast<int64_t>(h) * D, kv_row, D, sc + v * stride + t0);
-      }
+// The tile path, once per instruction set (csrc/cpu_attention_tiles.h).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace attn_avx2 {
+struct Isa {
+  template <typename T>
+  static void scores(int nv, const float* q, const T* k, int64_t kv_row, int D, float* out, int64_t out_stride) {
+    for (int v = 0; v < nv; ++v) avx2::dot8(q + static_cast<int64_t>(v) * D, k, kv_row, D, out + v * out_stride);
+  }
+  static void scores_bf16(const Bf16* q, const Bf16* k, int64_t kv_row, int D, float scale, float* out) {
+    avx512_bf16::dot8(q, k, kv_row, D, scale, out);  // a call: its target is a superset of this one
+  }
+  template <typename T>
+  static void weighted_rows(int nv, const float* p, int64_t p_stride, const T* x, int64_t x_stride, int n, int D,
+                            float* acc, int64_t acc_stride) {
+    avx2::weighted_rows(nv, p, p_stride, x, x_stride, n, D, acc, acc_stride);
+  }
+};
+#include "cpu_attention_tiles.h"
+}  // namespace attn_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bf16")
+namespace attn_avx512 {
+// Taken where the CPU has AVX512-BF16 as well (Zen 4 and 5, Cooper Lake, Sapphire Rapids): the bf16
+// scores inline. An AVX-512F CPU without it keeps the AVX2 tiles.
+struct Isa {
+  template <typename T>
+  static void scores(int nv, const float* q, const T* k, int64_t kv_row, int D, float* out, int64_t out_stride) {
+    if (nv == 2) {
+      avx512::dot8<2>(q, D, k, kv_row, D, out, out_stride);
+    } else {
+      avx512::dot8<1>(q, D, k, kv_row, D, out, out_stride);
     }
   }
-  softmax_visible(sc, stride, V, per_head, group, base, L);
-  // Values a block at a time: each head's vectors, four at a time, add up the block's rows in
-  // registers (the portable loop loaded and stored every accumulator once per key). A vector's
-  // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
-  // pass. The block was asked for ahead (all of its task's heads), so walking it head by head reads
-  // from cache.
-  const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
-  for (int64_t r = 0; r < ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
-  const int share = (bs + heads - 1) / heads;  // rows of the block `ahead` on that each head's turn asks for
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
-    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
-    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
-    for (int h = 0; h < heads; ++h) {
-      if (h * share < bs) {
-        prefetch_rows<T>(a, table, t0 + ahead + h * share, std::min(share, bs - h * share), L, head_off, heads,
-                         a.v_cache);
-      }
-      for (int v = h * per_head; v < (h + 1) * per_head; v += 4) {
-        avx2::weighted_rows(std::min(4, (h + 1) * per_head - v), sc + v * stride + t0, stride,
-                            x + static_cast<int64_t>(h) * D, kv_row, n, D, acc + static_cast<int64_t>(v) * D, D);
-      }
+  static void scores_bf16(const Bf16* q, const Bf16* k, int64_t kv_row, int D, float scale, float* out) {
+    avx512_bf16::dot8(q, k, kv_row, D, scale, out);
+  }
+  template <typename T>
+  static void weighted_rows(int nv, const float* p, int64_t p_stride, const T* x, int64_t x_stride, int n, int D,
+                            float* acc, int64_t acc_stride) {
+    switch (nv) {
+      case 1: avx512::weighted_rows<1>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
+      case 2: avx512::weighted_rows<2>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
+      case 3: avx512::weighted_rows<3>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
+      default: avx512::weighted_rows<4>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
     }
   }
-}
+};
+#include "cpu_attention_tiles.h"
+}  // namespace attn_avx512
+#pragma GCC pop_options
 #endif
 
 // The task's output rows from acc [heads * rows * group, D] (vector order as attend_task's).
@@ -346,8 +353,12 @@ template <typename T>
 
 #if defined(__x86_64__)
   if (tiles) {
-    attend_avx2<T>(a, table, head_off, heads, per_head, base, L, stride, qf, bf16_scores ? s.qb.data() : nullptr, sc,
-                   acc);
+    const Bf16* qb = bf16_scores ? s.qb.data() : nullptr;
+    if (D % 16 == 0 && has_avx512_bf16()) {
+      attn_avx512::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc);
+    } else {
+      attn_avx2::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc);
+    }
     write_task_output<T>(a, task, acc);
     return;
   }
