@@ -15,6 +15,7 @@
 #include "cpu_gemm_quant.h"
 #include "cpu_isa.h"
 #include "cpu_moe.h"
+#include "cpu_qkv_attention.h"
 #include "cpu_sampler.h"
 
 namespace py = pybind11;
@@ -28,6 +29,62 @@ CpuDtype checked_dtype(int64_t dtype, const char* name) {
   return static_cast<CpuDtype>(checked_int32(dtype, name, 0, 1));
 }
 
+// The attention arguments every call reads (all but the query, the output and the caches), each
+// checked: every row the kernel writes and every block it reads must exist, one pass over the used
+// entries.
+PagedAttentionArgs checked_attention_args(uintptr_t block_tables, uintptr_t context_lens, uintptr_t cu_seqlens_q,
+                                          int64_t num_tokens, int64_t block_table_stride, int64_t num_seqs,
+                                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                          int64_t block_size, int64_t num_blocks, double scale, int64_t dtype,
+                                          const char* what) {
+  PagedAttentionArgs a{};
+  a.num_seqs = checked_int32(num_seqs, "num_seqs", 0);
+  a.num_heads = checked_int32(num_heads, "num_heads", 1);
+  a.num_kv_heads = checked_int32(num_kv_heads, "num_kv_heads", 1);
+  if (a.num_heads % a.num_kv_heads != 0) value_error("num_heads must be a multiple of num_kv_heads");
+  a.head_dim = checked_int32(head_dim, "head_dim", 1, 1 << 12);
+  a.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
+  a.block_table_stride = checked_int32(block_table_stride, "block_table_stride", 0);
+  checked_int32(num_blocks, "num_blocks", 1);
+  checked_int32(num_tokens, "num_tokens", 0);
+  a.dtype = checked_dtype(dtype, "dtype");
+  if (a.num_seqs > 0 && (!block_tables || !context_lens || !cu_seqlens_q)) {
+    value_error(std::string("null pointer passed to ") + what);
+  }
+  a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
+  a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
+  a.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
+  a.scale = static_cast<float>(scale);
+  if (a.num_seqs > 0 && a.cu_seqlens_q[0] != 0) value_error("cu_seqlens_q[0] must be 0");
+  for (int32_t i = 0; i < a.num_seqs; ++i) {
+    const int64_t q_len = static_cast<int64_t>(a.cu_seqlens_q[i + 1]) - a.cu_seqlens_q[i];
+    if (q_len < 0 || a.cu_seqlens_q[i + 1] > num_tokens) {
+      value_error("cu_seqlens_q[" + std::to_string(i) + "] out of range");
+    }
+    const int64_t ctx = a.context_lens[i];
+    const int64_t used = (ctx + a.block_size - 1) / a.block_size;
+    if (ctx < q_len || used > a.block_table_stride) value_error("context_lens[" + std::to_string(i) + "] out of range");
+    const int32_t* row = a.block_tables + static_cast<int64_t>(i) * a.block_table_stride;
+    for (int64_t b = 0; b < used; ++b) {
+      if (row[b] < 0 || row[b] >= num_blocks) {
+        throw py::index_error("block_tables[" + std::to_string(i) + ", " + std::to_string(b) + "] = " +
+                              std::to_string(row[b]) + " is not a block of the cache");
+      }
+    }
+  }
+  return a;
+}
+
+// slot_mapping[0, num_tokens) within [-1, num_slots).
+void check_slots(const int32_t* slots, int64_t num_tokens, int64_t num_slots) {
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    if (slots[i] >= num_slots || slots[i] < -1) {
+      throw py::index_error("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
+                            " is not a slot of the cache");
+    }
+  }
+}
+
 void bind_cpu_attention(py::module_& m) {
   m.def(
       "paged_attention_cpu",
@@ -35,46 +92,15 @@ void bind_cpu_attention(py::module_& m) {
          uintptr_t cu_seqlens_q, uintptr_t out, int64_t num_tokens, int64_t block_table_stride, int64_t num_seqs,
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
          double scale, int64_t dtype, int64_t num_threads) {
-        PagedAttentionArgs a{};
-        a.num_seqs = checked_int32(num_seqs, "num_seqs", 0);
-        a.num_heads = checked_int32(num_heads, "num_heads", 1);
-        a.num_kv_heads = checked_int32(num_kv_heads, "num_kv_heads", 1);
-        if (a.num_heads % a.num_kv_heads != 0) value_error("num_heads must be a multiple of num_kv_heads");
-        a.head_dim = checked_int32(head_dim, "head_dim", 1, 1 << 12);
-        a.block_size = checked_int32(block_size, "block_size", 1, 1 << 16);
-        a.block_table_stride = checked_int32(block_table_stride, "block_table_stride", 0);
-        checked_int32(num_blocks, "num_blocks", 1);
-        checked_int32(num_tokens, "num_tokens", 0);
-        a.dtype = checked_dtype(dtype, "dtype");
-        if (!query || !k_cache || !v_cache || !out ||
-            (a.num_seqs > 0 && (!block_tables || !context_lens || !cu_seqlens_q))) {
-          value_error("null pointer passed to paged_attention_cpu");
-        }
+        PagedAttentionArgs a =
+            checked_attention_args(block_tables, context_lens, cu_seqlens_q, num_tokens, block_table_stride, num_seqs,
+                                   num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, dtype,
+                                   "paged_attention_cpu");
+        if (!query || !k_cache || !v_cache || !out) value_error("null pointer passed to paged_attention_cpu");
         a.query = reinterpret_cast<const void*>(query);
         a.k_cache = reinterpret_cast<const void*>(k_cache);
         a.v_cache = reinterpret_cast<const void*>(v_cache);
-        a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
-        a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
-        a.cu_seqlens_q = reinterpret_cast<const int32_t*>(cu_seqlens_q);
         a.out = reinterpret_cast<void*>(out);
-        a.scale = static_cast<float>(scale);
-        // Every row the kernel writes and every block it reads must exist: one pass over the used entries.
-        if (a.num_seqs > 0 && a.cu_seqlens_q[0] != 0) value_error("cu_seqlens_q[0] must be 0");
-        for (int32_t i = 0; i < a.num_seqs; ++i) {
-          const std::string at = "[" + std::to_string(i) + "]";
-          const int64_t q_len = static_cast<int64_t>(a.cu_seqlens_q[i + 1]) - a.cu_seqlens_q[i];
-          if (q_len < 0 || a.cu_seqlens_q[i + 1] > num_tokens) value_error("cu_seqlens_q" + at + " out of range");
-          const int64_t ctx = a.context_lens[i];
-          const int64_t used = (ctx + a.block_size - 1) / a.block_size;
-          if (ctx < q_len || used > a.block_table_stride) value_error("context_lens" + at + " out of range");
-          const int32_t* row = a.block_tables + static_cast<int64_t>(i) * a.block_table_stride;
-          for (int64_t b = 0; b < used; ++b) {
-            if (row[b] < 0 || row[b] >= num_blocks) {
-              throw py::index_error("block_tables[" + std::to_string(i) + ", " + std::to_string(b) + "] = " +
-                                    std::to_string(row[b]) + " is not a block of the cache");
-            }
-          }
-        }
         py::gil_scoped_release release;
         paged_attention(a, static_cast<int>(std::max<int64_t>(1, num_threads)));
       },
@@ -95,12 +121,7 @@ void bind_cpu_attention(py::module_& m) {
           value_error("null pointer passed to write_kv_cache_cpu");
         }
         const auto* slots = reinterpret_cast<const int32_t*>(slot_mapping);
-        for (int64_t i = 0; i < num_tokens; ++i) {
-          if (slots[i] >= num_slots || slots[i] < -1) {
-            throw py::index_error("slot_mapping[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
-                                  " is not a slot of the cache");
-          }
-        }
+        check_slots(slots, num_tokens, num_slots);
         const KVWriteArgs a{reinterpret_cast<const char*>(key), reinterpret_cast<const char*>(value),
                             reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache), slots,
                             num_tokens, row_bytes, key_stride, value_stride};
@@ -111,6 +132,54 @@ void bind_cpu_attention(py::module_& m) {
       py::arg("num_tokens"), py::arg("row_bytes"), py::arg("key_stride"), py::arg("value_stride"),
       py::arg("num_slots"),
       "Scatter K/V rows into their cache slots (-1 = skip), from raw pointers (cpu_backend checks the tensors).");
+  m.def(
+      "qkv_attention_cpu",
+      [](uintptr_t qkv, uintptr_t q_norm, uintptr_t k_norm, uintptr_t positions, uintptr_t inv_freq, uintptr_t scratch,
+         uintptr_t slot_mapping, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables, uintptr_t context_lens,
+         uintptr_t cu_seqlens_q, uintptr_t out, int64_t num_tokens, int64_t qkv_stride, int64_t slot_tokens,
+         int64_t block_table_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+         int64_t block_size, int64_t num_blocks, double eps, double scale, int64_t dtype, int64_t num_threads) {
+        QkvAttentionArgs a{};
+        a.attn = checked_attention_args(block_tables, context_lens, cu_seqlens_q, num_tokens, block_table_stride,
+                                        num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                                        dtype, "qkv_attention_cpu");
+        if (head_dim % 2 || head_dim > kMaxRotaryDim) {
+          value_error("qkv_attention_cpu: head_dim must be even and at most " + std::to_string(kMaxRotaryDim));
+        }
+        if (qkv_stride < (num_heads + 2 * num_kv_heads) * head_dim || slot_tokens < 0 || slot_tokens > num_tokens) {
+          value_error("qkv_attention_cpu: bad sizes");
+        }
+        if ((q_norm == 0) != (k_norm == 0)) value_error("qkv_attention_cpu: q_norm and k_norm come together");
+        if (!k_cache || !v_cache || !out ||
+            (num_tokens > 0 && (!qkv || !positions || !inv_freq || !scratch || (slot_tokens > 0 && !slot_mapping)))) {
+          value_error("null pointer passed to qkv_attention_cpu");
+        }
+        a.qkv = reinterpret_cast<const void*>(qkv);
+        a.q_norm = reinterpret_cast<const void*>(q_norm);
+        a.k_norm = reinterpret_cast<const void*>(k_norm);
+        a.positions = reinterpret_cast<const int32_t*>(positions);
+        a.inv_freq = reinterpret_cast<const float*>(inv_freq);
+        a.scratch = reinterpret_cast<void*>(scratch);
+        a.slot_mapping = reinterpret_cast<const int32_t*>(slot_mapping);
+        a.k_cache = reinterpret_cast<void*>(k_cache);
+        a.v_cache = reinterpret_cast<void*>(v_cache);
+        a.attn.out = reinterpret_cast<void*>(out);
+        a.tokens = num_tokens;
+        a.qkv_stride = qkv_stride;
+        a.slot_tokens = slot_tokens;
+        a.eps = static_cast<float>(eps);
+        check_slots(a.slot_mapping, slot_tokens, num_blocks * block_size);
+        py::gil_scoped_release release;
+        qkv_attention(a, static_cast<int>(std::clamp<int64_t>(num_threads, 1, 1024)));
+      },
+      py::arg("qkv"), py::arg("q_norm"), py::arg("k_norm"), py::arg("positions"), py::arg("inv_freq"),
+      py::arg("scratch"), py::arg("slot_mapping"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+      py::arg("context_lens"), py::arg("cu_seqlens_q"), py::arg("out"), py::arg("num_tokens"), py::arg("qkv_stride"),
+      py::arg("slot_tokens"), py::arg("block_table_stride"), py::arg("num_seqs"), py::arg("num_heads"),
+      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"), py::arg("eps"),
+      py::arg("scale"), py::arg("dtype"), py::arg("num_threads") = 1,
+      "q/k RMSNorm (when given), rotary, the K/V write and paged attention of one layer from its qkv rows, from raw "
+      "pointers (cpu_backend checks the tensors).");
 }
 
 void bind_cpu_fused_ops(py::module_& m) {

@@ -17,6 +17,17 @@ def write_kv_cache_cpu(key: int, value: int, k_cache: int, v_cache: int, slot_ma
                        row_bytes: int, key_stride: int, value_stride: int, num_slots: int) -> None:
     """Scatter `num_tokens` K/V rows into their cache slots (-1 skips a row)."""
 
+def qkv_attention_cpu(qkv: int, q_norm: int, k_norm: int, positions: int, inv_freq: int, scratch: int,
+                      slot_mapping: int, k_cache: int, v_cache: int, block_tables: int, context_lens: int,
+                      cu_seqlens_q: int, out: int, num_tokens: int, qkv_stride: int, slot_tokens: int,
+                      block_table_stride: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int, num_blocks: int, eps: float, scale: float, dtype: int,
+                      num_threads: int = 1) -> None:
+    """One layer's attention from its qkv rows [num_tokens, (num_heads + 2 num_kv_heads) head_dim]:
+    q/k RMSNorm over each head (unless q_norm is 0), rotary, the K/V write of the first `slot_tokens`
+    rows and paged attention into `out` [num_tokens, num_heads, head_dim]; `scratch` holds
+    [num_tokens, num_heads + num_kv_heads, head_dim] (the rotated q, then k)."""
+
 def rms_norm_cpu(x: int, residual: int, weight: int, out: int, residual_out: int, rows: int, hidden: int,
                  heads: int, x_stride: int, eps: float, dtype: int, num_threads: int = 1) -> None:
     """RMSNorm of [rows, heads, hidden] (heads > 1: q/k norm over head views), with the residual

@@ -3,11 +3,18 @@ torch reference, on random caches with shuffled block tables, GQA and ragged con
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from tiny_models import make_tiny_model
+from tiny_pager import TinyPager
 
 from nanovllm.attention import cpu_backend, torch_backend
 from nanovllm.attention.metadata import make_attention_metadata
+from nanovllm.cpu import fused_ops
+from nanovllm.layers import bind_kv_cache
+from nanovllm.models import load_model
 
 # bf16 inputs, fp32 accumulation on both sides: the outputs differ by the final rounding to bf16
 # (2^-8 relative) plus summation order.
@@ -143,3 +150,99 @@ def test_other_dtypes_use_the_reference() -> None:
     query, k, v, meta = random_case(6, [1, 4], [5, 4], 4, 2, 8, 4, torch.float16)
     assert torch.equal(cpu_backend.paged_attention(query, k, v, meta, 0.5),
                        torch_backend.paged_attention(query, k, v, meta, 0.5))
+
+
+def separate_steps(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, norms, k_cache, v_cache,  # noqa: ANN001
+                   meta, scale: float, heads: int, kv_heads: int) -> torch.Tensor:
+    """What the decoder layer runs without qkv_attention: split, q/k norm, rotary, the KV write, attention."""
+    dim = k_cache.shape[-1]
+    t = qkv.shape[0]
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.reshape(t, heads, dim), k.reshape(t, kv_heads, dim), v.reshape(t, kv_heads, dim)
+    if norms is not None:
+        q, k = fused_ops.rms_norm(q, norms[0], norms[2]), fused_ops.rms_norm(k, norms[1], norms[2])
+    fused_ops.rotary_(positions, q, k, inv_freq)
+    cpu_backend.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    return cpu_backend.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
+@pytest.mark.parametrize("dim", [64, 20], ids=["tiles", "portable"])
+def test_qkv_attention_is_the_separate_steps_bit_for_bit(dtype: torch.dtype, qk_norm: bool, dim: int) -> None:
+    """One call from the qkv rows (a strided view, as the projection's output may be; two padding rows
+    past the slot mapping) gives the same output and caches as the six steps it replaces."""
+    heads, kv_heads = 8, 2
+    q_lens, ctx = [1, 1, 5, 40], [17, 290, 30, 100]
+    _, k_cache, v_cache, meta = random_case(3, q_lens, ctx, heads, kv_heads, dim, 16, dtype)
+    g = torch.Generator().manual_seed(4)
+    tokens = sum(q_lens) + 2
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width + 8, generator=g).to(dtype)[:, :width]
+    positions = torch.tensor([p for q, c in zip(q_lens, ctx) for p in range(c - q, c)] + [0, 0], dtype=torch.int32)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    norms = (torch.rand(dim, generator=g).to(dtype) + 0.5, torch.rand(dim, generator=g).to(dtype) + 0.5, 1e-6)
+    norms = norms if qk_norm else None
+    caches = [k_cache.clone(), v_cache.clone()]
+    ref = separate_steps(qkv.clone(), positions, inv_freq, norms, caches[0], caches[1], meta, 0.125, heads, kv_heads)
+    out = cpu_backend.qkv_attention(qkv, positions, inv_freq, norms, k_cache, v_cache, meta, 0.125, heads, kv_heads)
+    assert out is not None
+    assert torch.equal(out, ref) and torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+    assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+
+
+def test_qkv_attention_declines_what_its_kernels_do_not_take_and_checks_the_rest() -> None:
+    _, k_cache, v_cache, meta = random_case(5, [1, 3], [4, 9], 4, 2, 8, 4)
+    qkv = torch.randn(4, 8 * 8)
+    positions = torch.tensor([3, 6, 7, 8], dtype=torch.int32)
+    inv_freq = torch.ones(4)
+    run = lambda qkv, positions, inv_freq, norms=None: cpu_backend.qkv_attention(  # noqa: E731
+        qkv, positions, inv_freq, norms, k_cache, v_cache, meta, 1.0, 4, 2)
+    assert run(qkv, positions, inv_freq) is not None
+    # Declined (the separate steps then run, and raise where the input is wrong): other dtypes,
+    # int64 positions, a qkv whose columns are not contiguous, norm weights of another dtype.
+    assert run(qkv.half(), positions, inv_freq) is None
+    assert run(qkv, positions.long(), inv_freq) is None
+    assert run(torch.randn(64, 4).t(), positions, inv_freq) is None
+    assert run(qkv, positions, inv_freq, (torch.ones(8).bfloat16(), torch.ones(8).bfloat16(), 1e-6)) is None
+    # What only the kernel can see, checked at the binding before anything is written.
+    meta.slot_mapping[1] = k_cache.shape[0] * k_cache.shape[1]
+    before = k_cache.clone()
+    with pytest.raises(IndexError, match="not a slot"):
+        run(qkv, positions, inv_freq)
+    assert torch.equal(k_cache, before)
+    meta.slot_mapping[1] = 0
+    meta.block_tables[1, 0] = k_cache.shape[0]
+    with pytest.raises(IndexError, match="not a block"):
+        run(qkv, positions, inv_freq)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_models_take_the_one_call_path_with_the_same_logits(name: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Qwen3 (q/k norm) and Llama (none) fed chunk by chunk through the CPU backend give the
+    same logits with and without qkv_attention, and the decoder layer does call it."""
+    path = make_tiny_model(tmp_path, name)
+    model, config = load_model(path, dtype="float32", attn_backend="cpu")
+    tokens = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def logits() -> torch.Tensor:
+        bind_kv_cache(model, torch.zeros(2, config.num_hidden_layers, 32, 4, config.num_key_value_heads,
+                                         config.head_dim))
+        pager = TinyPager(32, 4, seed=1)
+        out, done = [], 0
+        for n in [13, 14, 1, 1, 1]:
+            batch = pager.step([(0, tokens[done:done + n])])
+            done += n
+            with torch.no_grad():
+                hidden = model(batch.input_ids, batch.positions.int(), batch.meta)
+            out.append(model.compute_logits(hidden))
+        return torch.cat(out)
+
+    calls = []
+    fused = cpu_backend.qkv_attention
+    monkeypatch.setattr(cpu_backend, "qkv_attention", lambda *a: calls.append(1) or fused(*a))
+    one_call = logits()
+    assert len(calls) == 5 * config.num_hidden_layers
+    monkeypatch.delattr(cpu_backend, "qkv_attention")
+    assert torch.equal(one_call, logits())

@@ -2,6 +2,9 @@
 batch, decode rows and prefill chunks alike, reading the paged cache in place, each sequence only
 up to what its queries see; the KV write is one C++ scatter. fp32 and bf16 (fp32 accumulation);
 other dtypes use the torch reference, which stays the oracle this backend is tested against.
+
+`qkv_attention` goes further back: from the qkv projection's output, the q/k norm and rotary
+before the KV write and the attention, all in one call (the same kernels, the same bits).
 """
 
 from __future__ import annotations
@@ -77,6 +80,52 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), out.data_ptr(), tokens,
         meta.block_tables.shape[1], n, heads, kv_heads, dim, block_size, num_blocks, scale,
         KERNEL_DTYPES[query.dtype], torch.get_num_threads(),
+    )
+    covered = int(meta.host_lens().cu_seqlens_q[n])
+    if covered < tokens:
+        out[covered:] = 0
+    return out
+
+
+def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                  qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, num_heads: int,
+                  num_kv_heads: int) -> torch.Tensor | None:
+    """One layer's attention from its qkv projection's output `[T, (H + 2 Hkv) D]` in one C++ call:
+    RMSNorm over each q and k head (`qk_norm` = (q weight, k weight, eps), Qwen3's), rotary by
+    `inv_freq`, the K/V write and paged attention -> `[T, H, D]`, as rotary_, write_kv_cache and
+    paged_attention compute them. None where the kernels do not take these tensors as they are:
+    the caller then runs those steps one by one (which also raise the errors for bad input)."""
+    dim = k_cache.shape[-1] if k_cache.dim() == 4 else 0
+    tokens = qkv.shape[0]
+    n = meta.num_seqs
+    if (qkv.dtype not in KERNEL_DTYPES or not qkv.is_cpu or qkv.dim() != 2 or qkv.stride(1) != 1 or n == 0
+            or dim % 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * dim or k_cache.dtype != qkv.dtype
+            or v_cache.shape != k_cache.shape or v_cache.dtype != qkv.dtype or k_cache.shape[2] != num_kv_heads
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or positions.dtype != torch.int32 or positions.shape != (tokens,) or not positions.is_contiguous()
+            or inv_freq.dtype != torch.float32 or inv_freq.shape != (dim // 2,) or not inv_freq.is_contiguous()
+            or meta.slot_mapping.shape[0] > tokens):
+        return None
+    if qk_norm is not None and any(w.dtype != qkv.dtype or w.shape != (dim,) or not w.is_contiguous()
+                                   for w in qk_norm[:2]):
+        return None
+    for t in (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q):
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.is_cuda:
+            return None
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < n or meta.cu_seqlens_q.shape[0] < n + 1:
+        return None
+    num_blocks, block_size = k_cache.shape[:2]
+    out = torch.empty(tokens, num_heads, dim, dtype=qkv.dtype)
+    scratch = torch.empty(tokens, num_heads + num_kv_heads, dim, dtype=qkv.dtype)
+    q_norm, k_norm, eps = (0, 0, 0.0) if qk_norm is None else (qk_norm[0].data_ptr(), qk_norm[1].data_ptr(),
+                                                                qk_norm[2])
+    _cpu.qkv_attention_cpu(
+        qkv.data_ptr(), q_norm, k_norm, positions.data_ptr(), inv_freq.data_ptr(), scratch.data_ptr(),
+        meta.slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+        meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), out.data_ptr(), tokens, qkv.stride(0),
+        meta.slot_mapping.shape[0], meta.block_tables.shape[1], n, num_heads, num_kv_heads, dim, block_size,
+        num_blocks, eps, scale, KERNEL_DTYPES[qkv.dtype], torch.get_num_threads(),
     )
     covered = int(meta.host_lens().cu_seqlens_q[n])
     if covered < tokens:

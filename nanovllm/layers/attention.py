@@ -56,6 +56,21 @@ class Attention(nn.Module):
         self.backend.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
 
+    def forward_qkv(
+        self, qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The layer's attention from the qkv projection's output `[T, (H + 2 Hkv) D]`, with the q/k
+        norm (`qk_norm` = (q weight, k weight, eps)) and rotary (`inv_freq`) before it, where the
+        backend does all of it in one call (`qkv_attention`: the CPU backend) -> `[T, H, D]`; None
+        otherwise (the caller runs the steps and `forward`)."""
+        fused = getattr(self.backend, "qkv_attention", None)
+        if fused is None or self.k_cache.numel() == 0:
+            return None
+        out: torch.Tensor | None = fused(qkv, positions, inv_freq, qk_norm, self.k_cache, self.v_cache, meta,
+                                         self.scale, self.num_heads, self.num_kv_heads)
+        return out
+
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "

@@ -78,8 +78,21 @@ class DecoderAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv = self.qkv_proj(hidden)
         t = hidden.shape[0]
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        # One call from qkv to the attention output where the backend has it (CPU): a decode step
+        # at batch 1 spent more time in the Python of the six steps below than in their kernels.
+        out = self.attn.forward_qkv(qkv, positions, self.rotary_emb.inv_freq, qk_norm, meta)
+        if out is None:
+            out = self._attend(qkv, positions, meta)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(qkv)
+        t = qkv.shape[0]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -87,8 +100,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.attn(q, k, v, meta)
 
 
 class DecoderMLP(nn.Module):
