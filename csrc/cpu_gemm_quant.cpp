@@ -25,6 +25,18 @@ constexpr int64_t kQuantMc = 144;
 constexpr int64_t kMaxDirectRows = 12;
 // The most rows the bf16 int4 path reorders for two steps a decode (RowPrep::quads): a decode batch.
 constexpr int64_t kQuadMaxRows = 64;
+// How far ahead the bf16 int4 path asks for its panels' weights (2 KB each a slice). At one row a
+// core read int4 weights from memory at 8-13 GB/s, half its rate on cached ones: the hardware
+// prefetcher alone kept too few lines in flight. Asking 4 panels ahead read 24 int4 weights of the
+// Qwen3-shaped layers (41 MB, in turn) 1.08-1.12x faster in most of 10 runs, 1.00-1.25x in all
+// (Zen 5, one process; 8 ahead no better). int8, twice the bytes a panel, gained nothing and is
+// not asked for.
+constexpr int64_t kPrefetchPanels = 4;
+
+// Every cache line of [begin, end) asked for into L2.
+inline void prefetch_l2(const uint8_t* begin, const uint8_t* end) {
+  for (const uint8_t* line = begin; line < end; line += 64) __builtin_prefetch(line, 0, 2);
+}
 
 // int4 rows come in pairs: K is padded to even in the packed weight.
 int64_t padded_depth(int64_t k, int bits) { return bits == 4 ? (k + 1) / 2 * 2 : k; }
@@ -304,8 +316,14 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
   const int64_t panels = gemm_panels(a.n);
   const int64_t kp = padded_depth(a.k, Bits);
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
+    const int64_t panel_bytes = std::min(kQuantKc, kp - k0) * kGemmPanel * Bits / 8;
+    const uint8_t* end = a.packed + slice_bytes(panels, kp, p0, k0, Bits) + (p1 - p0) * panel_bytes;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
+      if constexpr (Bits == 4) {
+        const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
+        prefetch_l2(ahead, std::min(end, w + (kPrefetchPanels + 1) * panel_bytes));
+      }
       row_tiles(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
         direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
                                    rows.quads.empty() ? nullptr : rows.quads.data() + r * a.x_stride,
