@@ -30,16 +30,17 @@ from nanovllm.builtin_model import ensure_default_model
 from nanovllm.layers import activation, attention, embed_head, fused_moe, layernorm, linear, rotary_embedding
 from nanovllm.sample import sampler
 
-# label -> (class, method) wrapped under it. Attention covers the KV write and the kernel.
-WRAPPED: dict[str, tuple[type, str]] = {
-    "gemm": (linear.LinearBase, "matmul"),  # not forward: RowParallelLinear overrides it
-    "attention": (attention.Attention, "forward"),
-    "norm": (layernorm.RMSNorm, "forward"),
-    "rotary": (rotary_embedding.RotaryEmbedding, "forward"),
-    "activation": (activation.SiluAndMul, "forward"),
-    "moe experts": (fused_moe.FusedMoE, "forward"),  # routing, experts, combine; the router's GEMM is "gemm"
-    "lm_head": (embed_head.ParallelLMHead, "forward"),
-    "sampling": (sampler.Sampler, "__call__"),
+# label -> (class, methods) wrapped under it. Attention covers the KV write and the kernel; on CPU
+# (forward_qkv: one call from the qkv rows) also the q/k norm and rotary, which then count there.
+WRAPPED: dict[str, tuple[type, tuple[str, ...]]] = {
+    "gemm": (linear.LinearBase, ("matmul",)),  # not forward: RowParallelLinear overrides it
+    "attention": (attention.Attention, ("forward", "forward_qkv")),
+    "norm": (layernorm.RMSNorm, ("forward",)),
+    "rotary": (rotary_embedding.RotaryEmbedding, ("forward",)),
+    "activation": (activation.SiluAndMul, ("forward",)),
+    "moe experts": (fused_moe.FusedMoE, ("forward",)),  # routing, experts, combine; the router's GEMM is "gemm"
+    "lm_head": (embed_head.ParallelLMHead, ("forward",)),
+    "sampling": (sampler.Sampler, ("__call__",)),
 }
 
 
@@ -58,8 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def install_labels() -> None:
     """Wrap each of WRAPPED's methods in its profiler label (once per process)."""
-    for name, (cls, method) in WRAPPED.items():
-        setattr(cls, method, _label(name, getattr(cls, method)))
+    for name, (cls, methods) in WRAPPED.items():
+        for method in methods:
+            setattr(cls, method, _label(name, getattr(cls, method)))
 
 
 def _label(name: str, fn: Any) -> Any:
