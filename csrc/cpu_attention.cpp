@@ -1,7 +1,6 @@
 #include "cpu_attention.h"
 
 #include "cpu_attention_avx2.h"
-#include "cpu_attention_avx512.h"
 #include "cpu_attention_bf16.h"
 #include "cpu_isa.h"
 #include "cpu_math.h"
@@ -226,54 +225,67 @@ template <typename T>
 #pragma GCC target("avx2,fma")
 namespace attn_avx2 {
 struct Isa {
-  template <typename T>
-  static void scores(int nv, const float* q, const T* k, int64_t kv_row, int D, float* out, int64_t out_stride) {
-    for (int v = 0; v < nv; ++v) avx2::dot8(q + static_cast<int64_t>(v) * D, k, kv_row, D, out + v * out_stride);
-  }
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  // Eight accumulators a query vector: a second would not fit AVX2's 16 registers beside the keys.
+  static constexpr int kScoreVectors = 1;
+  // At most 12 accumulators, the broadcast scores and a row chunk in 16 registers.
+  static constexpr int kValueTile[5] = {0, 8, 6, 4, 2};
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return avx2::load8(p); }
+  static V load(const Bf16* p) { return avx2::load8(p); }
+  static V bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256 sum8(const V* a) { return avx2::sum_lanes8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]); }
   static void scores_bf16(const Bf16* q, const Bf16* k, int64_t kv_row, int D, float scale, float* out) {
     avx512_bf16::dot8(q, k, kv_row, D, scale, out);  // a call: its target is a superset of this one
-  }
-  template <typename T>
-  static void weighted_rows(int nv, const float* p, int64_t p_stride, const T* x, int64_t x_stride, int n, int D,
-                            float* acc, int64_t acc_stride) {
-    avx2::weighted_rows(nv, p, p_stride, x, x_stride, n, D, acc, acc_stride);
   }
 };
 #include "cpu_attention_tiles.h"
 }  // namespace attn_avx2
 #pragma GCC pop_options
 
+// GCC 12's AVX-512 extracts and widenings start from _mm*_undefined_*(), which -Wuninitialized
+// reports once inlined (a known false positive), as in cpu_attention_bf16.h.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bf16")
 namespace attn_avx512 {
 // Taken where the CPU has AVX512-BF16 as well (Zen 4 and 5, Cooper Lake, Sapphire Rapids): the bf16
 // scores inline. An AVX-512F CPU without it keeps the AVX2 tiles.
 struct Isa {
-  template <typename T>
-  static void scores(int nv, const float* q, const T* k, int64_t kv_row, int D, float* out, int64_t out_stride) {
-    if (nv == 2) {
-      avx512::dot8<2>(q, D, k, kv_row, D, out, out_stride);
-    } else {
-      avx512::dot8<1>(q, D, k, kv_row, D, out, out_stride);
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static constexpr int kScoreVectors = 2;              // 16 accumulators and 8 keys of 32 registers
+  static constexpr int kValueTile[5] = {0, 8, 8, 4, 4};  // at most 16 accumulators
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const Bf16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m256 sum8(const V* a) {
+    __m256 half[8];
+    for (int j = 0; j < 8; ++j) {
+      half[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
     }
+    return avx2::sum_lanes8(half[0], half[1], half[2], half[3], half[4], half[5], half[6], half[7]);
   }
   static void scores_bf16(const Bf16* q, const Bf16* k, int64_t kv_row, int D, float scale, float* out) {
     avx512_bf16::dot8(q, k, kv_row, D, scale, out);
-  }
-  template <typename T>
-  static void weighted_rows(int nv, const float* p, int64_t p_stride, const T* x, int64_t x_stride, int n, int D,
-                            float* acc, int64_t acc_stride) {
-    switch (nv) {
-      case 1: avx512::weighted_rows<1>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
-      case 2: avx512::weighted_rows<2>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
-      case 3: avx512::weighted_rows<3>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
-      default: avx512::weighted_rows<4>(p, p_stride, x, x_stride, n, D, acc, acc_stride); break;
-    }
   }
 };
 #include "cpu_attention_tiles.h"
 }  // namespace attn_avx512
 #pragma GCC pop_options
+#pragma GCC diagnostic pop
 #endif
 
 // The task's output rows from acc [heads * rows * group, D] (vector order as attend_task's).

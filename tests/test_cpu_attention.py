@@ -54,10 +54,10 @@ def assert_matches_reference(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
-                         # The AVX2 value tiles take a head's 1, 2, 3 or 4 vectors with 64, 48, 32 or 24 columns at
-                         # a time, then eight at a time; the AVX-512 ones (head_dim a multiple of 16, on AVX512-BF16
-                         # CPUs) 1 or 2 vectors with 128, 3 or 4 with 64, then sixteen at a time, and score two
-                         # vectors at once: groups 1 to 5, head_dims that leave columns over.
+                         # The AVX2 value tiles take a head's 1, 2, 3 or 4 vectors with 64, 48, 32 or 16 columns at
+                         # a time, then 32, then eight at a time; the AVX-512 ones (head_dim a multiple of 16, on
+                         # AVX512-BF16 CPUs) 1 or 2 vectors with 128, 3 or 4 with 64, then 64, then sixteen at a
+                         # time, and score two vectors at once: groups 1 to 5, head_dims that leave columns over.
                          [(4, 4, 32, 16), (8, 4, 48, 16), (12, 4, 40, 8), (8, 2, 64, 16), (16, 2, 128, 4),
                           (6, 3, 20, 256), (4, 1, 7, 1), (10, 2, 80, 8), (4, 2, 128, 16), (3, 3, 144, 16)])
 def test_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype) -> None:
