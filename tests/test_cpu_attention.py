@@ -204,6 +204,7 @@ def test_qkv_attention_declines_what_its_kernels_do_not_take_and_checks_the_rest
     assert run(qkv.half(), positions, inv_freq) is None
     assert run(qkv, positions.long(), inv_freq) is None
     assert run(torch.randn(64, 4).t(), positions, inv_freq) is None
+    assert run(torch.randn(1, 64).expand(4, 64), positions, inv_freq) is None  # rows overlap
     assert run(qkv, positions, inv_freq, (torch.ones(8).bfloat16(), torch.ones(8).bfloat16(), 1e-6)) is None
     # What only the kernel can see, checked at the binding before anything is written.
     meta.slot_mapping[1] = k_cache.shape[0] * k_cache.shape[1]
@@ -217,18 +218,19 @@ def test_qkv_attention_declines_what_its_kernels_do_not_take_and_checks_the_rest
         run(qkv, positions, inv_freq)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["qwen3", "llama"])
-def test_models_take_the_one_call_path_with_the_same_logits(name: str, tmp_path: Path,
+def test_models_take_the_one_call_path_with_the_same_logits(name: str, dtype: torch.dtype, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Qwen3 (q/k norm) and Llama (none) fed chunk by chunk through the CPU backend give the
-    same logits with and without qkv_attention, and the decoder layer does call it."""
+    same logits with and without qkv_attention, and every layer's attention took the one call."""
     path = make_tiny_model(tmp_path, name)
-    model, config = load_model(path, dtype="float32", attn_backend="cpu")
+    model, config = load_model(path, dtype=str(dtype).removeprefix("torch."), attn_backend="cpu")
     tokens = torch.randint(0, config.vocab_size, (30,), generator=torch.Generator().manual_seed(0)).tolist()
 
     def logits() -> torch.Tensor:
         bind_kv_cache(model, torch.zeros(2, config.num_hidden_layers, 32, 4, config.num_key_value_heads,
-                                         config.head_dim))
+                                         config.head_dim, dtype=dtype))
         pager = TinyPager(32, 4, seed=1)
         out, done = [], 0
         for n in [13, 14, 1, 1, 1]:
@@ -239,10 +241,16 @@ def test_models_take_the_one_call_path_with_the_same_logits(name: str, tmp_path:
             out.append(model.compute_logits(hidden))
         return torch.cat(out)
 
-    calls = []
+    took: list[bool] = []
     fused = cpu_backend.qkv_attention
-    monkeypatch.setattr(cpu_backend, "qkv_attention", lambda *a: calls.append(1) or fused(*a))
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        out = fused(*args)
+        took.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_backend, "qkv_attention", counted)
     one_call = logits()
-    assert len(calls) == 5 * config.num_hidden_layers
+    assert took == [True] * (5 * config.num_hidden_layers)
     monkeypatch.delattr(cpu_backend, "qkv_attention")
     assert torch.equal(one_call, logits())

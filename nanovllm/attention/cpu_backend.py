@@ -100,6 +100,7 @@ def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
     tokens = qkv.shape[0]
     n = meta.num_seqs
     if (qkv.dtype not in KERNEL_DTYPES or not qkv.is_cpu or qkv.dim() != 2 or qkv.stride(1) != 1 or n == 0
+            or qkv.stride(0) < qkv.shape[1] or not (k_cache.is_cpu and positions.is_cpu and inv_freq.is_cpu)
             or dim % 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * dim or k_cache.dtype != qkv.dtype
             or v_cache.shape != k_cache.shape or v_cache.dtype != qkv.dtype or k_cache.shape[2] != num_kv_heads
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
@@ -107,7 +108,7 @@ def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
             or inv_freq.dtype != torch.float32 or inv_freq.shape != (dim // 2,) or not inv_freq.is_contiguous()
             or meta.slot_mapping.shape[0] > tokens):
         return None
-    if qk_norm is not None and any(w.dtype != qkv.dtype or w.shape != (dim,) or not w.is_contiguous()
+    if qk_norm is not None and any(w.dtype != qkv.dtype or w.shape != (dim,) or not w.is_contiguous() or not w.is_cpu
                                    for w in qk_norm[:2]):
         return None
     for t in (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q):
