@@ -412,13 +412,15 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 }
 
 namespace {
-// The n columns' panels split over the team at even panels, where the pair layouts' tiles start
-// (PanelShare's rule, with parallel_rows's choice of how many threads the work is worth).
+// The n columns' panels split over the team by PanelShare (at even panels, where the pair layouts'
+// tiles start), on as many threads as the pairs' work is worth.
 template <typename Run>
 void parallel_panel_pairs(int64_t n, int64_t m, int64_t k, int num_threads, const Run& run) {
   const int64_t panels = gemm_panels(n);
-  parallel_rows((panels + 1) / 2, m * k * 2 * kGemmPanel, num_threads,
-                [&run, panels](int64_t q0, int64_t q1) { run(2 * q0, std::min(panels, 2 * q1)); });
+  parallel_team(rows_team((panels + 1) / 2, m * k * 2 * kGemmPanel, num_threads), [&run, panels](int64_t i, int64_t team) {
+    const PanelShare share(panels, i, team);
+    run(share.begin, share.end);
+  });
 }
 }  // namespace
 

@@ -30,13 +30,17 @@ void parallel_team(int64_t threads, const F& fn) {
   fn(omp_get_thread_num(), omp_get_num_threads());
 }
 
+// How many of num_threads n rows of row_elements each are worth (at most one a row).
+inline int64_t rows_team(int64_t n, int64_t row_elements, int num_threads) {
+  return std::clamp<int64_t>(std::min<int64_t>(num_threads, n * row_elements / kMinElementsPerThread), 1,
+                             std::max<int64_t>(n, 1));
+}
+
 // fn(begin, end) over [0, n) rows split evenly over the team.
 template <typename F>
 void parallel_rows(int64_t n, int64_t row_elements, int num_threads, const F& fn) {
-  const int64_t threads =
-      std::clamp<int64_t>(std::min<int64_t>(num_threads, n * row_elements / kMinElementsPerThread), 1,
-                          std::max<int64_t>(n, 1));
-  parallel_team(threads, [n, &fn](int64_t i, int64_t team) { fn(n * i / team, n * (i + 1) / team); });
+  parallel_team(rows_team(n, row_elements, num_threads),
+                [n, &fn](int64_t i, int64_t team) { fn(n * i / team, n * (i + 1) / team); });
 }
 
 }  // namespace nanovllm
