@@ -270,14 +270,7 @@ struct Isa {
   static V bcast(const float* p) { return _mm512_set1_ps(*p); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static __m256 sum8(const V* a) {
-    __m256 half[8];
-    for (int j = 0; j < 8; ++j) {
-      half[j] = _mm256_add_ps(_mm512_castps512_ps256(a[j]),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[j]), 1)));
-    }
-    return avx2::sum_lanes8(half[0], half[1], half[2], half[3], half[4], half[5], half[6], half[7]);
-  }
+  static __m256 sum8(const V* a) { return avx512_bf16::sum_lanes8(a); }
   static void scores_bf16(const Bf16* q, const Bf16* k, int64_t kv_row, int D, float scale, float* out) {
     avx512_bf16::dot8(q, k, kv_row, D, scale, out);
   }

@@ -27,6 +27,17 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace nanovllm::avx512_bf16 {
 
+// The lane sums of acc[0..7], in that order.
+NANOVLLM_AVX512_BF16_ATTN inline __m256 sum_lanes8(const __m512* acc) {
+  __m256 half[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
+  }
+  return avx2::sum_lanes8(half[0], half[1], half[2], half[3], half[4], half[5], half[6], half[7]);
+}
+
 // out[j] = scale * (q . k_j) for the eight keys k, k + stride, ..., k + 7 * stride; q and the keys
 // bf16, D a multiple of 32.
 NANOVLLM_AVX512_BF16_ATTN inline void dot8(const Bf16* __restrict q, const Bf16* __restrict k, int64_t stride, int D,
@@ -41,14 +52,7 @@ NANOVLLM_AVX512_BF16_ATTN inline void dot8(const Bf16* __restrict q, const Bf16*
       acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(k + j * stride + d));
     }
   }
-  __m256 half[8];
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
-                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[j]), 1)));
-  }
-  const __m256 sums = avx2::sum_lanes8(half[0], half[1], half[2], half[3], half[4], half[5], half[6], half[7]);
-  _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+  _mm256_storeu_ps(out, _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale)));
 }
 
 }  // namespace nanovllm::avx512_bf16

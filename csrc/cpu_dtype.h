@@ -23,6 +23,8 @@ inline Bf16 to_bf16(float x) {
   return static_cast<Bf16>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
+inline int64_t dtype_bytes(CpuDtype dtype) { return dtype == CpuDtype::kBFloat16 ? sizeof(Bf16) : sizeof(float); }
+
 inline void narrow(float x, float* dst) { *dst = x; }
 inline void narrow(float x, Bf16* dst) { *dst = to_bf16(x); }
 

@@ -136,7 +136,7 @@ class DenseExperts {
   }
 
  private:
-  int64_t weight_bytes() const { return a_.weight_dtype == CpuDtype::kFloat32 ? 4 : 2; }
+  int64_t weight_bytes() const { return dtype_bytes(a_.weight_dtype); }
   void gemm(const float* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
             int64_t k, int64_t p0, int64_t p1) const {
     gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, a_.weight_dtype, a_.pairs}, p0, p1);

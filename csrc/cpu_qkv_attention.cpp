@@ -9,7 +9,7 @@ namespace nanovllm {
 void qkv_attention(const QkvAttentionArgs& a, int num_threads) {
   if (a.tokens == 0) return;
   const PagedAttentionArgs& at = a.attn;
-  const int64_t item = at.dtype == CpuDtype::kBFloat16 ? 2 : 4;
+  const int64_t item = dtype_bytes(at.dtype);
   const int64_t q_row = static_cast<int64_t>(at.num_heads) * at.head_dim;
   const int64_t k_row = static_cast<int64_t>(at.num_kv_heads) * at.head_dim;
   const char* qkv = static_cast<const char*>(a.qkv);

@@ -32,6 +32,15 @@ def _check_rows(t: torch.Tensor, name: str, cache: torch.Tensor) -> None:
                          f"got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
 
 
+def _zero_padding(out: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """out with its rows past the metadata's tokens (padding, which the kernels do not write) zeroed,
+    as the reference leaves them."""
+    covered = int(meta.host_lens().cu_seqlens_q[meta.num_seqs])
+    if covered < out.shape[0]:
+        out[covered:] = 0
+    return out
+
+
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """As torch_backend.write_kv_cache: rows past `slot_mapping`'s length and slots of -1 are skipped."""
@@ -81,10 +90,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         meta.block_tables.shape[1], n, heads, kv_heads, dim, block_size, num_blocks, scale,
         KERNEL_DTYPES[query.dtype], torch.get_num_threads(),
     )
-    covered = int(meta.host_lens().cu_seqlens_q[n])
-    if covered < tokens:
-        out[covered:] = 0
-    return out
+    return _zero_padding(out, meta)
 
 
 def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -128,7 +134,4 @@ def qkv_attention(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Te
         meta.slot_mapping.shape[0], meta.block_tables.shape[1], n, num_heads, num_kv_heads, dim, block_size,
         num_blocks, eps, scale, KERNEL_DTYPES[qkv.dtype], torch.get_num_threads(),
     )
-    covered = int(meta.host_lens().cu_seqlens_q[n])
-    if covered < tokens:
-        out[covered:] = 0
-    return out
+    return _zero_padding(out, meta)
