@@ -68,6 +68,10 @@ struct RowPrep {
   // Each row's sum of x over each segment, for the zero points of the in-register paths (the fp32
   // one takes at most kMaxDirectRows rows; the buffered path reads none).
   std::vector<float> xsum;
+  // For the fp32 int4 in-register path, the rows (padded_depth apart) with each odd column less 16
+  // times the even one before it: the weights it reads per pair of depths are a byte and its high
+  // nibble (dot_segment).
+  std::vector<float> pairs;
   // On the bf16 int4 path, the bf16 rows with each quad of columns reordered x0 x2 x1 x3, the pairs
   // QuadDecoder's lanes take (rows x_stride apart); empty where quads would straddle a segment.
   std::vector<uint16_t> quads;
@@ -103,6 +107,12 @@ struct Isa {
     for (int i = 0; i < 16; ++i) {
       lo[i] = static_cast<float>(p[i] & 15);
       hi[i] = static_cast<float>(p[i] >> 4);
+    }
+  }
+  static void int4_bytes(const uint8_t* p, V* whole, V* high) {
+    for (int i = 0; i < 16; ++i) {
+      whole[i] = static_cast<float>(p[i]);
+      high[i] = static_cast<float>(p[i] >> 4);
     }
   }
 };
@@ -142,6 +152,13 @@ struct Isa {
       hi[v] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
     }
   }
+  static void int4_bytes(const uint8_t* p, V* whole, V* high) {
+    for (int v = 0; v < 2; ++v) {
+      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * v)));
+      whole[v] = _mm256_cvtepi32_ps(b);
+      high[v] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    }
+  }
 };
 #include "cpu_gemm_quant_tiles.h"
 }  // namespace
@@ -178,6 +195,11 @@ struct Isa {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
     hi[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+  static void int4_bytes(const uint8_t* p, V* whole, V* high) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    whole[0] = _mm512_cvtepi32_ps(b);
+    high[0] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
 };
 #include "cpu_gemm_quant_tiles.h"
@@ -402,6 +424,18 @@ RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs) {
       xsum[r * segs.count() + s] = sum;
     }
   }
+  if (a.x_bf16 == nullptr && a.bits == 4) {
+    const int64_t kp = padded_depth(a.k, 4);
+    pairs.assign(a.m * kp, 0.0f);
+    for (int64_t r = 0; r < a.m; ++r) {
+      const float* x = a.x + r * a.x_stride;
+      float* out = pairs.data() + r * kp;
+      for (int64_t i = 0; i < a.k; i += 2) {
+        out[i] = x[i];
+        if (i + 1 < a.k) out[i + 1] = x[i + 1] - 16.0f * x[i];
+      }
+    }
+  }
   // Quads must not straddle a segment: every group (and slice) starts on a multiple of 4. A prefill's
   // thousands of rows take single steps: the copy runs on one thread before the GEMM, and a tile of
   // 12 rows already spreads a step's decode over 12 products.
@@ -426,10 +460,10 @@ void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const R
 #endif
   switch (isa == QuantIsa::kAuto ? quant_isa_best() : isa) {
 #if defined(__x86_64__)
-    case QuantIsa::kAvx512: quant_avx512::run(a, segs, rows.xsum.data(), p0, p1); break;
-    case QuantIsa::kAvx2: quant_avx2::run(a, segs, rows.xsum.data(), p0, p1); break;
+    case QuantIsa::kAvx512: quant_avx512::run(a, segs, rows, p0, p1); break;
+    case QuantIsa::kAvx2: quant_avx2::run(a, segs, rows, p0, p1); break;
 #endif
-    default: quant_portable::run(a, segs, rows.xsum.data(), p0, p1); break;
+    default: quant_portable::run(a, segs, rows, p0, p1); break;
   }
 }
 

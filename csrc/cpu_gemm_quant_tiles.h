@@ -6,8 +6,8 @@
 // Isa provides: V (a vector of floats), kVecs (vectors per 16-column panel row), kDirectRows (most
 // rows of the in-register path), kTileRows (rows of a register tile over a dequantized slice),
 // zero/bcast/load/store/add/sub/mul/fma/fnma (fnma(a, b, c) = c - a * b), and the decoders int8(p, out)
-// (16 signed bytes -> kVecs vectors) and int4(p, lo, hi) (16 bytes -> the low and the high
-// nibbles as floats).
+// (16 signed bytes -> kVecs vectors), int4(p, lo, hi) (16 bytes -> the low and the high nibbles as
+// floats) and int4_bytes(p, whole, high) (16 bytes -> each byte, lo + 16 hi, and its high nibble).
 
 using V = Isa::V;
 static_assert(Isa::kDirectRows <= kMaxDirectRows);
@@ -48,7 +48,10 @@ template <int R>
 constexpr int kSets = std::clamp(8 / (R * kVecs), 1, 4);
 
 // acc[r] += x[r, i] * q[i] over one segment of `len` input columns: int8 rows of 16 bytes, or
-// int4 pairs of rows in 16 bytes (an odd last row in the low nibbles).
+// int4 pairs of rows in 16 bytes (an odd last row in the low nibbles). int4 takes x as RowPrep::pairs:
+// a byte b = lo + 16 hi times x0 plus its high nibble times (x1 - 16 x0) is x0 lo + x1 hi, and
+// converting b and b >> 4 spares the mask that isolating lo costs (two of 14 vector operations a
+// step, where the decode of one row is bound by them, not by memory).
 template <int R, int Bits>
 inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t len, V (*acc)[kVecs]) {
   constexpr int S = kSets<R>;
@@ -65,7 +68,7 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t l
     if constexpr (Bits == 8) {
       Isa::int8(reinterpret_cast<const int8_t*>(w + at * kGemmPanel), lo);
     } else {
-      Isa::int4(w + at * kGemmPanel, lo, hi);
+      Isa::int4_bytes(w + at * kGemmPanel, lo, hi);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -84,9 +87,9 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t l
     for (int t = 0; t < S; ++t) step(i + t, part[t]);
   }
   for (; i < steps; ++i) step(i, part[0]);
-  if (Bits == 4 && (len & 1)) {  // the odd last row: low nibbles only
+  if (Bits == 4 && (len & 1)) {  // the odd last row: low nibbles only (the high ones pad with 0)
     V lo[kVecs], hi[kVecs];
-    Isa::int4(w + steps * kGemmPanel, lo, hi);
+    Isa::int4_bytes(w + steps * kGemmPanel, lo, hi);
     for (int r = 0; r < R; ++r) {
       const V x0 = Isa::bcast(x + r * ldx + 2 * steps);
       for (int v = 0; v < kVecs; ++v) part[0][r][v] = Isa::fma(x0, lo[v], part[0][r][v]);
@@ -101,11 +104,12 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t l
   }
 }
 
-// The in-register path: all R = m rows against panel p's slice at k0 (w), segment by segment; at
-// each segment's end y += s * (sum x q - z * sum x) (the first segment of the row writes bias + that).
+// The in-register path: all R = m rows (x, ldx apart: a.x's, or RowPrep::pairs for int4) against
+// panel p's slice at k0 (w), segment by segment; at each segment's end y += s * (sum x q - z * sum x)
+// (the first segment of the row writes bias + that).
 template <int R, int Bits>
 void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
-                  const float* xsum) {
+                  const float* x, int64_t ldx, const float* xsum) {
   const int64_t col0 = p * kGemmPanel;
   const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
@@ -114,7 +118,7 @@ void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, i
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < kVecs; ++v) acc[r][v] = Isa::zero();
     }
-    dot_segment<R, Bits>(a.x + s0, a.x_stride, w + (s0 - k0) * kGemmPanel * Bits / 8, len, acc);
+    dot_segment<R, Bits>(x + s0, ldx, w + (s0 - k0) * kGemmPanel * Bits / 8, len, acc);
     V s[kVecs], z[kVecs], bias[kVecs];
     group_params(a, p, s0 / a.group_size, s, z);
     const bool first = s0 == 0;
@@ -227,20 +231,22 @@ void panels_buffered(const QuantGemmArgs& a, const Segments& segs, int64_t p0, i
 }
 
 template <int Bits, int R>
-void panels_direct(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+void panels_direct(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
   const int64_t kp = padded_depth(a.k, Bits);
+  const float* x = Bits == 4 ? rows.pairs.data() : a.x;
+  const int64_t ldx = Bits == 4 ? kp : a.x_stride;
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     for (int64_t p = p0; p < p1; ++p) {
-      direct_slice<R, Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), xsum);
+      direct_slice<R, Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), x, ldx,
+                            rows.xsum.data());
     }
   }
 }
 
-// The thread's panels [p0, p1) with the path for a.m rows (xsum: the rows' segment sums, for the
-// in-register path).
+// The thread's panels [p0, p1) with the path for a.m rows (`rows`: what the in-register path reads).
 template <int Bits, int R = Isa::kDirectRows>
-void run_panels(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+void run_panels(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
   if constexpr (R == Isa::kDirectRows) {
     if (a.m > R) {
       panels_buffered<Bits>(a, segs, p0, p1);
@@ -249,17 +255,17 @@ void run_panels(const QuantGemmArgs& a, const Segments& segs, const float* xsum,
   }
   if constexpr (R > 0) {
     if (a.m == R) {
-      panels_direct<Bits, R>(a, segs, xsum, p0, p1);
+      panels_direct<Bits, R>(a, segs, rows, p0, p1);
     } else {
-      run_panels<Bits, R - 1>(a, segs, xsum, p0, p1);
+      run_panels<Bits, R - 1>(a, segs, rows, p0, p1);
     }
   }
 }
 
-void run(const QuantGemmArgs& a, const Segments& segs, const float* xsum, int64_t p0, int64_t p1) {
+void run(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
   if (a.bits == 8) {
-    run_panels<8>(a, segs, xsum, p0, p1);
+    run_panels<8>(a, segs, rows, p0, p1);
   } else {
-    run_panels<4>(a, segs, xsum, p0, p1);
+    run_panels<4>(a, segs, rows, p0, p1);
   }
 }
