@@ -171,7 +171,10 @@ void dequant_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, 
 template <int R>
 void tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float* y, int64_t ldy, int cols, bool add,
           const V* bias) {
+  // Every loop over r unrolled: with one left rolled, GCC kept the accumulators on the stack and the
+  // tile ran at a third of its FMA rate (AVX2, Zen 3: 32-row int4 / int8 GEMMs 2.7x slower than bf16).
   V acc[R][kVecs];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < kVecs; ++v) acc[r][v] = add ? Isa::zero() : bias[v];
   }
@@ -184,6 +187,7 @@ void tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float* y, i
       for (int v = 0; v < kVecs; ++v) acc[r][v] = Isa::fma(xr, b[v], acc[r][v]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) put(y + r * ldy, acc[r], cols, add);
 }
 
