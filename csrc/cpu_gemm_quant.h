@@ -15,7 +15,8 @@
 // A weight value is w = (q - z) * s with q the stored value (int4: the nibble) and z the zero
 // point plus `zero_offset` (int4 symmetric: z = 8, the stored zero point then absent).
 //
-// Two paths per panel slice: up to kDirectRows rows (decode), each group's partial dot products
+// Two paths per panel slice: up to kDirectRows rows (decode, in tiles of a few rows that each
+// decode the slice), each group's partial dot products
 // sum x * q in registers and the group's scale and zero point apply once at its end
 // (s * (sum x q - z * sum x)); more rows dequantize the slice once into an fp32 buffer in L1 and
 // run register tiles over it (prefill). Instruction sets: AVX-512 (F, BW, VL, DQ), AVX2 + FMA, and
