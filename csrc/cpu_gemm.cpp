@@ -221,16 +221,15 @@ struct Fp32PairTiles {
   }
 };
 
-// The last rows - r < Tiles::kRows of a panel slice, in one tile of that many rows.
-template <typename Tiles, int P, int R = Tiles::kRows - 1>
-void remainder_tile(int64_t rows, const typename Tiles::X* x, const typename Tiles::W* b, int64_t kc,
-                    float* c, int64_t ldc, int cols, bool accumulate, const float* bias,
-                    const typename Tiles::W* prefetch, int64_t prefetch_rows) {
+// One tile of `rows` (1 .. Tiles::kRows) rows.
+template <typename Tiles, int P, int R = Tiles::kRows>
+void tile_of(int64_t rows, const typename Tiles::X* x, const typename Tiles::W* b, int64_t kc, float* c, int64_t ldc,
+             int cols, bool accumulate, const float* bias, const typename Tiles::W* prefetch, int64_t prefetch_rows) {
   if constexpr (R > 0) {
     if (rows == R) {
       Tiles::template tile<R, P>(x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
     } else {
-      remainder_tile<Tiles, P, R - 1>(rows, x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
+      tile_of<Tiles, P, R - 1>(rows, x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
     }
   }
 }
@@ -252,7 +251,7 @@ NANOVLLM_AVX2 inline void transpose_4x8(const float* const (&src)[4], int64_t j,
   }
 }
 
-// Rows [0, rows) of x, kc deep, copied tile by tile (Tiles::kRows rows, then the rest) so that each
+// Rows [0, rows) of x, kc deep, copied tile by tile (as tile_first cuts them) so that each
 // tile reads one contiguous stream: a tile of rt rows holds kc / U groups of [rt][U] (U = Tiles::kUnit
 // elements multiplied together: 1, or a bf16 k pair), i.e. element (r, i) at i * rt + r * U, each
 // address a constant offset from the tile's start. In place, the rows of a tile would lie a
@@ -268,8 +267,9 @@ NANOVLLM_AVX2 void pack_rows(const typename Tiles::X* x, int64_t lda, int64_t ro
   const auto row = [&](int64_t r) { return reinterpret_cast<const float*>(x + r * lda); };
   const auto copy_unit = [](const float* from, float* to) { std::memcpy(to, from, sizeof(float)); };
   auto* packed = reinterpret_cast<float*>(out);
-  for (int64_t r0 = 0; r0 < rows; r0 += Tiles::kRows) {
-    const int64_t rt = std::min<int64_t>(Tiles::kRows, rows - r0);
+  const int64_t tiles = (rows + Tiles::kRows - 1) / Tiles::kRows;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r0 = tile_first(t, rows, tiles), rt = tile_first(t + 1, rows, tiles) - r0;
     float* tile = packed + r0 * units;
     int64_t r = 0;
     for (; r + 4 <= rt; r += 4) {
@@ -291,19 +291,14 @@ template <typename Tiles, int P>
 void panel_rows(const typename Tiles::X* x, int64_t rows, const typename Tiles::W* b, int64_t kc,
                 float* c, int64_t ldc, int cols, bool accumulate, const float* bias,
                 const typename Tiles::W* prefetch, int64_t prefetch_rows) {
-  constexpr int64_t kRows = Tiles::kRows;
-  const int64_t tiles = (rows + kRows - 1) / kRows;
-  const int64_t share = (prefetch_rows + tiles - 1) / tiles;
-  const auto prefetch_of = [&](int64_t r) { return prefetch + std::min(r / kRows * share, prefetch_rows) * kGemmPanel; };
-  const auto prefetch_rows_of = [&](int64_t r) { return std::clamp<int64_t>(prefetch_rows - r / kRows * share, 0, share); };
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) {
-    Tiles::template tile<kRows, P>(x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias, prefetch_of(r),
-                                   prefetch_rows_of(r));
+  const int64_t tiles = (rows + Tiles::kRows - 1) / Tiles::kRows;
+  const int64_t share = (prefetch_rows + tiles - 1) / tiles;  // of the prefetch, each tile's
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r = tile_first(t, rows, tiles);
+    tile_of<Tiles, P>(tile_first(t + 1, rows, tiles) - r, x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias,
+                      prefetch + std::min(t * share, prefetch_rows) * kGemmPanel,
+                      std::clamp<int64_t>(prefetch_rows - t * share, 0, share));
   }
-  const auto* pf = prefetch_of(r);
-  const int64_t pf_rows = prefetch_rows_of(r);
-  remainder_tile<Tiles, P>(rows - r, x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias, pf, pf_rows);
 }
 
 // panel_rows for np (1 .. Tiles::kPanels) panels.

@@ -24,6 +24,11 @@ inline constexpr int64_t kGemmPanel = 16;
 
 inline int64_t gemm_panels(int64_t n) { return (n + kGemmPanel - 1) / kGemmPanel; }
 
+// Tile t of `rows` rows cut into `tiles`: rows [tile_first(t), tile_first(t + 1)), the tiles' sizes
+// within one of each other. Full tiles and a remainder (8 rows as 6 + 2 on AVX2) left a small tile
+// whose few accumulators wait on the FMA latency.
+inline int64_t tile_first(int64_t t, int64_t rows, int64_t tiles) { return t * rows / tiles; }
+
 // Elements of the packed copy of an [n, k] weight (the binding checks that it fits int64).
 inline int64_t gemm_packed_elements(int64_t n, int64_t k) { return gemm_panels(n) * k * kGemmPanel; }
 
