@@ -227,8 +227,10 @@ namespace attn_avx2 {
 struct Isa {
   using V = __m256;
   static constexpr int kLanes = 8;
-  // Eight accumulators a query vector: a second would not fit AVX2's 16 registers beside the keys.
-  static constexpr int kScoreVectors = 1;
+  // Two query vectors a key load, over four keys at a time: eight accumulators, four keys and a
+  // query chunk in 16 registers (eight keys for both would not fit).
+  static constexpr int kScoreVectors = 2;
+  static constexpr int kScoreAccumulators = 8;
   // At most 12 accumulators, the broadcast scores and a row chunk in 16 registers.
   static constexpr int kValueTile[5] = {0, 8, 6, 4, 2};
   static V zero() { return _mm256_setzero_ps(); }
@@ -238,6 +240,10 @@ struct Isa {
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static __m256 sum8(const V* a) { return avx2::sum_lanes8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]); }
+  static __m128 sum4(const V* a) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // low | high halves
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+  }
   static void scores_bf16(const Bf16* q, const Bf16* k, int64_t kv_row, int D, float scale, float* out) {
     avx512_bf16::dot8(q, k, kv_row, D, scale, out);  // a call: its target is a superset of this one
   }
@@ -260,6 +266,7 @@ struct Isa {
   using V = __m512;
   static constexpr int kLanes = 16;
   static constexpr int kScoreVectors = 2;              // 16 accumulators and 8 keys of 32 registers
+  static constexpr int kScoreAccumulators = 16;
   static constexpr int kValueTile[5] = {0, 8, 8, 4, 4};  // at most 16 accumulators
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }

@@ -9,41 +9,63 @@
 // accumulating along head_dim, and one transpose-and-add turns the eight accumulators into eight
 // contiguous scores (2.5-3x faster per key with the data in cache, AVX2 on Zen 4); and the values'
 // accumulators stay in registers across a block's rows. Summation order differs from the portable
-// loops (fp32 rounding only). On AVX-512 (16 floats a register) a head of 64 takes half the loads and
-// FMAs a key, and two query vectors share each key's loads (a GQA group's vectors read the same
-// keys): 1.2-1.5x the AVX2 tiles with the KV in cache (Zen 5).
+// loops (fp32 rounding only). Two query vectors share each key's loads (a GQA group's vectors read
+// the same keys; AVX2 in two passes of four keys, its 16 registers short of 16 accumulators: bf16
+// 1.12-1.16x with the KV in cache, Zen 3). On AVX-512 (16 floats a register) a head of 64 takes
+// half the loads and FMAs a key: 1.2-1.5x the AVX2 tiles with the KV in cache (Zen 5).
 //
 // Isa provides: V (a vector of kLanes floats), zero/load (float, or bf16 widened)/bcast/fma/store,
 // sum8(acc) (the lane sums of acc[0..7] as one __m256), kScoreVectors (query vectors scored per key
-// load: 1 or 2), kValueTile[nv] (chunks of kLanes columns a value pass takes at once for nv = 1..4
+// load: 1 or 2), kScoreAccumulators (the most score accumulators its registers hold; past 8 per
+// vector, sum4(acc): the lane sums of acc[0..3] as one __m128), kValueTile[nv] (chunks of kLanes columns a value pass takes at once for nv = 1..4
 // vectors, what its registers hold) and scores_bf16(q, k, kv_row, D, scale, out) (one bf16 vector as
 // stored against eight keys, the AVX512-BF16 dot products).
 
 using V = Isa::V;
 constexpr int kLanes = Isa::kLanes;
 
-// out[v * out_stride + j] = q_v . k_j for NV scaled query vectors (q + v * D) and the eight keys k,
-// k + kv_row, ..., k + 7 * kv_row (D a multiple of kLanes).
-template <int NV, typename T>
-inline void dot8(const float* __restrict q, const T* __restrict k, int64_t kv_row, int D, float* __restrict out,
-                 int64_t out_stride) {
-  V acc[NV][8];
+// out[v * out_stride + j] = q_v . k_j for NV scaled query vectors (q + v * D) and the KP keys k,
+// k + kv_row, ... (D a multiple of kLanes; KP 8, or 4 where the set has a 4-key sum).
+template <int NV, int KP, typename T, typename I = Isa>  // I: only the sets with 4-key passes have sum4
+inline void dot_keys(const float* __restrict q, const T* __restrict k, int64_t kv_row, int D, float* __restrict out,
+                     int64_t out_stride) {
+  V acc[NV][KP];
 #pragma GCC unroll 16
   for (int v = 0; v < NV; ++v) {
-    for (int j = 0; j < 8; ++j) acc[v][j] = Isa::zero();
+    for (int j = 0; j < KP; ++j) acc[v][j] = Isa::zero();
   }
   for (int d = 0; d < D; d += kLanes) {
-    V kv[8];
+    V kv[KP];
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) kv[j] = Isa::load(k + j * kv_row + d);
+    for (int j = 0; j < KP; ++j) kv[j] = Isa::load(k + j * kv_row + d);
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) {
       const V qv = Isa::load(q + static_cast<int64_t>(v) * D + d);
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) acc[v][j] = Isa::fma(qv, kv[j], acc[v][j]);
+      for (int j = 0; j < KP; ++j) acc[v][j] = Isa::fma(qv, kv[j], acc[v][j]);
     }
   }
-  for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + v * out_stride, Isa::sum8(acc[v]));
+  for (int v = 0; v < NV; ++v) {
+    if constexpr (KP == 8) {
+      _mm256_storeu_ps(out + v * out_stride, Isa::sum8(acc[v]));
+    } else {
+      _mm_storeu_ps(out + v * out_stride, I::sum4(acc[v]));
+    }
+  }
+}
+
+// The same for the eight keys k, k + kv_row, ..., k + 7 * kv_row: in one pass where NV x 8
+// accumulators fit the set's registers (Isa::kScoreAccumulators), else in two of four keys, so that
+// every key's load (a bf16 one widened) still feeds all NV vectors.
+template <int NV, typename T>
+inline void dot8(const float* __restrict q, const T* __restrict k, int64_t kv_row, int D, float* __restrict out,
+                 int64_t out_stride) {
+  if constexpr (NV * 8 <= Isa::kScoreAccumulators) {
+    dot_keys<NV, 8>(q, k, kv_row, D, out, out_stride);
+  } else {
+    dot_keys<NV, 4>(q, k, kv_row, D, out, out_stride);
+    dot_keys<NV, 4>(q, k + 4 * kv_row, kv_row, D, out + 4, out_stride);
+  }
 }
 
 // acc[v][c * kLanes ..] += sum over keys i < n of p[v * p_stride + i] * x_i[c * kLanes ..] for NV
