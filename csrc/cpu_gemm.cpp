@@ -221,19 +221,6 @@ struct Fp32PairTiles {
   }
 };
 
-// One tile of `rows` (1 .. Tiles::kRows) rows.
-template <typename Tiles, int P, int R = Tiles::kRows>
-void tile_of(int64_t rows, const typename Tiles::X* x, const typename Tiles::W* b, int64_t kc, float* c, int64_t ldc,
-             int cols, bool accumulate, const float* bias, const typename Tiles::W* prefetch, int64_t prefetch_rows) {
-  if constexpr (R > 0) {
-    if (rows == R) {
-      Tiles::template tile<R, P>(x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
-    } else {
-      tile_of<Tiles, P, R - 1>(rows, x, b, kc, c, ldc, cols, accumulate, bias, prefetch, prefetch_rows);
-    }
-  }
-}
-
 // Units (4 bytes each) [j, j + 8) of 4 rows, src[r] the row r's first unit, to the tile's layout
 // (unit (r, j) at dst[j * rt + r]): a 4 x 8 transpose in ymm registers, 20 instructions for the 64
 // loads and stores of the unit-by-unit copy, which took 12% of an fp32 prefill's time.
@@ -267,7 +254,7 @@ NANOVLLM_AVX2 void pack_rows(const typename Tiles::X* x, int64_t lda, int64_t ro
   const auto row = [&](int64_t r) { return reinterpret_cast<const float*>(x + r * lda); };
   const auto copy_unit = [](const float* from, float* to) { std::memcpy(to, from, sizeof(float)); };
   auto* packed = reinterpret_cast<float*>(out);
-  const int64_t tiles = (rows + Tiles::kRows - 1) / Tiles::kRows;
+  const int64_t tiles = tile_count(rows, Tiles::kRows);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t r0 = tile_first(t, rows, tiles), rt = tile_first(t + 1, rows, tiles) - r0;
     float* tile = packed + r0 * units;
@@ -291,14 +278,12 @@ template <typename Tiles, int P>
 void panel_rows(const typename Tiles::X* x, int64_t rows, const typename Tiles::W* b, int64_t kc,
                 float* c, int64_t ldc, int cols, bool accumulate, const float* bias,
                 const typename Tiles::W* prefetch, int64_t prefetch_rows) {
-  const int64_t tiles = (rows + Tiles::kRows - 1) / Tiles::kRows;
-  const int64_t share = (prefetch_rows + tiles - 1) / tiles;  // of the prefetch, each tile's
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r = tile_first(t, rows, tiles);
-    tile_of<Tiles, P>(tile_first(t + 1, rows, tiles) - r, x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias,
-                      prefetch + std::min(t * share, prefetch_rows) * kGemmPanel,
-                      std::clamp<int64_t>(prefetch_rows - t * share, 0, share));
-  }
+  const int64_t share = tile_count(prefetch_rows, tile_count(rows, Tiles::kRows));  // of the prefetch, each tile's
+  row_tiles<Tiles::kRows>(rows, [&]<int R>(int64_t t, int64_t r) {
+    Tiles::template tile<R, P>(x + r * kc, b, kc, c + r * ldc, ldc, cols, accumulate, bias,
+                               prefetch + std::min(t * share, prefetch_rows) * kGemmPanel,
+                               std::clamp<int64_t>(prefetch_rows - t * share, 0, share));
+  });
 }
 
 // panel_rows for np (1 .. Tiles::kPanels) panels.

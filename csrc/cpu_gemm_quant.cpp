@@ -354,7 +354,7 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
         const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
         prefetch_l2(ahead, std::min(end, w + (kPrefetchPanels + 1) * panel_bytes));
       }
-      row_tiles<Isa::kTileRows>(a.m, [&]<int R>(int64_t r) NANOVLLM_AVX512BF16 {
+      row_tiles<Isa::kTileRows>(a.m, [&]<int R>(int64_t, int64_t r) NANOVLLM_AVX512BF16 {
         direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
                                    rows.quads.empty() ? nullptr : rows.quads.data() + r * a.x_stride,
                                    rows.xsum.data() + r * segs.count(), a.y + r * a.y_stride + p * kGemmPanel,

@@ -195,30 +195,6 @@ void tile(const float* x, int64_t ldx, const float* buf, int64_t kc, float* y, i
   for (int r = 0; r < R; ++r) put(y + r * ldy, acc[r], cols, add);
 }
 
-// tile_at.template operator()<n>(r0), n at most R.
-template <int R, typename TileAt>
-void tile_of(int64_t n, const TileAt& tile_at, int64_t r0) {
-  if constexpr (R > 0) {
-    if (n == R) {
-      tile_at.template operator()<R>(r0);
-    } else {
-      tile_of<R - 1>(n, tile_at, r0);
-    }
-  }
-}
-
-// Rows [0, rows) in the fewest tiles of at most kMax rows (tile_first's cut; on AVX2, Zen 3, a
-// 2-row remainder tile took 60% of a 6-row tile's time): tile_at.template operator()<R>(first row)
-// for each.
-template <int kMax, typename TileAt>
-void row_tiles(int64_t rows, const TileAt& tile_at) {
-  const int64_t tiles = (rows + kMax - 1) / kMax;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r0 = tile_first(t, rows, tiles);
-    tile_of<kMax>(tile_first(t + 1, rows, tiles) - r0, tile_at, r0);
-  }
-}
-
 template <int Bits>
 void panels_buffered(const QuantGemmArgs& a, const Segments& segs, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
@@ -238,7 +214,7 @@ void panels_buffered(const QuantGemmArgs& a, const Segments& segs, int64_t p0, i
         load16(b16, bias);
         const float* x = a.x + m0 * a.x_stride + k0;
         float* y = a.y + m0 * a.y_stride + col0;
-        row_tiles<Isa::kTileRows>(mc, [&]<int R>(int64_t r) {
+        row_tiles<Isa::kTileRows>(mc, [&]<int R>(int64_t, int64_t r) {
           tile<R>(x + r * a.x_stride, a.x_stride, buf, kc, y + r * a.y_stride, a.y_stride, cols, k0 > 0, bias);
         });
       }
@@ -258,7 +234,7 @@ void panels_direct(const QuantGemmArgs& a, const Segments& segs, const RowPrep& 
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
-      row_tiles<Isa::direct_tile_rows(Bits)>(a.m, [&]<int R>(int64_t r) {
+      row_tiles<Isa::direct_tile_rows(Bits)>(a.m, [&]<int R>(int64_t, int64_t r) {
         direct_slice<R, Bits>(a, segs, slice, p, k0, w, x + r * ldx, ldx, rows.xsum.data() + r * segs.count(),
                               a.y + r * a.y_stride);
       });
