@@ -6,6 +6,9 @@ steps of the whole batch are profiled. The layers' forwards are wrapped in
 `torch.profiler.record_function` labels here, in the benchmark (the engine's code is not touched),
 and each label's total CPU time, children included, is attributed to its category. A GEMM inside
 an attention label counts as attention: the labels do not nest except the LM head inside logits.
+The layers run in Python here (`python_layers`), not as the engine's one C++ call for all of them
+(models/cpu_stack.py, which calls the same kernels), so that their parts are seen; "other" then
+includes the Python around the layers' kernels that the stack saves.
 
 Usage: python benchmarks/profile_cpu_step.py [--model DIR] [--dtype bfloat16] [--json out.json]
 """
@@ -73,11 +76,21 @@ def _label(name: str, fn: Any) -> Any:
     return wrapper
 
 
+def python_layers(llm: LLM, on: bool = True) -> None:
+    """Run the model's layers in Python (on), where the labels see them, or as the engine does: one
+    C++ call for all of them where the model takes it (models/cpu_stack.py), which calls the same
+    kernels (off)."""
+    for module in llm.engine.executor.runner.model.modules():
+        if hasattr(module, "use_cpu_stack"):
+            module.use_cpu_stack = not on
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     install_labels()
     model = args.model or str(ensure_default_model())
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.num_seqs, max_model_len=args.max_model_len)
+    python_layers(llm)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 8)

@@ -2,6 +2,7 @@
 // GEMM, mixture of experts). They take raw pointers, sizes and strides; the Python wrappers in nanovllm/cpu/ check the
 // tensors, and everything a pointer's extent depends on is checked again here, at the boundary.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <limits>
@@ -10,6 +11,7 @@
 
 #include "binding_checks.h"
 #include "cpu_attention.h"
+#include "cpu_decoder.h"
 #include "cpu_fused_ops.h"
 #include "cpu_gemm.h"
 #include "cpu_gemm_quant.h"
@@ -621,6 +623,175 @@ void bind_cpu_moe(py::module_& m) {
         return moe_gate_up_rows(inter);
       }, py::arg("inter"), "Rows of an expert's packed gate/up weight: 8 gate and 8 up rows per 16-row panel.");
 }
+// A projection of the decoder stack: its sizes must be the layer's, its kernel one this CPU runs.
+void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, const char* name) {
+  const std::string what = std::string("DecoderStack: ") + name;
+  if (w.n != n || w.k != k) {
+    value_error(what + " is [" + std::to_string(w.n) + ", " + std::to_string(w.k) + "], the layer needs [" +
+                std::to_string(n) + ", " + std::to_string(k) + "]");
+  }
+  if (!w.packed) value_error(what + ": null weight");
+  switch (w.kind) {
+    case DecoderLinear::Kind::kDense:
+      if (!has_avx2_fma()) value_error(what + ": gemm needs a CPU with AVX2 and FMA");
+      if (w.pairs && (!has_avx512f() || w.packed_dtype != CpuDtype::kFloat32)) {
+        value_error(what + ": pairs need fp32 weights and a CPU with AVX-512F");
+      }
+      break;
+    case DecoderLinear::Kind::kDenseBf16:
+      if (!has_avx512_bf16() || k % 2 != 0) value_error(what + ": gemm_bf16 needs AVX512-BF16 and an even k");
+      break;
+    case DecoderLinear::Kind::kQuant:
+      if (!w.scales || (w.bits != 4 && w.bits != 8) || w.group_size < 1 || w.group_size > k ||
+          (w.bits == 4 && !groups_pair(w.group_size, k))) {
+        value_error(what + ": bad quantized weight (bits 4 or 8, group size in [1, k], even for int4)");
+      }
+      if (w.bf16_min_rows > 0 && (!quant_has_bf16() || !groups_pair(w.group_size, k))) {
+        value_error(what + ": bf16 activations need AVX512-BF16 and even groups");
+      }
+      break;
+  }
+}
+
+void bind_cpu_decoder(py::module_& m) {
+  py::class_<DecoderLinear>(m, "DecoderLinear",
+                            "One projection's weight for DecoderStack (nanovllm/models/cpu_stack.py makes them).")
+      .def_static(
+          "dense",
+          [](uintptr_t packed, int64_t packed_dtype, int64_t n, int64_t k, bool pairs, uintptr_t bias) {
+            DecoderLinear w;
+            w.kind = DecoderLinear::Kind::kDense;
+            w.packed = reinterpret_cast<const void*>(packed);
+            w.packed_dtype = checked_dtype(packed_dtype, "packed_dtype");
+            w.n = n;
+            w.k = k;
+            w.pairs = pairs;
+            w.bias = reinterpret_cast<const float*>(bias);
+            return w;
+          },
+          py::arg("packed"), py::arg("packed_dtype"), py::arg("n"), py::arg("k"), py::arg("pairs"), py::arg("bias"),
+          "gemm_cpu's weight (gemm_pack_cpu's copy), fp32 bias or 0.")
+      .def_static(
+          "dense_bf16",
+          [](uintptr_t packed, int64_t n, int64_t k, uintptr_t bias) {
+            DecoderLinear w;
+            w.kind = DecoderLinear::Kind::kDenseBf16;
+            w.packed = reinterpret_cast<const void*>(packed);
+            w.packed_dtype = CpuDtype::kBFloat16;
+            w.n = n;
+            w.k = k;
+            w.bias = reinterpret_cast<const float*>(bias);
+            return w;
+          },
+          py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bias"),
+          "gemm_bf16_cpu's weight (a pair-packed bf16 copy), fp32 bias or 0.")
+      .def_static(
+          "quant",
+          [](uintptr_t packed, uintptr_t scales, uintptr_t zeros, uintptr_t bias, int64_t n, int64_t k,
+             int64_t group_size, int64_t bits, double zero_offset, int64_t bf16_min_rows) {
+            DecoderLinear w;
+            w.kind = DecoderLinear::Kind::kQuant;
+            w.packed = reinterpret_cast<const void*>(packed);
+            w.scales = reinterpret_cast<const float*>(scales);
+            w.zeros = reinterpret_cast<const int8_t*>(zeros);
+            w.bias = reinterpret_cast<const float*>(bias);
+            w.n = n;
+            w.k = k;
+            w.group_size = group_size;
+            w.bits = static_cast<int>(checked_int32(bits, "bits", 4, 8));
+            w.zero_offset = static_cast<float>(zero_offset);
+            w.bf16_min_rows = bf16_min_rows;
+            return w;
+          },
+          py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bias"), py::arg("n"), py::arg("k"),
+          py::arg("group_size"), py::arg("bits"), py::arg("zero_offset"), py::arg("bf16_min_rows"),
+          "quant_gemm_cpu's weight; bf16 activations go to it as bf16 from bf16_min_rows rows (0: never).")
+      .def_readonly("n", &DecoderLinear::n)
+      .def_readonly("k", &DecoderLinear::k);
+  py::class_<DecoderLayerWeights>(m, "DecoderLayer", "One layer's weights and KV cache for DecoderStack.")
+      .def(py::init([](DecoderLinear qkv, DecoderLinear o, DecoderLinear gate_up, DecoderLinear down,
+                       uintptr_t input_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm,
+                       uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache) {
+             if (!input_norm || !post_norm || !inv_freq || !k_cache || !v_cache || (q_norm == 0) != (k_norm == 0)) {
+               value_error("DecoderLayer: null norm weight, inv_freq or cache (q_norm and k_norm come together)");
+             }
+             return DecoderLayerWeights{qkv, o, gate_up, down,
+                                        reinterpret_cast<const void*>(input_norm),
+                                        reinterpret_cast<const void*>(post_norm),
+                                        reinterpret_cast<const void*>(q_norm), reinterpret_cast<const void*>(k_norm),
+                                        reinterpret_cast<const float*>(inv_freq), reinterpret_cast<void*>(k_cache),
+                                        reinterpret_cast<void*>(v_cache)};
+           }),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
+           py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("inv_freq"), py::arg("k_cache"),
+           py::arg("v_cache"));
+  py::class_<DecoderStack>(m, "DecoderStack",
+                           "A dense decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers "
+                           "it was built from must outlive it.")
+      .def(py::init([](int64_t dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t inter, double eps, double scale, int64_t block_size, int64_t num_blocks,
+                       std::vector<DecoderLayerWeights> layers, uintptr_t final_norm) {
+             DecoderShape s;
+             s.dtype = checked_dtype(dtype, "dtype");
+             s.hidden = checked_int32(hidden, "hidden", 1);
+             s.heads = checked_int32(heads, "heads", 1);
+             s.kv_heads = checked_int32(kv_heads, "kv_heads", 1);
+             s.head_dim = checked_int32(head_dim, "head_dim", 2, kMaxRotaryDim);
+             s.inter = checked_int32(inter, "inter", 1);
+             s.eps = static_cast<float>(eps);
+             s.scale = static_cast<float>(scale);
+             if (s.heads % s.kv_heads != 0 || s.head_dim % 2 != 0) {
+               value_error("DecoderStack: heads must be a multiple of kv_heads, head_dim even");
+             }
+             checked_int32(block_size, "block_size", 1, 1 << 16);
+             checked_int32(num_blocks, "num_blocks", 1);
+             if (!final_norm) value_error("DecoderStack: null final norm weight");
+             const int64_t q_row = s.heads * s.head_dim;
+             for (const DecoderLayerWeights& l : layers) {
+               check_decoder_linear(l.qkv, q_row + 2 * s.kv_heads * s.head_dim, s.hidden, "qkv");
+               check_decoder_linear(l.o, s.hidden, q_row, "o");
+               check_decoder_linear(l.gate_up, 2 * s.inter, s.hidden, "gate_up");
+               check_decoder_linear(l.down, s.hidden, s.inter, "down");
+             }
+             return std::make_unique<DecoderStack>(s, std::move(layers), reinterpret_cast<const void*>(final_norm),
+                                                   block_size, num_blocks);
+           }),
+           py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("inter"), py::arg("eps"), py::arg("scale"), py::arg("block_size"), py::arg("num_blocks"),
+           py::arg("layers"), py::arg("final_norm"))
+      .def(
+          "forward",
+          [](DecoderStack& stack, uintptr_t hidden_in, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
+             int64_t slot_tokens, uintptr_t block_tables, int64_t block_table_stride, uintptr_t context_lens,
+             uintptr_t cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, int64_t num_threads) {
+            const DecoderShape& s = stack.shape();
+            DecoderStep step;
+            step.attn = checked_attention_args(block_tables, context_lens, cu_seqlens_q, num_tokens,
+                                               block_table_stride, num_seqs, s.heads, s.kv_heads, s.head_dim,
+                                               stack.block_size(), stack.num_blocks(), s.scale,
+                                               static_cast<int64_t>(s.dtype), "DecoderStack.forward");
+            if (slot_tokens < 0 || slot_tokens > num_tokens) value_error("DecoderStack.forward: bad slot_tokens");
+            if (num_tokens > 0 && (!hidden_in || !out || !positions || (slot_tokens > 0 && !slot_mapping))) {
+              value_error("null pointer passed to DecoderStack.forward");
+            }
+            step.hidden_in = reinterpret_cast<const void*>(hidden_in);
+            step.out = reinterpret_cast<void*>(out);
+            step.positions = reinterpret_cast<const int32_t*>(positions);
+            step.slot_mapping = reinterpret_cast<const int32_t*>(slot_mapping);
+            step.tokens = num_tokens;
+            step.slot_tokens = slot_tokens;
+            step.covered = step.attn.num_seqs > 0 ? step.attn.cu_seqlens_q[step.attn.num_seqs] : 0;
+            check_slots(step.slot_mapping, slot_tokens, stack.num_blocks() * stack.block_size());
+            py::gil_scoped_release release;
+            stack.forward(step, clamp_threads(num_threads));
+          },
+          py::arg("hidden_in"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"), py::arg("slot_tokens"),
+          py::arg("block_tables"), py::arg("block_table_stride"), py::arg("context_lens"), py::arg("cu_seqlens_q"),
+          py::arg("num_seqs"), py::arg("num_tokens"), py::arg("num_threads") = 1,
+          "hidden_in [num_tokens, hidden] (the embeddings) -> out [num_tokens, hidden] (the final norm's output), "
+          "writing this step's K/V; the attention metadata as qkv_attention_cpu takes it.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu, m) {
@@ -631,4 +802,5 @@ PYBIND11_MODULE(_cpu, m) {
   bind_cpu_gemm_quant(m);
   bind_cpu_moe(m);
   bind_cpu_sampler(m);
+  bind_cpu_decoder(m);
 }

@@ -139,3 +139,36 @@ def moe_quant_experts_cpu(x: int, x_stride: int, logits: int, logits_stride: int
 def moe_gate_up_rows(inter: int) -> int:
     """Rows of an expert's packed gate/up weight: 8 gate and 8 up rows per 16-row panel, inter
     padded to a multiple of 8."""
+
+class DecoderLinear:
+    """One projection's weight for DecoderStack (nanovllm/models/cpu_stack.py makes them)."""
+    n: int
+    k: int
+    @staticmethod
+    def dense(packed: int, packed_dtype: int, n: int, k: int, pairs: bool, bias: int) -> DecoderLinear:
+        """gemm_cpu's weight (gemm_pack_cpu's copy), fp32 bias or 0."""
+    @staticmethod
+    def dense_bf16(packed: int, n: int, k: int, bias: int) -> DecoderLinear:
+        """gemm_bf16_cpu's weight (a pair-packed bf16 copy), fp32 bias or 0."""
+    @staticmethod
+    def quant(packed: int, scales: int, zeros: int, bias: int, n: int, k: int, group_size: int, bits: int,
+              zero_offset: float, bf16_min_rows: int) -> DecoderLinear:
+        """quant_gemm_cpu's weight; bf16 activations go to it as bf16 from bf16_min_rows rows (0: never)."""
+
+class DecoderLayer:
+    """One layer's weights and KV cache for DecoderStack."""
+    def __init__(self, qkv: DecoderLinear, o: DecoderLinear, gate_up: DecoderLinear, down: DecoderLinear,
+                 input_norm: int, post_norm: int, q_norm: int, k_norm: int, inv_freq: int, k_cache: int,
+                 v_cache: int) -> None: ...
+
+class DecoderStack:
+    """A dense decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers it was
+    built from must outlive it."""
+    def __init__(self, dtype: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
+                 scale: float, block_size: int, num_blocks: int, layers: list[DecoderLayer],
+                 final_norm: int) -> None: ...
+    def forward(self, hidden_in: int, out: int, positions: int, slot_mapping: int, slot_tokens: int,
+                block_tables: int, block_table_stride: int, context_lens: int, cu_seqlens_q: int, num_seqs: int,
+                num_tokens: int, num_threads: int = 1) -> None:
+        """hidden_in [num_tokens, hidden] (the embeddings) -> out [num_tokens, hidden] (the final
+        norm's output), writing this step's K/V; the attention metadata as qkv_attention_cpu takes it."""

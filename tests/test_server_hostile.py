@@ -9,6 +9,7 @@ check are generous against them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import socket
@@ -22,9 +23,10 @@ import httpx
 import pytest
 from hostile_helpers import error_of, reference, server_stays_whole  # noqa: F401 (fixtures)
 from server_process import ServerProcess
-from tiny_models import make_tiny_model
+from tiny_models import TINY_SPECS, make_tiny_model
 from transformers import AutoTokenizer
 
+from nanovllm.builtin_model import create_model_dir
 from nanovllm.entrypoints import cli
 
 HEADER_TIMEOUT_S = 1.0
@@ -254,13 +256,17 @@ def test_serve_refuses_a_pool_smaller_than_max_model_len(model_dir: Path, capsys
 
 OPEN_FILES = 128  # connection limit: the 16 it leaves (the default keeps 128 for the process)
 
-LONG = {"prompt": "Tell me everything", "max_tokens": 4000, "ignore_eos": True}
+# Long enough to outlast the shutdown timeout however fast the CPU (4,000 tokens of the tiny model
+# came within it once the layers ran as one C++ call): the trusting server's model takes 32,768.
+LONG = {"prompt": "Tell me everything", "max_tokens": 30000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def trusting(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(model_dir, tmp_path_factory.mktemp("trusting"), "--num-kvcache-blocks", "1024",
-                       "--max-model-len", "4096", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
+def trusting(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    spec = dataclasses.replace(TINY_SPECS["qwen3"], max_position_embeddings=32768)
+    long_model = create_model_dir(tmp_path_factory.mktemp("long_model") / "qwen3", spec=spec)
+    with ServerProcess(long_model, tmp_path_factory.mktemp("trusting"), "--num-kvcache-blocks", "4096",
+                       "--max-model-len", "32768", "--trust-request-chat-template", "--chat-template-timeout", "0.5",
                        "--shutdown-timeout", "3", "--header-timeout", str(HEADER_TIMEOUT_S),
                        max_open_files=OPEN_FILES) as srv:
         yield srv

@@ -181,6 +181,22 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def stack_linear(packed: Packed | None,
+                 bias: torch.Tensor | None) -> tuple[_cpu.DecoderLinear, torch.Tensor | None] | None:
+    """`packed` as the C++ decoder stack multiplies by it (csrc/cpu_decoder.h: the kernel `linear`
+    here calls), with the fp32 bias it points at (the caller keeps it alive); None for oneDNN's
+    packing, which only torch can call, or no packing."""
+    if not isinstance(packed, PackedWeight):
+        return None
+    b = None if bias is None else bias.float().contiguous()
+    b_ptr = 0 if b is None else b.data_ptr()
+    n, k = packed.out_features, packed.in_features
+    if packed.pairs and packed.data.dtype == torch.bfloat16:
+        return _cpu.DecoderLinear.dense_bf16(packed.data.data_ptr(), n, k, b_ptr), b
+    return _cpu.DecoderLinear.dense(packed.data.data_ptr(), KERNEL_DTYPES[packed.data.dtype], n, k, packed.pairs,
+                                    b_ptr), b
+
+
 def prepack_layer(layer: nn.Module, keep_dense: bool = False, kernel: GemmKernel | None = None) -> bool:
     """Give a layer with `weight` and `packed` attributes (a linear layer, the LM head) a packed
     copy of its weight for `kernel` (default: `layer_kernel`'s) when it gains from it; its dense

@@ -24,6 +24,7 @@ from torch import nn
 from nanovllm.cpu import gemm as cpu_gemm
 
 if TYPE_CHECKING:
+    from nanovllm import _cpu
     from nanovllm.distributed.parallel_state import TPGroup
     from nanovllm.layers.quantization.linear_method import QuantizedLinear
 
@@ -128,6 +129,15 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
+
+    def stack_linear(self, dtype: torch.dtype) -> tuple[_cpu.DecoderLinear, torch.Tensor | None] | None:
+        """This layer's weight for the C++ decoder stack (models/cpu_stack.py) with the fp32 bias it
+        points at, where the layer multiplies on our CPU kernels on one rank; None otherwise."""
+        if getattr(self, "tp", None) is not None or getattr(self, "tp_size", 1) != 1:
+            return None
+        if self.quant is not None:
+            return self.quant.stack_linear(self.bias, dtype)
+        return cpu_gemm.stack_linear(self.packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

@@ -28,6 +28,7 @@ from nanovllm.layers.linear import (
 )
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.model_config import ModelConfig
+from nanovllm.models import cpu_stack
 
 if TYPE_CHECKING:
     from nanovllm.distributed.parallel_state import TPGroup
@@ -161,11 +162,21 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, flags, i, backend, tp, make_mlp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # On the CPU, the layers as one C++ call (models/cpu_stack.py) where they all take its
+        # kernels; False runs them in Python always (benchmarks that time the layers' parts).
+        self.use_cpu_stack = True
+        self._stack_parts: list[cpu_stack.StackLayer] | None = None  # once: the modules do not change
+        self._stack: tuple[tuple[int, ...], cpu_stack.CpuStack | None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        stack = self.layer_stack() if self.use_cpu_stack and hidden.is_cpu else None
+        if stack is not None:
+            out = cpu_stack.run(stack, hidden, positions, meta)
+            if out is not None:
+                return out
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -173,6 +184,32 @@ class DecoderModel(nn.Module):
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _stack_layers(self) -> list[cpu_stack.StackLayer]:
+        """The stack's view of the layers; empty where a layer is not a dense one."""
+        layers = []
+        for layer in self.layers:
+            if not isinstance(layer.mlp, DecoderMLP):
+                return []
+            a = layer.self_attn
+            layers.append(cpu_stack.StackLayer(
+                a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.input_layernorm,
+                layer.post_attention_layernorm, a.q_norm, a.k_norm, a.rotary_emb, a.attn))
+        return layers
+
+    def layer_stack(self) -> cpu_stack.CpuStack | None:
+        """The C++ stack of this model's layers for its current KV cache (built on first use, again
+        when the cache changes), or None where the layers run in Python."""
+        if self._stack_parts is None:
+            self._stack_parts = self._stack_layers()
+        layers = self._stack_parts
+        if not layers or layers[0].attn.k_cache.numel() == 0:
+            return None
+        key = cpu_stack.cache_key(layers)
+        if self._stack is None or self._stack[0] != key:
+            inter = {layer.down.input_size for layer in layers}
+            self._stack = (key, cpu_stack.build(layers, self.norm, inter.pop()) if len(inter) == 1 else None)
+        return self._stack[1]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -149,6 +149,21 @@ def _bf16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
     return padded, padded.shape[1]
 
 
+def stack_linear(p: PackedQuantWeight, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> tuple[_cpu.DecoderLinear, torch.Tensor | None] | None:
+    """`p` as the C++ decoder stack multiplies by it (csrc/cpu_decoder.h), for activations of `dtype`
+    taking `linear`'s path, with the fp32 bias it points at (the caller keeps it alive); None for an
+    activation-order weight (`perm`: the stack does not gather columns)."""
+    if p.perm is not None:
+        return None
+    b = None if bias is None else bias.float().contiguous()
+    bf16_min_rows = (BF16_MIN_ROWS[p.bits] if dtype == torch.bfloat16 and HAS_BF16
+                     and groups_pair(p.group_size, p.in_features) else 0)
+    return _cpu.DecoderLinear.quant(p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
+                                    0 if b is None else b.data_ptr(), p.out_features, p.in_features, p.group_size,
+                                    p.bits, p.zero_offset, bf16_min_rows), b
+
+
 def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa: Isa = "auto",
            num_threads: int | None = None) -> torch.Tensor:
     """`F.linear(x, dequantize(W), bias)` for the weight `p` was packed from; x `[..., in]`."""

@@ -16,6 +16,7 @@ before packing) `F.linear` on the dequantized weight, the reference.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ from nanovllm.layers.linear import (
 from nanovllm.layers.quantization import cpu_kernel, cpu_moe
 from nanovllm.layers.quantization.config import QuantConfig, WeightScheme
 from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn
+
+if TYPE_CHECKING:
+    from nanovllm import _cpu
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,11 @@ class QuantizedLinear:
         self.cpu = cpu_kernel.pack(self.weight)
         self.weight = None
         return True
+
+    def stack_linear(self, bias: torch.Tensor | None,
+                     dtype: torch.dtype) -> tuple[_cpu.DecoderLinear, torch.Tensor | None] | None:
+        """The packed CPU weight for the C++ decoder stack (cpu_kernel.stack_linear); None without one."""
+        return None if self.cpu is None else cpu_kernel.stack_linear(self.cpu, bias, dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.cpu is not None:

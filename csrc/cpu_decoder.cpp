@@ -1,0 +1,150 @@
+#include "cpu_decoder.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "cpu_fused_ops.h"
+#include "cpu_gemm.h"
+#include "cpu_gemm_quant.h"
+#include "cpu_qkv_attention.h"
+
+namespace nanovllm {
+namespace {
+
+// rows x [rows, cols] of `from` -> `to`, contiguous: widened to fp32 or rounded to bf16, as torch's
+// .float() / .to(torch.bfloat16) (cpu/gemm.py's fp32_rows, the GEMM output's conversion).
+void widen_rows(const Bf16* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = widen(x[i]);
+}
+void narrow_rows(const float* x, Bf16* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+}
+
+}  // namespace
+
+void* DecoderStack::Scratch::at_least(int64_t n) {
+  if (n > bytes) {
+    data = std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(n));
+    bytes = n;
+  }
+  return data.get();
+}
+
+DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
+                           int64_t block_size, int64_t num_blocks)
+    : shape_(shape), layers_(std::move(layers)), final_norm_(final_norm), block_size_(block_size),
+      num_blocks_(num_blocks) {}
+
+void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_t m, int num_threads) {
+  const bool bf16 = shape_.dtype == CpuDtype::kBFloat16;
+  // fp32 rows of x: x itself in an fp32 model, else widened into scratch.
+  const auto fp32_x = [&]() -> const float* {
+    if (!bf16) return static_cast<const float*>(x);
+    auto* wide = static_cast<float*>(buffer(kX32, m * w.k * static_cast<int64_t>(sizeof(float))));
+    widen_rows(static_cast<const Bf16*>(x), wide, m * w.k);
+    return wide;
+  };
+  if (w.kind == DecoderLinear::Kind::kQuant) {
+    // x / x_bf16 and y / y_bf16 by the activations' dtype, below.
+    QuantGemmArgs a{.x = nullptr, .x_bf16 = nullptr, .packed = static_cast<const uint8_t*>(w.packed),
+                    .scales = w.scales, .zeros = w.zeros, .bias = w.bias, .y = nullptr, .m = m, .n = w.n, .k = w.k,
+                    .x_stride = w.k, .y_stride = w.n, .group_size = w.group_size, .bits = w.bits,
+                    .zero_offset = w.zero_offset, .y_bf16 = nullptr};
+    if (bf16 && w.bf16_min_rows > 0 && m >= w.bf16_min_rows) {
+      // bf16 activations in pairs of columns: an odd k gets a zero pad column (cpu_kernel._bf16_rows).
+      a.x_stride = w.k + w.k % 2;
+      if (w.k % 2 == 0) {
+        a.x_bf16 = static_cast<const uint16_t*>(x);
+      } else {
+        auto* padded = static_cast<Bf16*>(buffer(kXBf16, m * a.x_stride * static_cast<int64_t>(sizeof(Bf16))));
+        for (int64_t r = 0; r < m; ++r) {
+          std::memcpy(padded + r * a.x_stride, static_cast<const Bf16*>(x) + r * w.k, w.k * sizeof(Bf16));
+          padded[r * a.x_stride + w.k] = 0;
+        }
+        a.x_bf16 = padded;
+      }
+    } else {
+      a.x = fp32_x();
+    }
+    if (bf16) {
+      a.y_bf16 = static_cast<uint16_t*>(y);
+    } else {
+      a.y = static_cast<float*>(y);
+    }
+    quant_gemm(a, QuantIsa::kAuto, num_threads);
+    return;
+  }
+  // Dense: the product in fp32, rounded to bf16 after in a bf16 model (cpu/gemm.py's _gemm).
+  float* out = bf16 ? static_cast<float*>(buffer(kY32, m * w.n * static_cast<int64_t>(sizeof(float))))
+                    : static_cast<float*>(y);
+  if (w.kind == DecoderLinear::Kind::kDenseBf16) {
+    const Bf16* rows = static_cast<const Bf16*>(x);
+    if (!bf16) {  // fp32 rows rounded to bf16 (cpu/gemm.py's bf16_rows)
+      auto* r = static_cast<Bf16*>(buffer(kXBf16, m * w.k * static_cast<int64_t>(sizeof(Bf16))));
+      narrow_rows(static_cast<const float*>(x), r, m * w.k);
+      rows = r;
+    }
+    gemm_bf16({rows, static_cast<const Bf16*>(w.packed), w.bias, out, m, w.n, w.k, w.k, w.n}, num_threads);
+  } else {
+    gemm({fp32_x(), w.packed, w.bias, out, m, w.n, w.k, w.k, w.n, w.packed_dtype, w.pairs}, num_threads);
+  }
+  if (bf16) narrow_rows(out, static_cast<Bf16*>(y), m * w.n);
+}
+
+void DecoderStack::forward(const DecoderStep& step, int num_threads) {
+  const int64_t t = step.tokens;
+  if (t == 0) return;
+  const DecoderShape& s = shape_;
+  const int64_t item = dtype_bytes(s.dtype);
+  const int64_t q_row = s.heads * s.head_dim, kv_row = s.kv_heads * s.head_dim;
+  const int64_t row = t * item;  // bytes of one column over the tokens
+  void* normed = buffer(kNormed, row * s.hidden);
+  void* qkv = buffer(kQkv, row * (q_row + 2 * kv_row));
+  void* attn_scratch = buffer(kAttnScratch, row * (q_row + kv_row));
+  void* attn_out = buffer(kAttnOut, row * q_row);
+  void* layer_out = buffer(kLayerOut, row * s.hidden);
+  void* gate_up = buffer(kGateUp, row * 2 * s.inter);
+  void* act = buffer(kAct, row * s.inter);
+  void* residual[2] = {buffer(kResidual0, row * s.hidden), buffer(kResidual1, row * s.hidden)};
+  // The layer's input and the residual stream: the embeddings alone before the first layer (whose
+  // norm has no residual to add), then each layer's output and the stream its norm adds it to.
+  const void* hidden = step.hidden_in;
+  const void* stream = nullptr;
+  int next = 0;
+  const auto norm = [&](const void* x, const void* weight, void* out) {
+    void* stream_out = stream == nullptr ? nullptr : residual[next];
+    rms_norm({x, stream, weight, out, stream_out, t, s.hidden, 1, s.hidden, s.eps, s.dtype}, num_threads);
+    if (stream == nullptr) {
+      stream = x;
+    } else {
+      stream = stream_out;
+      next ^= 1;
+    }
+  };
+  for (const DecoderLayerWeights& l : layers_) {
+    norm(hidden, l.input_norm, normed);
+    linear(l.qkv, normed, qkv, t, num_threads);
+    QkvAttentionArgs qa{.qkv = qkv, .q_norm = l.q_norm, .k_norm = l.k_norm, .positions = step.positions,
+                        .inv_freq = l.inv_freq, .scratch = attn_scratch, .slot_mapping = step.slot_mapping,
+                        .k_cache = l.k_cache, .v_cache = l.v_cache, .tokens = t, .qkv_stride = q_row + 2 * kv_row,
+                        .slot_tokens = step.slot_tokens, .eps = s.eps, .attn = step.attn};
+    qa.attn.out = attn_out;
+    qkv_attention(qa, num_threads);
+    if (step.covered < t) {  // padding rows: zero, as cpu_backend's _zero_padding leaves them
+      std::memset(static_cast<char*>(attn_out) + step.covered * q_row * item, 0, (t - step.covered) * q_row * item);
+    }
+    linear(l.o, attn_out, layer_out, t, num_threads);
+    norm(layer_out, l.post_norm, normed);
+    linear(l.gate_up, normed, gate_up, t, num_threads);
+    silu_and_mul({gate_up, act, t, s.inter, 2 * s.inter, s.dtype}, num_threads);
+    linear(l.down, act, layer_out, t, num_threads);
+    hidden = layer_out;
+  }
+  norm(hidden, final_norm_, step.out);
+  if (t > kKeptTokens) {
+    for (Scratch& b : scratch_) b = Scratch{};
+  }
+}
+
+}  // namespace nanovllm

@@ -1,0 +1,109 @@
+// A dense decoder's layers on the CPU in one call per forward: for each layer the input RMSNorm (with
+// the residual add), the qkv projection, qkv_attention (q/k norm, rotary, K/V write, paged
+// attention), the output projection, the post-attention RMSNorm, gate/up, SiLU-and-mul and down;
+// then the final norm. Each step is the kernel the Python layers call (nanovllm/models/decoder.py),
+// with the same inputs rounded the same way, so the hidden states are the same bits; what one call
+// saves is the Python around ~12 kernel calls a layer (~0.15 ms a layer a step, most of a batch-1
+// decode step's time outside the kernels). nanovllm/models/cpu_stack.py builds it where a model's
+// layers all take these kernels.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "cpu_attention.h"
+#include "cpu_dtype.h"
+
+namespace nanovllm {
+
+// One projection's weight, as its Python layer multiplies by it.
+struct DecoderLinear {
+  enum class Kind : int32_t {
+    kDense = 0,      // gemm on gemm_pack's copy (fp32 or bf16 weights; fp32 activations)
+    kDenseBf16 = 1,  // gemm_bf16 on a pair-packed bf16 weight (bf16 activations)
+    kQuant = 2,      // quant_gemm on an int8 / int4 weight
+  };
+  Kind kind = Kind::kDense;
+  int64_t n = 0, k = 0;
+  const void* packed = nullptr;
+  const float* bias = nullptr;  // nullable, fp32 [n]
+  // kDense
+  CpuDtype packed_dtype = CpuDtype::kFloat32;
+  bool pairs = false;
+  // kQuant
+  const float* scales = nullptr;
+  const int8_t* zeros = nullptr;
+  int64_t group_size = 0;
+  int bits = 0;
+  float zero_offset = 0.0f;
+  // bf16 activations go to quant_gemm as bf16 from this many rows (0: never): cpu_kernel.linear's rule.
+  int64_t bf16_min_rows = 0;
+};
+
+struct DecoderLayerWeights {
+  DecoderLinear qkv, o, gate_up, down;
+  const void* input_norm = nullptr;  // [hidden], the model dtype
+  const void* post_norm = nullptr;
+  const void* q_norm = nullptr;      // nullable (no q/k norm): [head_dim]
+  const void* k_norm = nullptr;
+  const float* inv_freq = nullptr;   // [head_dim / 2]
+  void* k_cache = nullptr;           // [num_blocks, block_size, kv_heads, head_dim]
+  void* v_cache = nullptr;
+};
+
+struct DecoderShape {
+  CpuDtype dtype = CpuDtype::kFloat32;
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+  float eps = 0.0f;    // every RMSNorm's (the layers', the q/k norms', the final one)
+  float scale = 0.0f;  // attention
+};
+
+// One forward's inputs. attn carries the step's attention metadata (block tables, lengths, sequence
+// count, cache geometry); its query, caches and output are set per layer.
+struct DecoderStep {
+  const void* hidden_in = nullptr;  // [tokens, hidden]: the embeddings
+  void* out = nullptr;              // [tokens, hidden]: the final norm's output
+  const int32_t* positions = nullptr;
+  const int32_t* slot_mapping = nullptr;
+  int64_t tokens = 0, slot_tokens = 0;
+  int64_t covered = 0;  // rows the metadata's sequences cover; attention rows past them are zero
+  PagedAttentionArgs attn{};
+};
+
+class DecoderStack {
+ public:
+  // The binding checks the weights' shapes against `shape` and that this CPU runs their kernels.
+  DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
+               int64_t block_size, int64_t num_blocks);
+  // Not reentrant: a forward uses the stack's buffers (one runner thread calls it).
+  void forward(const DecoderStep& step, int num_threads);
+  const DecoderShape& shape() const { return shape_; }
+  // The caches' geometry, which every forward's block tables and slots are checked against.
+  int64_t block_size() const { return block_size_; }
+  int64_t num_blocks() const { return num_blocks_; }
+
+ private:
+  // x [tokens, k] in the model dtype -> y [tokens, n] in the model dtype.
+  void linear(const DecoderLinear& w, const void* x, void* y, int64_t tokens, int num_threads);
+  // A buffer for this forward: kept for the next while steps are small (decode), released after a
+  // forward of more than kKeptTokens tokens (a long prefill chunk's buffers run to hundreds of MB).
+  struct Scratch {
+    std::unique_ptr<std::byte[]> data;
+    int64_t bytes = 0;
+    void* at_least(int64_t n);
+  };
+  static constexpr int64_t kKeptTokens = 64;
+  DecoderShape shape_;
+  std::vector<DecoderLayerWeights> layers_;
+  const void* final_norm_;
+  int64_t block_size_, num_blocks_;
+  enum Buffer : int { kResidual0, kResidual1, kNormed, kQkv, kAttnScratch, kAttnOut, kLayerOut, kGateUp, kAct,
+                      kX32, kY32, kXBf16, kBuffers };
+  std::array<Scratch, kBuffers> scratch_;
+  void* buffer(Buffer b, int64_t bytes) { return scratch_[b].at_least(bytes); }
+};
+
+}  // namespace nanovllm

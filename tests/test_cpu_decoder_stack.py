@@ -1,0 +1,132 @@
+"""The C++ decoder stack (csrc/cpu_decoder.h, nanovllm/models/cpu_stack.py) against the same model's
+layers run in Python: the stack calls the same kernels on the same inputs, so greedy tokens and their
+logprobs must be equal bit for bit, through chunked prefill mixed with decodes, in fp32 and bf16,
+dense and quantized; models it does not take (mixture of experts) run in Python; bad weights and
+metadata are errors at the binding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from moe_models import make_moe_model
+from tiny_models import make_tiny_model
+
+from nanovllm import LLM, SamplingParams, _cpu
+from nanovllm.builtin_model import TinyModelSpec, create_model_dir
+
+pytestmark = pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the stack's GEMMs need AVX2 + FMA")
+
+# Biases on every projection (the quantized GEMM adds them); sizes int4's groups of 128 divide.
+QUANT_SPEC = TinyModelSpec(arch="LlamaForCausalLM", vocab_size=512, hidden_size=128, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True,
+                           extra={"mlp_bias": True}, seed=41)
+PROMPTS = [list(range(3, 40)), list(range(50, 53)), [7] * 70, list(range(100, 161))]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("stack_models")
+
+
+def decoder_model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.executor.runner.model.model
+
+
+def generate(llm: LLM, stack: bool) -> list[tuple[list[int], list[dict]]]:
+    decoder_model(llm).use_cpu_stack = stack
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: (lp.logprob, lp.rank) for t, lp in d.items()}
+                                            for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def make_llm(path: Path, dtype: str, quantization: str | None = None) -> LLM:
+    # A 16-token budget cuts the prompts into chunks that share steps with the others' decodes;
+    # no prefix caching, so the second run computes what the first did.
+    return LLM(str(path), dtype=dtype, quantization=quantization, max_num_batched_tokens=16, max_num_seqs=4,
+               max_model_len=256, enable_prefix_caching=False, block_size=8, num_kvcache_blocks=96)
+
+
+def assert_stack_equals_python_layers(llm: LLM) -> None:
+    try:
+        stacked = generate(llm, True)
+        assert decoder_model(llm).layer_stack() is not None, "the stack did not run"
+        assert stacked == generate(llm, False)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2", "llama3_rope", "llama_tied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_the_python_layers(name: str, dtype: str, root: Path) -> None:
+    assert_stack_equals_python_layers(make_llm(make_tiny_model(root / dtype, name), dtype))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_the_python_layers_quantized(quantization: str, dtype: str, root: Path) -> None:
+    path = create_model_dir(root / f"q{quantization}{dtype}", spec=QUANT_SPEC)
+    assert_stack_equals_python_layers(make_llm(path, dtype, quantization))
+
+
+def test_stack_follows_a_new_kv_cache(root: Path) -> None:
+    llm = make_llm(make_tiny_model(root / "realloc", "qwen3"), "float32")
+    try:
+        before = generate(llm, True)
+        first = decoder_model(llm).layer_stack()
+        runner = llm.engine.executor.runner
+        runner.release_kv_cache()
+        assert decoder_model(llm).layer_stack() is None  # no cache bound: the layers would raise
+        runner.allocate_kv_cache(80)
+        second = decoder_model(llm).layer_stack()
+        assert second is not None and second is not first
+        assert generate(llm, True) == before
+    finally:
+        llm.engine.shutdown()
+
+
+def test_mixture_of_experts_layers_run_in_python(root: Path) -> None:
+    llm = make_llm(make_moe_model(root, "qwen3_moe_mixed"), "float32")
+    try:
+        generate(llm, True)
+        assert decoder_model(llm).layer_stack() is None
+    finally:
+        llm.engine.shutdown()
+
+
+def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
+    llm = make_llm(make_tiny_model(root / "bad", "qwen3"), "float32")
+    try:
+        generate(llm, True)
+        stack = decoder_model(llm).layer_stack()
+        assert stack is not None
+        cs = stack.stack
+        weights = torch.zeros(1 << 16)
+        lin = _cpu.DecoderLinear.dense(weights.data_ptr(), 0, 8, 8, False, 0)
+        layer = _cpu.DecoderLayer(lin, lin, lin, lin, weights.data_ptr(), weights.data_ptr(), 0, 0,
+                                  weights.data_ptr(), weights.data_ptr(), weights.data_ptr())
+        with pytest.raises(ValueError, match="qkv"):
+            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [layer], weights.data_ptr())
+        with pytest.raises(ValueError, match="null norm"):
+            _cpu.DecoderLayer(lin, lin, lin, lin, 0, weights.data_ptr(), 0, 0, weights.data_ptr(),
+                              weights.data_ptr(), weights.data_ptr())
+        with pytest.raises(ValueError, match="bits"):
+            _cpu.DecoderLinear.quant(weights.data_ptr(), weights.data_ptr(), 0, 0, 8, 8, 8, 3, 0.0, 0)
+        # One sequence of 2 tokens whose block table points past the cache.
+        hidden = torch.zeros(2, stack.hidden)
+        out = torch.empty_like(hidden)
+        ints = torch.zeros(2, dtype=torch.int32)
+        tables = torch.tensor([[10_000]], dtype=torch.int32)
+        lens, cu = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+        with pytest.raises(IndexError, match="block_tables"):
+            cs.forward(hidden.data_ptr(), out.data_ptr(), ints.data_ptr(), ints.data_ptr(), 2, tables.data_ptr(), 1,
+                       lens.data_ptr(), cu.data_ptr(), 1, 2)
+        slots = torch.tensor([0, 10_000_000], dtype=torch.int32)
+        tables = torch.tensor([[0]], dtype=torch.int32)
+        with pytest.raises(IndexError, match="slot_mapping"):
+            cs.forward(hidden.data_ptr(), out.data_ptr(), ints.data_ptr(), slots.data_ptr(), 2, tables.data_ptr(), 1,
+                       lens.data_ptr(), cu.data_ptr(), 1, 2)
+    finally:
+        llm.engine.shutdown()
