@@ -418,7 +418,6 @@ void bind_cpu_gemm_quant(py::module_& m) {
           value_error("quant_gemm_cpu: bad sizes");
         }
         if (bits == 4 && !groups_pair(group_size, k)) value_error("quant_gemm_cpu: int4 needs an even group size");
-        if (x_bf16 && !quant_has_bf16()) value_error("quant_gemm_cpu: bf16 activations need AVX512-BF16");
         if (x_bf16 && x_stride < k + k % 2) value_error("quant_gemm_cpu: bf16 rows must hold k rounded up to even");
         if (x_bf16 && !groups_pair(group_size, k)) value_error("quant_gemm_cpu: bf16 activations need even groups");
         if (m > 0 && (!(x || x_bf16) || !packed || !scales || !y)) value_error("null pointer passed to quant_gemm_cpu");
@@ -435,8 +434,9 @@ void bind_cpu_gemm_quant(py::module_& m) {
       py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("y_stride"), py::arg("group_size"), py::arg("bits"),
       py::arg("zero_offset"), py::arg("isa") = 0, py::arg("num_threads") = 1, py::arg("x_bf16") = 0,
       py::arg("y_bf16") = false,
-      "y [m, n] = x [m, k] dequant(W)^T (+ bias) on a packed int4 / int8 weight, from raw pointers: y fp32, or bf16 "
-      "(rounded from the fp32 sums) with y_bf16 (nanovllm.layers.quantization.cpu_kernel checks the tensors).");
+      "y [m, n] = x [m, k] dequant(W)^T (+ bias) on a packed int4 / int8 weight, from raw pointers: x fp32, or bf16 "
+      "rows with x_bf16; y fp32, or bf16 (rounded from the fp32 sums) with y_bf16 "
+      "(nanovllm.layers.quantization.cpu_kernel checks the tensors).");
 }
 
 // The routing arguments every MoE binding takes: the sizes, and that the ids fit int32 offsets.
@@ -646,9 +646,7 @@ void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, const ch
           (w.bits == 4 && !groups_pair(w.group_size, k))) {
         value_error(what + ": bad quantized weight (bits 4 or 8, group size in [1, k], even for int4)");
       }
-      if (w.bf16_min_rows > 0 && (!quant_has_bf16() || !groups_pair(w.group_size, k))) {
-        value_error(what + ": bf16 activations need AVX512-BF16 and even groups");
-      }
+      if (w.bf16_min_rows > 0 && !groups_pair(w.group_size, k)) value_error(what + ": bf16 activations need even groups");
       break;
   }
 }
@@ -688,7 +686,7 @@ void bind_cpu_decoder(py::module_& m) {
       .def_static(
           "quant",
           [](uintptr_t packed, uintptr_t scales, uintptr_t zeros, uintptr_t bias, int64_t n, int64_t k,
-             int64_t group_size, int64_t bits, double zero_offset, int64_t bf16_min_rows) {
+             int64_t group_size, int64_t bits, double zero_offset, int64_t bf16_min_rows, int64_t bf16_max_rows) {
             DecoderLinear w;
             w.kind = DecoderLinear::Kind::kQuant;
             w.packed = reinterpret_cast<const void*>(packed);
@@ -701,11 +699,14 @@ void bind_cpu_decoder(py::module_& m) {
             w.bits = static_cast<int>(checked_int32(bits, "bits", 4, 8));
             w.zero_offset = static_cast<float>(zero_offset);
             w.bf16_min_rows = bf16_min_rows;
+            w.bf16_max_rows = bf16_max_rows;
             return w;
           },
           py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("bias"), py::arg("n"), py::arg("k"),
           py::arg("group_size"), py::arg("bits"), py::arg("zero_offset"), py::arg("bf16_min_rows"),
-          "quant_gemm_cpu's weight; bf16 activations go to it as bf16 from bf16_min_rows rows (0: never).")
+          py::arg("bf16_max_rows"),
+          "quant_gemm_cpu's weight; bf16 activations go to it as bf16 at bf16_min_rows to bf16_max_rows rows (min 0: "
+          "never; max 0: no limit), as cpu_kernel.bf16_row_range says.")
       .def_readonly("n", &DecoderLinear::n)
       .def_readonly("k", &DecoderLinear::k);
   py::class_<DecoderLayerWeights>(m, "DecoderLayer", "One layer's weights and KV cache for DecoderStack.")

@@ -51,7 +51,7 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
                     .scales = w.scales, .zeros = w.zeros, .bias = w.bias, .y = nullptr, .m = m, .n = w.n, .k = w.k,
                     .x_stride = w.k, .y_stride = w.n, .group_size = w.group_size, .bits = w.bits,
                     .zero_offset = w.zero_offset, .y_bf16 = nullptr};
-    if (bf16 && w.bf16_min_rows > 0 && m >= w.bf16_min_rows) {
+    if (bf16 && w.bf16_min_rows > 0 && m >= w.bf16_min_rows && (w.bf16_max_rows == 0 || m <= w.bf16_max_rows)) {
       // bf16 activations in pairs of columns: an odd k gets a zero pad column (cpu_kernel._bf16_rows).
       a.x_stride = w.k + w.k % 2;
       if (w.k % 2 == 0) {

@@ -39,8 +39,9 @@ struct DecoderLinear {
   int64_t group_size = 0;
   int bits = 0;
   float zero_offset = 0.0f;
-  // bf16 activations go to quant_gemm as bf16 from this many rows (0: never): cpu_kernel.linear's rule.
-  int64_t bf16_min_rows = 0;
+  // bf16 activations go to quant_gemm as bf16 at bf16_min_rows (0: never) to bf16_max_rows (0: any)
+  // rows: cpu_kernel.linear's rule (bf16_row_range).
+  int64_t bf16_min_rows = 0, bf16_max_rows = 0;
 };
 
 struct DecoderLayerWeights {

@@ -35,8 +35,11 @@ int64_t quant_gemm_packed_bytes(int64_t n, int64_t k, int bits);
 struct QuantGemmArgs {
   const float* x;            // [m, k], rows x_stride apart (null with x_bf16)
   // Nullable: bf16 activations instead of x, [m, k rounded up to even] (a pad column of zeros),
-  // rows x_stride apart, multiplied with AVX512-BF16 dot products on pairs of input columns (twice
-  // the fp32 FMA rate). Needs quant_has_bf16() and groups of an even size (or one per row).
+  // rows x_stride apart, groups of an even size (or one per row). Where the CPU has AVX512-BF16
+  // (isa auto or AVX-512) multiplied with its dot products on pairs of input columns (twice the fp32
+  // FMA rate); one row against int4 on AVX2 (groups and k multiples of 32) as 16-bit integers, a
+  // power-of-two scale per 32 columns, with integer multiply-adds (exact for values within 2^7 of
+  // their block's largest, the others within 2^-16 of it); otherwise widened to fp32.
   const uint16_t* x_bf16;
   const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
   const float* scales;       // [groups][panels][16]

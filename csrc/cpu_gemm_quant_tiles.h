@@ -107,15 +107,40 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t l
   }
 }
 
+// The end of segment sg (first column s0) of R rows on panel p: y += s * (sum x q - z * sum x), acc
+// holding each row's sum x q and xsum its segment sums (RowPrep::xsum's layout); the first segment
+// of the row writes bias + that. y: the rows' output rows, a.y_stride apart.
+template <int R>
+[[gnu::always_inline]] inline void finish_segment(const QuantGemmArgs& a, const Segments& segs, int64_t p, int64_t sg, const V (*acc)[kVecs],
+                    const float* xsum, float* y) {
+  const int64_t col0 = p * kGemmPanel, s0 = segs.start[sg];
+  const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+  V s[kVecs], z[kVecs], bias[kVecs];
+  group_params(a, p, s0 / a.group_size, s, z);
+  const bool first = s0 == 0;
+  for (int v = 0; v < kVecs; ++v) bias[v] = Isa::zero();
+  if (first) {
+    alignas(64) float b16[kGemmPanel] = {};
+    if (a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
+    load16(b16, bias);
+  }
+  for (int r = 0; r < R; ++r) {
+    const V xs = Isa::bcast(xsum + r * segs.count() + sg);
+    V out[kVecs];
+    for (int v = 0; v < kVecs; ++v) {
+      out[v] = Isa::mul(s[v], Isa::fnma(z[v], xs, acc[r][v]));
+      if (first) out[v] = Isa::add(out[v], bias[v]);
+    }
+    put(y + r * a.y_stride + col0, out, cols, !first);
+  }
+}
+
 // The in-register path: R rows (x, ldx apart: a.x's, or RowPrep::pairs for int4; xsum their segment
 // sums; y their output rows, a.y_stride apart) against panel p's slice at k0 (w), segment by
-// segment; at each segment's end y += s * (sum x q - z * sum x) (the first segment of the row
-// writes bias + that).
+// segment (finish_segment at each one's end).
 template <int R, int Bits>
 void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
                   const float* x, int64_t ldx, const float* xsum, float* y) {
-  const int64_t col0 = p * kGemmPanel;
-  const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
     const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
     V acc[R][kVecs];
@@ -123,24 +148,7 @@ void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, i
       for (int v = 0; v < kVecs; ++v) acc[r][v] = Isa::zero();
     }
     dot_segment<R, Bits>(x + s0, ldx, w + (s0 - k0) * kGemmPanel * Bits / 8, len, acc);
-    V s[kVecs], z[kVecs], bias[kVecs];
-    group_params(a, p, s0 / a.group_size, s, z);
-    const bool first = s0 == 0;
-    for (int v = 0; v < kVecs; ++v) bias[v] = Isa::zero();
-    if (first) {
-      alignas(64) float b16[kGemmPanel] = {};
-      if (a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
-      load16(b16, bias);
-    }
-    for (int r = 0; r < R; ++r) {
-      const V xs = Isa::bcast(xsum + r * segs.count() + sg);
-      V out[kVecs];
-      for (int v = 0; v < kVecs; ++v) {
-        out[v] = Isa::mul(s[v], Isa::fnma(z[v], xs, acc[r][v]));
-        if (first) out[v] = Isa::add(out[v], bias[v]);
-      }
-      put(y + r * a.y_stride + col0, out, cols, !first);
-    }
+    finish_segment<R>(a, segs, p, sg, acc, xsum, y);
   }
 }
 

@@ -152,8 +152,9 @@ class DecoderLinear:
         """gemm_bf16_cpu's weight (a pair-packed bf16 copy), fp32 bias or 0."""
     @staticmethod
     def quant(packed: int, scales: int, zeros: int, bias: int, n: int, k: int, group_size: int, bits: int,
-              zero_offset: float, bf16_min_rows: int) -> DecoderLinear:
-        """quant_gemm_cpu's weight; bf16 activations go to it as bf16 from bf16_min_rows rows (0: never)."""
+              zero_offset: float, bf16_min_rows: int, bf16_max_rows: int) -> DecoderLinear:
+        """quant_gemm_cpu's weight; bf16 activations go to it as bf16 at bf16_min_rows to bf16_max_rows
+        rows (min 0: never; max 0: no limit), as cpu_kernel.bf16_row_range says."""
 
 class DecoderLayer:
     """One layer's weights and KV cache for DecoderStack."""

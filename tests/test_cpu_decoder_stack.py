@@ -113,7 +113,7 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
             _cpu.DecoderLayer(lin, lin, lin, lin, 0, weights.data_ptr(), 0, 0, weights.data_ptr(),
                               weights.data_ptr(), weights.data_ptr())
         with pytest.raises(ValueError, match="bits"):
-            _cpu.DecoderLinear.quant(weights.data_ptr(), weights.data_ptr(), 0, 0, 8, 8, 8, 3, 0.0, 0)
+            _cpu.DecoderLinear.quant(weights.data_ptr(), weights.data_ptr(), 0, 0, 8, 8, 8, 3, 0.0, 0, 0)
         # One sequence of 2 tokens whose block table points past the cache.
         hidden = torch.zeros(2, stack.hidden)
         out = torch.empty_like(hidden)

@@ -118,6 +118,50 @@ def test_bf16_path_sums_in_fp32(group: int) -> None:
         assert torch.equal(yb, y.to(torch.bfloat16))
 
 
+def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor) -> None:
+    """quant_gemm_cpu on one row of bf16 activations (x_bf16), fp32 out."""
+    k = p.in_features
+    _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(), 0,
+                        y.data_ptr(), 1, p.out_features, k, x.shape[1], p.out_features, p.group_size, 4,
+                        p.zero_offset, 0, 1, x.data_ptr())
+
+
+@pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
+def test_one_bf16_row_of_int4_as_16_bit_integers() -> None:
+    """One bf16 row against int4 on AVX2: 16-bit integers with a power-of-two scale per 32 columns
+    (largest value below 2^e: steps of 2^(e - 15)), so within half a step per value of the fp32
+    product of the same row (an outlier coarsens its own block only); it is not the fp32 path
+    (whose result differs); NaN reaches every output; shapes it does not take (k or the groups not a
+    multiple of 32) give the fp32 path's bits."""
+    for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (512, 16, 512), (96, 100, 32),
+                                       (3072, 17, 64), (768, 50, 256)]):
+        w = random_quantized(n, k, 4, group, symmetric=bool(i % 2), seed=60 + i)
+        p = cpu_kernel.pack(w)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        x[0, 3] = 300.0
+        y = torch.empty(1, n)
+        int16_call(x, p, y)
+        expected = reference(x.float(), w, None).double()
+        blocks = x.float().reshape(-1, 32).abs().amax(dim=1)
+        half_step = torch.ldexp(torch.ones_like(blocks), torch.frexp(blocks).exponent - 16).repeat_interleave(32)
+        bound = F.linear(half_step.double()[None], w.dequantize(torch.float64).abs())
+        scale = F.linear(x.double().abs(), w.dequantize(torch.float64).abs())
+        assert ((y.double() - expected).abs() <= bound + 1e-6 * scale).all(), i
+        y32 = cpu_kernel.linear(x.float(), p, None)
+        assert not torch.equal(y, y32), i  # the integer path ran
+        assert torch.equal(cpu_kernel.linear(x, p, None), y.to(torch.bfloat16)), i  # linear takes it for bf16 rows
+        x[0, k // 2] = float("nan")
+        int16_call(x, p, y)
+        assert torch.isnan(y).all(), i
+    for k, group in ((100, 50), (96, 48), (130, 130)):  # fp32 path: the same bits as from fp32 rows
+        w = random_quantized(24, k, 4, group, symmetric=False, seed=k)
+        p = cpu_kernel.pack(w)
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        y = torch.empty(1, 24)
+        int16_call(x, p, y)
+        assert torch.equal(y, cpu_kernel.linear(x.float(), p, None)), k
+
+
 GUARDED_ROWS = """
 import ctypes, mmap, sys, torch
 from quant_helpers import random_quantized

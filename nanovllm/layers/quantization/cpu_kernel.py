@@ -25,6 +25,22 @@ BF16_MIN_ROWS = {4: 1, 8: 2}
 Isa = Literal["auto", "portable", "avx2", "avx512"]
 ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
 HAS_BF16 = _cpu.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
+AVX2_BEST = _cpu.quant_isa_best() == ISA_CODES["avx2"]  # AVX2 without AVX-512
+
+
+def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
+    """The row counts (least, most; most 0: any) at which bf16 activations go to the kernel as bf16
+    (else widened to fp32): where the CPU has AVX512-BF16, its dot products from BF16_MIN_ROWS rows;
+    on an AVX2 CPU one row against int4, as 16-bit integers (csrc/cpu_gemm_quant.h: 1.2x the int4
+    weights a core reads on Zen 3, exact to bf16's precision for values within 2^7 of the largest
+    of their 32 columns). (0, 0): never (groups of an odd size)."""
+    if not groups_pair(p.group_size, p.in_features):
+        return 0, 0
+    if HAS_BF16 and isa in ("auto", "avx512"):
+        return BF16_MIN_ROWS[p.bits], 0
+    if p.bits == 4 and isa in ("auto", "avx2") and AVX2_BEST:
+        return 1, 1
+    return 0, 0
 
 
 def groups_pair(group_size: int, k: int) -> bool:
@@ -157,11 +173,10 @@ def stack_linear(p: PackedQuantWeight, bias: torch.Tensor | None,
     if p.perm is not None:
         return None
     b = None if bias is None else bias.float().contiguous()
-    bf16_min_rows = (BF16_MIN_ROWS[p.bits] if dtype == torch.bfloat16 and HAS_BF16
-                     and groups_pair(p.group_size, p.in_features) else 0)
+    least, most = bf16_row_range(p) if dtype == torch.bfloat16 else (0, 0)
     return _cpu.DecoderLinear.quant(p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
                                     0 if b is None else b.data_ptr(), p.out_features, p.in_features, p.group_size,
-                                    p.bits, p.zero_offset, bf16_min_rows), b
+                                    p.bits, p.zero_offset, least, most), b
 
 
 def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa: Isa = "auto",
@@ -175,10 +190,8 @@ def linear(x: torch.Tensor, p: PackedQuantWeight, bias: torch.Tensor | None, isa
     if p.perm is not None:
         rows = rows.index_select(1, p.perm)
     m = rows.shape[0]
-    # bf16 activations: bf16 dot products where the CPU has them (pairs of input columns, so not
-    # with groups of an odd size).
-    bf16 = (x.dtype == torch.bfloat16 and m >= BF16_MIN_ROWS[p.bits] and isa in ("auto", "avx512") and HAS_BF16
-            and groups_pair(p.group_size, p.in_features))
+    least, most = bf16_row_range(p, isa) if x.dtype == torch.bfloat16 else (0, 0)
+    bf16 = least > 0 and m >= least and (most == 0 or m <= most)
     xs, stride = _bf16_rows(rows) if bf16 else cpu_gemm.fp32_rows(rows)
     b = None if bias is None else bias.float().contiguous()
     # bf16 activations get bf16 out of the kernel (rounded from its fp32 sums); others fp32, converted.
