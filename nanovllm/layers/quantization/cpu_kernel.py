@@ -33,7 +33,8 @@ def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
     (else widened to fp32): where the CPU has AVX512-BF16, its dot products from BF16_MIN_ROWS rows;
     on an AVX2 CPU one row against int4, as 16-bit integers (csrc/cpu_gemm_quant.h: 1.2x the int4
     weights a core reads on Zen 3, exact to bf16's precision for values within 2^7 of the largest
-    of their 32 columns). (0, 0): never (groups of an odd size)."""
+    of their 32 columns; int8, bound by memory there, gained nothing). (0, 0): never (groups of an
+    odd size)."""
     if not groups_pair(p.group_size, p.in_features):
         return 0, 0
     if HAS_BF16 and isa in ("auto", "avx512"):
