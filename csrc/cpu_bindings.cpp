@@ -652,7 +652,9 @@ void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, const ch
 }
 
 void bind_cpu_decoder(py::module_& m) {
-  py::class_<DecoderLinear>(m, "DecoderLinear",
+  // Module-local: a second build of _cpu loaded beside this one (an A/B of two kernels in one process)
+  // registers its own.
+  py::class_<DecoderLinear>(m, "DecoderLinear", py::module_local(),
                             "One projection's weight for DecoderStack (nanovllm/models/cpu_stack.py makes them).")
       .def_static(
           "dense",
@@ -709,7 +711,8 @@ void bind_cpu_decoder(py::module_& m) {
           "never; max 0: no limit), as cpu_kernel.bf16_row_range says.")
       .def_readonly("n", &DecoderLinear::n)
       .def_readonly("k", &DecoderLinear::k);
-  py::class_<DecoderLayerWeights>(m, "DecoderLayer", "One layer's weights and KV cache for DecoderStack.")
+  py::class_<DecoderLayerWeights>(m, "DecoderLayer", py::module_local(),
+                                  "One layer's weights and KV cache for DecoderStack.")
       .def(py::init([](DecoderLinear qkv, DecoderLinear o, DecoderLinear gate_up, DecoderLinear down,
                        uintptr_t input_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm,
                        uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache) {
@@ -726,7 +729,7 @@ void bind_cpu_decoder(py::module_& m) {
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
            py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("inv_freq"), py::arg("k_cache"),
            py::arg("v_cache"));
-  py::class_<DecoderStack>(m, "DecoderStack",
+  py::class_<DecoderStack>(m, "DecoderStack", py::module_local(),
                            "A dense decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers "
                            "it was built from must outlive it.")
       .def(py::init([](int64_t dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
