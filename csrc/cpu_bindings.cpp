@@ -475,6 +475,64 @@ MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t
           reinterpret_cast<const int8_t*>(zeros), group_size, static_cast<int>(bits), static_cast<float>(zero_offset)};
 }
 
+// A dense MoE layer's packed experts (gemm_pack_cpu's copies) and shape, checked; its rows, x,
+// logits and out are the caller's (check_moe_rows).
+MoeExpertsArgs checked_moe_experts(const char* what, uintptr_t w13, int64_t w13_elements, uintptr_t w2,
+                                   int64_t w2_elements, int64_t weight_dtype, bool pairs, int64_t hidden, int64_t inter,
+                                   int64_t experts, int64_t top_k, bool renormalize, int64_t dtype) {
+  const std::string name(what);
+  if (!has_avx2_fma()) value_error(name + " needs a CPU with AVX2 and FMA");
+  check_moe_sizes(what, 0, experts, top_k, experts);
+  if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error(name + ": bad sizes");
+  const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
+  const bool bf16_pairs = pairs && weights == CpuDtype::kBFloat16;  // MoeExpertsArgs::bf16_pairs()
+  if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0)) {
+    value_error(name + ": bf16 pairs need an AVX512-BF16 CPU, bf16 activations and an even hidden size");
+  }
+  if (pairs && weights == CpuDtype::kFloat32 && !has_avx512f()) value_error(name + ": fp32 pairs need a CPU with AVX-512F");
+  // Each expert's packed weights must fit int64 offsets.
+  const int64_t per_w13 = gemm_packed_elements(moe_gate_up_rows(inter), hidden);
+  const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, bf16_pairs));
+  if (per_w13 > std::numeric_limits<int64_t>::max() / 2 / experts ||
+      per_w2 > std::numeric_limits<int64_t>::max() / 2 / experts) {
+    value_error(name + ": sizes overflow");
+  }
+  if (w13_elements != experts * per_w13 || w2_elements != experts * per_w2) {
+    value_error(name + ": the packed experts hold " + std::to_string(w13_elements) + " and " +
+                std::to_string(w2_elements) + " elements, " + std::to_string(experts) + " experts of this shape need " +
+                std::to_string(experts * per_w13) + " and " + std::to_string(experts * per_w2));
+  }
+  if (!w13 || !w2) value_error("null pointer passed to " + name);
+  MoeExpertsArgs a{};
+  a.layer = {nullptr, hidden, nullptr, experts, 0, hidden, inter, experts, top_k, renormalize, nullptr, hidden, type};
+  a.w13 = reinterpret_cast<const void*>(w13);
+  a.w2 = reinterpret_cast<const void*>(w2);
+  a.weight_dtype = weights;
+  a.pairs = pairs;
+  return a;
+}
+
+// A forward's rows of a MoE layer: the strides, and every row buffer of the call within int64 offsets.
+void check_moe_rows(const char* what, int64_t rows, int64_t logits_stride, int64_t x_stride, int64_t out_stride,
+                    const MoeLayerArgs& layer) {
+  check_moe_sizes(what, rows, layer.experts, layer.top_k, logits_stride);
+  if (x_stride < layer.hidden || out_stride < layer.hidden ||
+      rows * layer.top_k > std::numeric_limits<int64_t>::max() / 8 /
+                               (moe_gate_up_rows(layer.inter) + layer.inter + 2 * layer.hidden)) {
+    value_error(std::string(what) + ": bad sizes");
+  }
+}
+
+// Whether a quantized MoE layer can take bf16 rows (quant_gemm's x_bf16 path on AVX512-BF16).
+void check_moe_bf16_rows(const char* what, CpuDtype type, int64_t hidden, const MoeQuantWeights& w13,
+                         const MoeQuantWeights& w2, int64_t inter) {
+  if (!quant_has_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0 || !groups_pair(w13.group_size, hidden) ||
+      !groups_pair(w2.group_size, inter)) {
+    value_error(std::string(what) + ": bf16 rows need an AVX512-BF16 CPU, bf16 activations, an even hidden size and "
+                "groups of an even size");
+  }
+}
+
 void bind_cpu_moe(py::module_& m) {
   m.def(
       "moe_route_cpu",
@@ -530,38 +588,17 @@ void bind_cpu_moe(py::module_& m) {
          uintptr_t w2, int64_t w2_elements, int64_t weight_dtype, bool pairs, int64_t rows, int64_t hidden,
          int64_t inter, int64_t experts, int64_t top_k, bool renormalize, uintptr_t out, int64_t out_stride,
          int64_t dtype, int64_t num_threads) {
-        if (!has_avx2_fma()) value_error("moe_experts_cpu needs a CPU with AVX2 and FMA");
-        check_moe_sizes("moe_experts_cpu", rows, experts, top_k, logits_stride);
-        if (hidden < 1 || inter < 1 || inter > kInt32Max || x_stride < hidden || out_stride < hidden) {
-          value_error("moe_experts_cpu: bad sizes");
-        }
-        const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
-        const bool bf16_pairs = pairs && weights == CpuDtype::kBFloat16;  // MoeExpertsArgs::bf16_pairs()
-        if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0)) {
-          value_error("moe_experts_cpu: bf16 pairs need an AVX512-BF16 CPU, bf16 activations and an even hidden size");
-        }
-        if (pairs && weights == CpuDtype::kFloat32 && !has_avx512f()) {
-          value_error("moe_experts_cpu: fp32 pairs need a CPU with AVX-512F");
-        }
-        // Each expert's packed weights, and every row buffer of the call, must fit int64 offsets.
-        const int64_t per_w13 = gemm_packed_elements(moe_gate_up_rows(inter), hidden);
-        const int64_t per_w2 = gemm_packed_elements(hidden, moe_down_depth(inter, bf16_pairs));
-        if (per_w13 > std::numeric_limits<int64_t>::max() / 2 / experts ||
-            per_w2 > std::numeric_limits<int64_t>::max() / 2 / experts ||
-            rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {
-          value_error("moe_experts_cpu: sizes overflow");
-        }
-        if (w13_elements != experts * per_w13 || w2_elements != experts * per_w2) {
-          value_error("moe_experts_cpu: the packed experts hold " + std::to_string(w13_elements) + " and " +
-                      std::to_string(w2_elements) + " elements, " + std::to_string(experts) +
-                      " experts of this shape need " + std::to_string(experts * per_w13) + " and " +
-                      std::to_string(experts * per_w2));
-        }
-        if (rows > 0 && (!x || !logits || !w13 || !w2 || !out)) value_error("null pointer passed to moe_experts_cpu");
-        const MoeExpertsArgs a{{reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
-                                logits_stride, rows, hidden, inter, experts, top_k, renormalize,
-                                reinterpret_cast<void*>(out), out_stride, type},
-                               reinterpret_cast<const void*>(w13), reinterpret_cast<const void*>(w2), weights, pairs};
+        MoeExpertsArgs a = checked_moe_experts("moe_experts_cpu", w13, w13_elements, w2, w2_elements, weight_dtype,
+                                               pairs, hidden, inter, experts, top_k, renormalize, dtype);
+        check_moe_rows("moe_experts_cpu", rows, logits_stride, x_stride, out_stride, a.layer);
+        if (rows > 0 && (!x || !logits || !out)) value_error("null pointer passed to moe_experts_cpu");
+        a.layer.x = reinterpret_cast<const void*>(x);
+        a.layer.x_stride = x_stride;
+        a.layer.logits = reinterpret_cast<const float*>(logits);
+        a.layer.logits_stride = logits_stride;
+        a.layer.rows = rows;
+        a.layer.out = reinterpret_cast<void*>(out);
+        a.layer.out_stride = out_stride;
         py::gil_scoped_release release;
         moe_experts(a, clamp_threads(num_threads));
       },
@@ -582,11 +619,10 @@ void bind_cpu_moe(py::module_& m) {
          int64_t w2_scales_elements, uintptr_t w2_zeros, int64_t w2_zeros_elements, int64_t w2_group_size,
          int64_t w2_bits, double w2_zero_offset, int64_t num_threads) {
         check_moe_sizes("moe_quant_experts_cpu", rows, experts, top_k, logits_stride);
-        if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max || x_stride < hidden || out_stride < hidden ||
-            rows * top_k > std::numeric_limits<int64_t>::max() / 8 / (moe_gate_up_rows(inter) + inter + 2 * hidden)) {
-          value_error("moe_quant_experts_cpu: bad sizes");
-        }
+        if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error("moe_quant_experts_cpu: bad sizes");
         const CpuDtype type = checked_dtype(dtype, "dtype");
+        check_moe_rows("moe_quant_experts_cpu", rows, logits_stride, x_stride, out_stride,
+                       {nullptr, 0, nullptr, 0, rows, hidden, inter, experts, top_k, renormalize, nullptr, 0, type});
         const MoeQuantWeights w13 =
             quant_expert_weights("w13", w13_packed, w13_packed_bytes, w13_scales, w13_scales_elements, w13_zeros,
                                  w13_zeros_elements, w13_group_size, w13_bits, w13_zero_offset,
@@ -594,11 +630,7 @@ void bind_cpu_moe(py::module_& m) {
         const MoeQuantWeights w2 =
             quant_expert_weights("w2", w2_packed, w2_packed_bytes, w2_scales, w2_scales_elements, w2_zeros,
                                  w2_zeros_elements, w2_group_size, w2_bits, w2_zero_offset, hidden, inter, experts);
-        if (bf16_rows && (!quant_has_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0 ||
-                          !groups_pair(w13.group_size, hidden) || !groups_pair(w2.group_size, inter))) {
-          value_error("moe_quant_experts_cpu: bf16 rows need an AVX512-BF16 CPU, bf16 activations, an even hidden size "
-                      "and groups of an even size");
-        }
+        if (bf16_rows) check_moe_bf16_rows("moe_quant_experts_cpu", type, hidden, w13, w2, inter);
         if (rows > 0 && (!x || !logits || !out)) value_error("null pointer passed to moe_quant_experts_cpu");
         const MoeQuantExpertsArgs a{{reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
                                      logits_stride, rows, hidden, inter, experts, top_k, renormalize,
@@ -711,15 +743,72 @@ void bind_cpu_decoder(py::module_& m) {
           "never; max 0: no limit), as cpu_kernel.bf16_row_range says.")
       .def_readonly("n", &DecoderLinear::n)
       .def_readonly("k", &DecoderLinear::k);
+  py::class_<DecoderMoe>(m, "DecoderMoe", py::module_local(),
+                         "A mixture-of-experts MLP for DecoderLayer: the router and the experts, as the Python layer calls "
+                         "moe_experts_cpu / moe_quant_experts_cpu.")
+      .def_static(
+          "dense",
+          [](DecoderLinear router, uintptr_t w13, int64_t w13_elements, uintptr_t w2, int64_t w2_elements,
+             int64_t weight_dtype, bool pairs, int64_t hidden, int64_t inter, int64_t experts, int64_t top_k,
+             bool renormalize, int64_t dtype) {
+            DecoderMoe e;
+            e.router = router;
+            e.dense = checked_moe_experts("DecoderMoe", w13, w13_elements, w2, w2_elements, weight_dtype, pairs, hidden,
+                                          inter, experts, top_k, renormalize, dtype);
+            e.layer = e.dense.layer;
+            return e;
+          },
+          py::arg("router"), py::arg("w13"), py::arg("w13_elements"), py::arg("w2"), py::arg("w2_elements"),
+          py::arg("weight_dtype"), py::arg("pairs"), py::arg("hidden"), py::arg("inter"), py::arg("experts"),
+          py::arg("top_k"), py::arg("renormalize"), py::arg("dtype"),
+          "Experts packed by gemm_pack_cpu, as moe_experts_cpu takes them.")
+      .def_static(
+          "quant",
+          [](DecoderLinear router, int64_t hidden, int64_t inter, int64_t experts, int64_t top_k, bool renormalize,
+             int64_t dtype, double bf16_min_per_expert, uintptr_t w13_packed, int64_t w13_packed_bytes,
+             uintptr_t w13_scales, int64_t w13_scales_elements, uintptr_t w13_zeros, int64_t w13_zeros_elements,
+             int64_t w13_group_size, int64_t w13_bits, double w13_zero_offset, uintptr_t w2_packed,
+             int64_t w2_packed_bytes, uintptr_t w2_scales, int64_t w2_scales_elements, uintptr_t w2_zeros,
+             int64_t w2_zeros_elements, int64_t w2_group_size, int64_t w2_bits, double w2_zero_offset) {
+            check_moe_sizes("DecoderMoe", 0, experts, top_k, experts);
+            if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error("DecoderMoe: bad sizes");
+            DecoderMoe e;
+            e.router = router;
+            e.quantized = true;
+            e.layer = {nullptr, hidden, nullptr, experts, 0, hidden, inter, experts, top_k, renormalize, nullptr, hidden,
+                       checked_dtype(dtype, "dtype")};
+            e.quant.w13 = quant_expert_weights("w13", w13_packed, w13_packed_bytes, w13_scales, w13_scales_elements,
+                                               w13_zeros, w13_zeros_elements, w13_group_size, w13_bits, w13_zero_offset,
+                                               moe_gate_up_rows(inter), hidden, experts);
+            e.quant.w2 = quant_expert_weights("w2", w2_packed, w2_packed_bytes, w2_scales, w2_scales_elements, w2_zeros,
+                                              w2_zeros_elements, w2_group_size, w2_bits, w2_zero_offset, hidden, inter,
+                                              experts);
+            if (bf16_min_per_expert > 0) check_moe_bf16_rows("DecoderMoe", e.layer.dtype, hidden, e.quant.w13, e.quant.w2, inter);
+            e.bf16_min_per_expert = bf16_min_per_expert;
+            return e;
+          },
+          py::arg("router"), py::arg("hidden"), py::arg("inter"), py::arg("experts"), py::arg("top_k"),
+          py::arg("renormalize"), py::arg("dtype"), py::arg("bf16_min_per_expert"), py::arg("w13_packed"),
+          py::arg("w13_packed_bytes"), py::arg("w13_scales"), py::arg("w13_scales_elements"), py::arg("w13_zeros"),
+          py::arg("w13_zeros_elements"), py::arg("w13_group_size"), py::arg("w13_bits"), py::arg("w13_zero_offset"),
+          py::arg("w2_packed"), py::arg("w2_packed_bytes"), py::arg("w2_scales"), py::arg("w2_scales_elements"),
+          py::arg("w2_zeros"), py::arg("w2_zeros_elements"), py::arg("w2_group_size"), py::arg("w2_bits"),
+          py::arg("w2_zero_offset"),
+          "int8 / int4 experts as moe_quant_experts_cpu takes them; bf16 rows where a forward's assignments per "
+          "chosen expert reach bf16_min_per_expert (0: never).");
   py::class_<DecoderLayerWeights>(m, "DecoderLayer", py::module_local(),
                                   "One layer's weights and KV cache for DecoderStack.")
-      .def(py::init([](DecoderLinear qkv, DecoderLinear o, DecoderLinear gate_up, DecoderLinear down,
-                       uintptr_t input_norm, uintptr_t post_norm, uintptr_t q_norm, uintptr_t k_norm,
-                       uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache) {
+      .def(py::init([](DecoderLinear qkv, DecoderLinear o, std::optional<DecoderLinear> gate_up,
+                       std::optional<DecoderLinear> down, uintptr_t input_norm, uintptr_t post_norm, uintptr_t q_norm,
+                       uintptr_t k_norm, uintptr_t inv_freq, uintptr_t k_cache, uintptr_t v_cache,
+                       std::optional<DecoderMoe> moe) {
              if (!input_norm || !post_norm || !inv_freq || !k_cache || !v_cache || (q_norm == 0) != (k_norm == 0)) {
                value_error("DecoderLayer: null norm weight, inv_freq or cache (q_norm and k_norm come together)");
              }
-             return DecoderLayerWeights{qkv, o, gate_up, down,
+             if (moe.has_value() == (gate_up.has_value() && down.has_value()) || gate_up.has_value() != down.has_value()) {
+               value_error("DecoderLayer: an MLP of gate_up and down, or moe, one of the two");
+             }
+             return DecoderLayerWeights{qkv, o, gate_up.value_or(DecoderLinear{}), down.value_or(DecoderLinear{}), moe,
                                         reinterpret_cast<const void*>(input_norm),
                                         reinterpret_cast<const void*>(post_norm),
                                         reinterpret_cast<const void*>(q_norm), reinterpret_cast<const void*>(k_norm),
@@ -728,9 +817,9 @@ void bind_cpu_decoder(py::module_& m) {
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("input_norm"),
            py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("inv_freq"), py::arg("k_cache"),
-           py::arg("v_cache"));
+           py::arg("v_cache"), py::arg("moe") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack", py::module_local(),
-                           "A dense decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers "
+                           "A decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers "
                            "it was built from must outlive it.")
       .def(py::init([](int64_t dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        int64_t inter, double eps, double scale, int64_t block_size, int64_t num_blocks,
@@ -754,8 +843,16 @@ void bind_cpu_decoder(py::module_& m) {
              for (const DecoderLayerWeights& l : layers) {
                check_decoder_linear(l.qkv, q_row + 2 * s.kv_heads * s.head_dim, s.hidden, "qkv");
                check_decoder_linear(l.o, s.hidden, q_row, "o");
-               check_decoder_linear(l.gate_up, 2 * s.inter, s.hidden, "gate_up");
-               check_decoder_linear(l.down, s.hidden, s.inter, "down");
+               if (l.moe) {
+                 const MoeLayerArgs& e = l.moe->layer;
+                 check_decoder_linear(l.moe->router, e.experts, s.hidden, "router");
+                 if (e.hidden != s.hidden || e.dtype != s.dtype) {
+                   value_error("DecoderStack: experts of another hidden size or dtype than the layers'");
+                 }
+               } else {
+                 check_decoder_linear(l.gate_up, 2 * s.inter, s.hidden, "gate_up");
+                 check_decoder_linear(l.down, s.hidden, s.inter, "down");
+               }
              }
              return std::make_unique<DecoderStack>(s, std::move(layers), reinterpret_cast<const void*>(final_norm),
                                                    block_size, num_blocks);
@@ -786,6 +883,9 @@ void bind_cpu_decoder(py::module_& m) {
             step.slot_tokens = slot_tokens;
             step.covered = step.attn.num_seqs > 0 ? step.attn.cu_seqlens_q[step.attn.num_seqs] : 0;
             check_slots(step.slot_mapping, slot_tokens, stack.num_blocks() * stack.block_size());
+            for (const DecoderLayerWeights& l : stack.layers()) {
+              if (l.moe) check_moe_rows("DecoderStack.forward", num_tokens, l.moe->layer.experts, s.hidden, s.hidden, l.moe->layer);
+            }
             py::gil_scoped_release release;
             stack.forward(step, clamp_threads(num_threads));
           },

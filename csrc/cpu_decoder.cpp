@@ -92,6 +92,38 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
   if (bf16) narrow_rows(out, static_cast<Bf16*>(y), m * w.n);
 }
 
+void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_t m, int num_threads) {
+  const int64_t experts = e.layer.experts;
+  void* logits = buffer(kLogits, m * experts * dtype_bytes(shape_.dtype));
+  linear(e.router, x, logits, m, num_threads);
+  const float* logits32 = static_cast<const float*>(logits);
+  if (shape_.dtype == CpuDtype::kBFloat16) {
+    auto* wide = static_cast<float*>(buffer(kLogits32, m * experts * static_cast<int64_t>(sizeof(float))));
+    widen_rows(static_cast<const Bf16*>(logits), wide, m * experts);
+    logits32 = wide;
+  }
+  MoeLayerArgs layer = e.layer;
+  layer.x = x;
+  layer.x_stride = layer.hidden;
+  layer.logits = logits32;
+  layer.logits_stride = experts;
+  layer.rows = m;
+  layer.out = out;
+  layer.out_stride = layer.hidden;
+  if (!e.quantized) {
+    MoeExpertsArgs a = e.dense;
+    a.layer = layer;
+    moe_experts(a, num_threads);
+    return;
+  }
+  MoeQuantExpertsArgs a = e.quant;
+  a.layer = layer;
+  const double assignments = static_cast<double>(m * layer.top_k);
+  a.bf16_rows = e.bf16_min_per_expert > 0.0 &&
+                assignments / std::max(1.0, std::min(static_cast<double>(experts), assignments)) >= e.bf16_min_per_expert;
+  moe_quant_experts(a, num_threads);
+}
+
 void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   const int64_t t = step.tokens;
   if (t == 0) return;
@@ -104,8 +136,6 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   void* attn_scratch = buffer(kAttnScratch, row * (q_row + kv_row));
   void* attn_out = buffer(kAttnOut, row * q_row);
   void* layer_out = buffer(kLayerOut, row * s.hidden);
-  void* gate_up = buffer(kGateUp, row * 2 * s.inter);
-  void* act = buffer(kAct, row * s.inter);
   void* residual[2] = {buffer(kResidual0, row * s.hidden), buffer(kResidual1, row * s.hidden)};
   // The layer's input and the residual stream: the embeddings alone before the first layer (whose
   // norm has no residual to add), then each layer's output and the stream its norm adds it to.
@@ -136,9 +166,15 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
     }
     linear(l.o, attn_out, layer_out, t, num_threads);
     norm(layer_out, l.post_norm, normed);
-    linear(l.gate_up, normed, gate_up, t, num_threads);
-    silu_and_mul({gate_up, act, t, s.inter, 2 * s.inter, s.dtype}, num_threads);
-    linear(l.down, act, layer_out, t, num_threads);
+    if (l.moe) {
+      experts(*l.moe, normed, layer_out, t, num_threads);
+    } else {
+      void* gate_up = buffer(kGateUp, row * 2 * s.inter);
+      void* act = buffer(kAct, row * s.inter);
+      linear(l.gate_up, normed, gate_up, t, num_threads);
+      silu_and_mul({gate_up, act, t, s.inter, 2 * s.inter, s.dtype}, num_threads);
+      linear(l.down, act, layer_out, t, num_threads);
+    }
     hidden = layer_out;
   }
   norm(hidden, final_norm_, step.out);

@@ -1,7 +1,7 @@
-// A dense decoder's layers on the CPU in one call per forward: for each layer the input RMSNorm (with
-// the residual add), the qkv projection, qkv_attention (q/k norm, rotary, K/V write, paged
-// attention), the output projection, the post-attention RMSNorm, gate/up, SiLU-and-mul and down;
-// then the final norm. Each step is the kernel the Python layers call (nanovllm/models/decoder.py),
+// A decoder's layers on the CPU in one call per forward: for each layer the input RMSNorm (with the
+// residual add), the qkv projection, qkv_attention (q/k norm, rotary, K/V write, paged attention),
+// the output projection, the post-attention RMSNorm, then gate/up, SiLU-and-mul and down, or a
+// mixture of experts (the router, the experts' one call); then the final norm. Each step is the kernel the Python layers call (nanovllm/models/decoder.py),
 // with the same inputs rounded the same way, so the hidden states are the same bits; what one call
 // saves is the Python around ~12 kernel calls a layer (~0.15 ms a layer a step, most of a batch-1
 // decode step's time outside the kernels). nanovllm/models/cpu_stack.py builds it where a model's
@@ -12,10 +12,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cpu_attention.h"
 #include "cpu_dtype.h"
+#include "cpu_moe.h"
 
 namespace nanovllm {
 
@@ -44,8 +46,24 @@ struct DecoderLinear {
   int64_t bf16_min_rows = 0, bf16_max_rows = 0;
 };
 
+// A mixture-of-experts MLP (in place of gate_up / down): the router's GEMM, its logits in the model
+// dtype widened to fp32 (as the Python layer's .float()), then moe_experts or moe_quant_experts.
+struct DecoderMoe {
+  DecoderLinear router;  // [experts, hidden]
+  // The layer's shape (hidden, inter, experts, top_k, renormalize, dtype); its rows, x, logits and
+  // out are set per forward, as are the experts' below.
+  MoeLayerArgs layer{};
+  bool quantized = false;
+  MoeExpertsArgs dense{};
+  MoeQuantExpertsArgs quant{};
+  // quantized: bf16 rows when a forward's assignments per chosen expert reach this (0: never):
+  // cpu_moe._bf16_rows' rule.
+  double bf16_min_per_expert = 0.0;
+};
+
 struct DecoderLayerWeights {
-  DecoderLinear qkv, o, gate_up, down;
+  DecoderLinear qkv, o, gate_up, down;  // gate_up and down unused with moe
+  std::optional<DecoderMoe> moe;
   const void* input_norm = nullptr;  // [hidden], the model dtype
   const void* post_norm = nullptr;
   const void* q_norm = nullptr;      // nullable (no q/k norm): [head_dim]
@@ -57,7 +75,8 @@ struct DecoderLayerWeights {
 
 struct DecoderShape {
   CpuDtype dtype = CpuDtype::kFloat32;
-  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t inter = 0;  // the dense MLPs'
   float eps = 0.0f;    // every RMSNorm's (the layers', the q/k norms', the final one)
   float scale = 0.0f;  // attention
 };
@@ -82,6 +101,7 @@ class DecoderStack {
   // Not reentrant: a forward uses the stack's buffers (one runner thread calls it).
   void forward(const DecoderStep& step, int num_threads);
   const DecoderShape& shape() const { return shape_; }
+  const std::vector<DecoderLayerWeights>& layers() const { return layers_; }
   // The caches' geometry, which every forward's block tables and slots are checked against.
   int64_t block_size() const { return block_size_; }
   int64_t num_blocks() const { return num_blocks_; }
@@ -89,6 +109,8 @@ class DecoderStack {
  private:
   // x [tokens, k] in the model dtype -> y [tokens, n] in the model dtype.
   void linear(const DecoderLinear& w, const void* x, void* y, int64_t tokens, int num_threads);
+  // A mixture-of-experts MLP: x [tokens, hidden] -> out [tokens, hidden], both in the model dtype.
+  void experts(const DecoderMoe& e, const void* x, void* out, int64_t tokens, int num_threads);
   // A buffer for this forward: kept for the next while steps are small (decode), released after a
   // forward of more than kKeptTokens tokens (a long prefill chunk's buffers run to hundreds of MB).
   struct Scratch {
@@ -102,7 +124,7 @@ class DecoderStack {
   const void* final_norm_;
   int64_t block_size_, num_blocks_;
   enum Buffer : int { kResidual0, kResidual1, kNormed, kQkv, kAttnScratch, kAttnOut, kLayerOut, kGateUp, kAct,
-                      kX32, kY32, kXBf16, kBuffers };
+                      kX32, kY32, kXBf16, kLogits, kLogits32, kBuffers };
   std::array<Scratch, kBuffers> scratch_;
   void* buffer(Buffer b, int64_t bytes) { return scratch_[b].at_least(bytes); }
 };

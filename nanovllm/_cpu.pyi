@@ -156,14 +156,32 @@ class DecoderLinear:
         """quant_gemm_cpu's weight; bf16 activations go to it as bf16 at bf16_min_rows to bf16_max_rows
         rows (min 0: never; max 0: no limit), as cpu_kernel.bf16_row_range says."""
 
+class DecoderMoe:
+    """A mixture-of-experts MLP for DecoderLayer: the router and the experts, as the Python layer
+    calls moe_experts_cpu / moe_quant_experts_cpu."""
+    @staticmethod
+    def dense(router: DecoderLinear, w13: int, w13_elements: int, w2: int, w2_elements: int, weight_dtype: int,
+              pairs: bool, hidden: int, inter: int, experts: int, top_k: int, renormalize: bool,
+              dtype: int) -> DecoderMoe:
+        """Experts packed by gemm_pack_cpu, as moe_experts_cpu takes them."""
+    @staticmethod
+    def quant(router: DecoderLinear, hidden: int, inter: int, experts: int, top_k: int, renormalize: bool,
+              dtype: int, bf16_min_per_expert: float, w13_packed: int, w13_packed_bytes: int, w13_scales: int,
+              w13_scales_elements: int, w13_zeros: int, w13_zeros_elements: int, w13_group_size: int,
+              w13_bits: int, w13_zero_offset: float, w2_packed: int, w2_packed_bytes: int, w2_scales: int,
+              w2_scales_elements: int, w2_zeros: int, w2_zeros_elements: int, w2_group_size: int, w2_bits: int,
+              w2_zero_offset: float) -> DecoderMoe:
+        """int8 / int4 experts as moe_quant_experts_cpu takes them; bf16 rows where a forward's
+        assignments per chosen expert reach bf16_min_per_expert (0: never)."""
+
 class DecoderLayer:
-    """One layer's weights and KV cache for DecoderStack."""
-    def __init__(self, qkv: DecoderLinear, o: DecoderLinear, gate_up: DecoderLinear, down: DecoderLinear,
-                 input_norm: int, post_norm: int, q_norm: int, k_norm: int, inv_freq: int, k_cache: int,
-                 v_cache: int) -> None: ...
+    """One layer's weights and KV cache for DecoderStack: its MLP gate_up and down, or moe."""
+    def __init__(self, qkv: DecoderLinear, o: DecoderLinear, gate_up: DecoderLinear | None,
+                 down: DecoderLinear | None, input_norm: int, post_norm: int, q_norm: int, k_norm: int,
+                 inv_freq: int, k_cache: int, v_cache: int, moe: DecoderMoe | None = None) -> None: ...
 
 class DecoderStack:
-    """A dense decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers it was
+    """A decoder's layers in one call per forward (csrc/cpu_decoder.h); the pointers it was
     built from must outlive it."""
     def __init__(self, dtype: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  scale: float, block_size: int, num_blocks: int, layers: list[DecoderLayer],

@@ -1,8 +1,8 @@
 """The C++ decoder stack (csrc/cpu_decoder.h, nanovllm/models/cpu_stack.py) against the same model's
 layers run in Python: the stack calls the same kernels on the same inputs, so greedy tokens and their
 logprobs must be equal bit for bit, through chunked prefill mixed with decodes, in fp32 and bf16,
-dense and quantized; models it does not take (mixture of experts) run in Python; bad weights and
-metadata are errors at the binding."""
+dense and quantized, dense MLPs and mixtures of experts; layers it does not take run in Python;
+bad weights and metadata are errors at the binding."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams, _cpu
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
+from nanovllm.models import cpu_stack
 
 pytestmark = pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the stack's GEMMs need AVX2 + FMA")
 
@@ -87,11 +88,31 @@ def test_stack_follows_a_new_kv_cache(root: Path) -> None:
         llm.engine.shutdown()
 
 
-def test_mixture_of_experts_layers_run_in_python(root: Path) -> None:
-    llm = make_llm(make_moe_model(root, "qwen3_moe_mixed"), "float32")
+@pytest.mark.parametrize("name", ["qwen3_moe_mixed", "mixtral", "qwen3_moe_ragged"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stack_equals_the_python_layers_mixture_of_experts(name: str, dtype: str, root: Path) -> None:
+    # qwen3_moe_mixed mixes dense and sparse layers; in qwen3_moe_ragged one expert takes every row.
+    assert_stack_equals_python_layers(make_llm(make_moe_model(root / f"moe{dtype}", name), dtype))
+
+
+@pytest.mark.parametrize(("name", "quantization"), [("qwen3_moe_mixed", "int8"), ("mixtral_wide", "int4")])
+def test_stack_equals_the_python_layers_quantized_experts(name: str, quantization: str, root: Path) -> None:
+    assert_stack_equals_python_layers(make_llm(make_moe_model(root / f"qmoe{quantization}", name), "bfloat16",
+                                               quantization))
+
+
+def test_layers_the_kernels_do_not_take_run_in_python(root: Path) -> None:
+    llm = make_llm(make_tiny_model(root / "python", "qwen3"), "float32")
     try:
         generate(llm, True)
-        assert decoder_model(llm).layer_stack() is None
+        model = decoder_model(llm)
+        layers = model._stack_layers()
+        assert cpu_stack.build(layers, model.norm) is not None
+        packed, layers[1].down.packed = layers[1].down.packed, None  # an unpacked weight: F.linear
+        try:
+            assert cpu_stack.build(layers, model.norm) is None
+        finally:
+            layers[1].down.packed = packed
     finally:
         llm.engine.shutdown()
 

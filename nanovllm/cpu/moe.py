@@ -182,6 +182,18 @@ def fused_experts(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: 
                           top_k, renormalize)
 
 
+def stack_experts(router: _cpu.DecoderLinear, packed: PackedExperts | None, top_k: int, renormalize: bool,
+                  dtype: torch.dtype) -> _cpu.DecoderMoe | None:
+    """The layer for the C++ decoder stack (csrc/cpu_decoder.h) as `fused_experts` calls it, on
+    activations of `dtype`: our packed experts only (oneDNN's and unpacked ones run in Python)."""
+    if not isinstance(packed, GemmPackedExperts) or dtype not in KERNEL_DTYPES or (
+            packed.bf16_pairs and dtype != torch.bfloat16):
+        return None
+    return _cpu.DecoderMoe.dense(router, packed.w13.data_ptr(), packed.w13.numel(), packed.w2.data_ptr(),
+                                 packed.w2.numel(), KERNEL_DTYPES[packed.w13.dtype], packed.pairs, packed.hidden,
+                                 packed.inter, packed.experts, top_k, renormalize, KERNEL_DTYPES[dtype])
+
+
 Projection = Callable[[torch.Tensor, int], torch.Tensor]  # (rows, expert) -> rows times its weight^T
 
 

@@ -36,6 +36,7 @@ from nanovllm.layers.linear import (
 )
 
 if TYPE_CHECKING:
+    from nanovllm import _cpu
     from nanovllm.distributed.parallel_state import TPGroup
     from nanovllm.layers.quantization.linear_method import QuantizedExperts
 
@@ -112,6 +113,15 @@ class FusedMoE(nn.Module):
         self.w13_weight.data = self.w13_weight.data.new_empty(0)
         self.w2_weight.data = self.w2_weight.data.new_empty(0)
         return True
+
+    def stack_experts(self, router: _cpu.DecoderLinear, dtype: torch.dtype) -> _cpu.DecoderMoe | None:
+        """This layer, after its router, for the C++ decoder stack (models/cpu_stack.py), where it
+        runs as one C++ call on one rank; None otherwise."""
+        if self.tp is not None:
+            return None
+        if self.quant is not None:
+            return self.quant.stack_experts(router, self.top_k, self.renormalize, dtype)
+        return cpu_moe.stack_experts(router, self.packed, self.top_k, self.renormalize, dtype)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = self._experts(x, router_logits)

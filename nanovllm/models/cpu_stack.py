@@ -1,13 +1,14 @@
-"""A dense decoder's layers as one C++ call per forward on the CPU (`_cpu.DecoderStack`,
+"""A decoder's layers as one C++ call per forward on the CPU (`_cpu.DecoderStack`,
 csrc/cpu_decoder.h), where every layer runs on the kernels its Python forward would call: our
 packed GEMMs (dense or int8 / int4), the fused RMSNorm and SiLU-and-mul, the CPU backend's
 qkv_attention. The stack calls those kernels in the same order on the same inputs, so the hidden
 states are the same bits; it saves the Python around them (~0.15 ms a layer a step: most of a
 batch-1 decode step's time outside the kernels).
 
-Where anything differs (tensor parallelism, mixture-of-experts layers, oneDNN-packed or
-activation-order weights, another attention backend, a norm of another epsilon) `build` returns
-None and the model runs its layers in Python. A step whose tensors the kernels do not take as they
+Mixture-of-experts layers run as the Python layer's one C++ call (the router's GEMM, then the
+experts). Where anything differs (tensor parallelism, oneDNN-packed or activation-order weights,
+experts the Python layer loops over, another attention backend, a norm of another epsilon) `build`
+returns None and the model runs its layers in Python. A step whose tensors the kernels do not take as they
 are does too (`run` returns None).
 """
 
@@ -21,6 +22,7 @@ from nanovllm import _cpu
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.cpu import KERNEL_DTYPES
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -28,11 +30,14 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 @dataclasses.dataclass(frozen=True)
 class StackLayer:
-    """The modules of one dense decoder layer the stack reads (models/decoder.py's DecoderLayer)."""
+    """The modules of one decoder layer the stack reads (models/decoder.py's DecoderLayer): its MLP
+    dense (gate_up, down) or a mixture of experts (router, experts)."""
     qkv: LinearBase
     o: LinearBase
-    gate_up: LinearBase
-    down: LinearBase
+    gate_up: LinearBase | None
+    down: LinearBase | None
+    router: LinearBase | None
+    experts: FusedMoE | None
     input_norm: RMSNorm
     post_norm: RMSNorm
     q_norm: RMSNorm | None
@@ -59,10 +64,11 @@ def _is_kernel_tensor(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     return t.is_cpu and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
 
 
-def build(layers: list[StackLayer], final_norm: RMSNorm, inter: int) -> CpuStack | None:
-    """The stack for these layers (`inter`: the MLPs' intermediate size), or None where any of them
-    would not run on the kernels it calls (see the module's docstring)."""
-    if not layers:
+def build(layers: list[StackLayer], final_norm: RMSNorm) -> CpuStack | None:
+    """The stack for these layers, or None where any of them would not run on the kernels it calls
+    (see the module's docstring)."""
+    inter = {layer.down.input_size for layer in layers if layer.down is not None}
+    if not layers or len(inter) > 1:
         return None
     dtype = final_norm.weight.dtype
     first = layers[0].attn
@@ -91,17 +97,25 @@ def build(layers: list[StackLayer], final_norm: RMSNorm, inter: int) -> CpuStack
         inv_freq = layer.rotary.inv_freq
         if not _is_kernel_tensor(inv_freq, torch.float32, (dim // 2,)):
             return None
-        linears = [lin.stack_linear(dtype) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        mlp = (layer.gate_up, layer.down) if layer.experts is None else (layer.router,)
+        linears = [lin.stack_linear(dtype) if lin is not None else None for lin in (layer.qkv, layer.o, *mlp)]
         if any(w is None for w in linears):
             return None
         keep += [b for _, b in linears if b is not None]  # type: ignore[misc]
-        qkv, o, gate_up, down = (w for w, _ in linears)  # type: ignore[misc]
+        ws = [w for w, _ in linears]  # type: ignore[misc]
+        moe = None
+        if layer.experts is not None:
+            moe = layer.experts.stack_experts(ws[2], dtype)
+            if moe is None:
+                return None
         out.append(_cpu.DecoderLayer(
-            qkv, o, gate_up, down, layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(),
+            ws[0], ws[1], ws[2] if moe is None else None, ws[3] if moe is None else None,
+            layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(),
             0 if layer.q_norm is None else layer.q_norm.weight.data_ptr(),
             0 if layer.k_norm is None else layer.k_norm.weight.data_ptr(),
-            inv_freq.data_ptr(), a.k_cache.data_ptr(), a.v_cache.data_ptr()))
-    stack = _cpu.DecoderStack(KERNEL_DTYPES[dtype], hidden, heads, kv_heads, dim, inter, eps, first.scale,
+            inv_freq.data_ptr(), a.k_cache.data_ptr(), a.v_cache.data_ptr(), moe))
+    stack = _cpu.DecoderStack(KERNEL_DTYPES[dtype], hidden, heads, kv_heads, dim, inter.pop() if inter else 1, eps,
+                              first.scale,
                               k_shape[1], k_shape[0], out, final_norm.weight.data_ptr())
     return CpuStack(stack, cache_key(layers), dtype, hidden, tuple(keep))
 

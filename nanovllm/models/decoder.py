@@ -20,8 +20,10 @@ from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import (
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -186,14 +188,18 @@ class DecoderModel(nn.Module):
         return hidden
 
     def _stack_layers(self) -> list[cpu_stack.StackLayer]:
-        """The stack's view of the layers; empty where a layer is not a dense one."""
+        """The stack's view of the layers; empty where an MLP is neither a dense one nor a router
+        and its experts (models/moe.py's SparseMoeBlock: `experts(x, gate(x))`)."""
         layers = []
         for layer in self.layers:
-            if not isinstance(layer.mlp, DecoderMLP):
+            mlp, a = layer.mlp, layer.self_attn
+            dense = isinstance(mlp, DecoderMLP)
+            router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+            if not dense and not (isinstance(router, LinearBase) and isinstance(experts, FusedMoE)):
                 return []
-            a = layer.self_attn
             layers.append(cpu_stack.StackLayer(
-                a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.input_layernorm,
+                a.qkv_proj, a.o_proj, mlp.gate_up_proj if dense else None, mlp.down_proj if dense else None,
+                None if dense else router, None if dense else experts, layer.input_layernorm,
                 layer.post_attention_layernorm, a.q_norm, a.k_norm, a.rotary_emb, a.attn))
         return layers
 
@@ -207,8 +213,7 @@ class DecoderModel(nn.Module):
             return None
         key = cpu_stack.cache_key(layers)
         if self._stack is None or self._stack[0] != key:
-            inter = {layer.down.input_size for layer in layers}
-            self._stack = (key, cpu_stack.build(layers, self.norm, inter.pop()) if len(inter) == 1 else None)
+            self._stack = (key, cpu_stack.build(layers, self.norm))
         return self._stack[1]
 
 

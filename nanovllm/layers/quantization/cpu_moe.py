@@ -85,16 +85,37 @@ def pack_experts(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> Packe
     return PackedQuantExperts(_stack([interleave_gate_up(w) for w in w13]), _stack(w2), len(w13), hidden, inter)
 
 
-def _bf16_rows(x: torch.Tensor, p: PackedQuantExperts, top_k: int) -> bool:
-    """bf16 activations take the bf16 dot products (cpu_kernel.BF16_MIN_ROWS, from the rows an
-    expert sees on average) where the CPU has them and the groups allow pairs of input columns."""
-    if x.dtype != torch.bfloat16 or not cpu_kernel.HAS_BF16 or p.hidden % 2:
-        return False
+def _bf16_min_per_expert(dtype: torch.dtype, p: PackedQuantExperts) -> int:
+    """The rows an expert must see on average for bf16 activations to take the bf16 dot products
+    (cpu_kernel.BF16_MIN_ROWS), where the CPU has them and the groups allow pairs of input
+    columns; 0: never."""
+    if dtype != torch.bfloat16 or not cpu_kernel.HAS_BF16 or p.hidden % 2:
+        return 0
     if not (cpu_kernel.groups_pair(p.w13.group_size, p.hidden) and cpu_kernel.groups_pair(p.w2.group_size, p.inter)):
-        return False
+        return 0
+    return max(cpu_kernel.BF16_MIN_ROWS[p.w13.bits], cpu_kernel.BF16_MIN_ROWS[p.w2.bits])
+
+
+def _bf16_rows(x: torch.Tensor, p: PackedQuantExperts, top_k: int) -> bool:
+    least = _bf16_min_per_expert(x.dtype, p)
     assignments = x.shape[0] * top_k
-    per_expert = assignments / max(1, min(p.experts, assignments))
-    return per_expert >= max(cpu_kernel.BF16_MIN_ROWS[p.w13.bits], cpu_kernel.BF16_MIN_ROWS[p.w2.bits])
+    return least > 0 and assignments / max(1, min(p.experts, assignments)) >= least
+
+
+def _weight_args(w: StackedQuantWeights) -> list[int | float]:
+    """One projection of the experts as moe_quant_experts_cpu takes it."""
+    return [w.packed.data_ptr(), w.packed.numel(), w.scales.data_ptr(), w.scales.numel(),
+            0 if w.zeros is None else w.zeros.data_ptr(), 0 if w.zeros is None else w.zeros.numel(), w.group_size,
+            w.bits, w.zero_offset]
+
+
+def stack_experts(router: _cpu.DecoderLinear, p: PackedQuantExperts, top_k: int, renormalize: bool,
+                  dtype: torch.dtype) -> _cpu.DecoderMoe | None:
+    """The layer for the C++ decoder stack (csrc/cpu_decoder.h) as `fused_experts` calls it."""
+    if dtype not in KERNEL_DTYPES:
+        return None
+    return _cpu.DecoderMoe.quant(router, p.hidden, p.inter, p.experts, top_k, renormalize, KERNEL_DTYPES[dtype],
+                                 _bf16_min_per_expert(dtype, p), *_weight_args(p.w13), *_weight_args(p.w2))
 
 
 def fused_experts(x: torch.Tensor, logits: torch.Tensor, p: PackedQuantExperts, top_k: int, renormalize: bool,
@@ -110,11 +131,7 @@ def fused_experts(x: torch.Tensor, logits: torch.Tensor, p: PackedQuantExperts, 
     rows = x.shape[0]
     x, logits = x.contiguous(), logits.float().contiguous()
     out = torch.empty(rows, p.hidden, dtype=x.dtype)
-    weights = []
-    for w in (p.w13, p.w2):
-        weights += [w.packed.data_ptr(), w.packed.numel(), w.scales.data_ptr(), w.scales.numel(),
-                    0 if w.zeros is None else w.zeros.data_ptr(), 0 if w.zeros is None else w.zeros.numel(),
-                    w.group_size, w.bits, w.zero_offset]
+    weights = _weight_args(p.w13) + _weight_args(p.w2)
     _cpu.moe_quant_experts_cpu(x.data_ptr(), p.hidden, logits.data_ptr(), p.experts, rows, p.hidden, p.inter,
                                p.experts, top_k, renormalize, out.data_ptr(), p.hidden, KERNEL_DTYPES[x.dtype],
                                _bf16_rows(x, p, top_k) if bf16_rows is None else bf16_rows, *weights,

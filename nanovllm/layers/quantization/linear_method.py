@@ -162,6 +162,11 @@ class QuantizedExperts:
             return True
         return any([quant.prepack_for_cpu() for quant in (*self.w13, *self.w2)])
 
+    def stack_experts(self, router: _cpu.DecoderLinear, top_k: int, renormalize: bool,
+                      dtype: torch.dtype) -> _cpu.DecoderMoe | None:
+        """The fused experts for the C++ decoder stack (cpu_moe.stack_experts); None when not fused."""
+        return None if self.fused is None else cpu_moe.stack_experts(router, self.fused, top_k, renormalize, dtype)
+
     def cpu_experts(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor | None:
         """The layer's output from the fused experts, None when they were not packed so (run the loop)."""
         if self.fused is None or x.device.type != "cpu":
