@@ -106,6 +106,10 @@ def test_layers_the_kernels_do_not_take_run_in_python(root: Path) -> None:
     try:
         generate(llm, True)
         model = decoder_model(llm)
+        assert model.layer_stack() is not None
+        llm.engine.executor.runner.model.set_attention_backend("torch")  # the reference has no qkv_attention
+        assert model.layer_stack() is None
+        llm.engine.executor.runner.model.set_attention_backend("cpu")
         layers = model._stack_layers()
         assert cpu_stack.build(layers, model.norm) is not None
         packed, layers[1].down.packed = layers[1].down.packed, None  # an unpacked weight: F.linear

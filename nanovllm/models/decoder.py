@@ -203,6 +203,10 @@ class DecoderModel(nn.Module):
                 layer.post_attention_layernorm, a.q_norm, a.k_norm, a.rotary_emb, a.attn))
         return layers
 
+    def forget_layer_stack(self) -> None:
+        """Build the stack again at the next forward: the layers changed (their attention backend)."""
+        self._stack = None
+
     def layer_stack(self) -> cpu_stack.CpuStack | None:
         """The C++ stack of this model's layers for its current KV cache (built on first use, again
         when the cache changes), or None where the layers run in Python."""
@@ -261,3 +265,4 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.set_backend(name)
+        self.model.forget_layer_stack()  # built for the old backend (or declined for it)
