@@ -319,6 +319,14 @@ void bind_cpu_sampler(py::module_& m) {
       "Repetition, frequency and presence penalties in place, from raw pointers (nanovllm.cpu.sampler checks them).");
 }
 
+// That this CPU runs gemm() on a weight of `weights` packed with `pairs` or without.
+void check_gemm_weights(const std::string& what, CpuDtype weights, bool pairs) {
+  if (!has_avx2_fma()) value_error(what + " needs a CPU with AVX2 and FMA");
+  if (pairs && (!has_avx512f() || weights != CpuDtype::kFloat32)) {
+    value_error(what + ": pairs need fp32 weights and a CPU with AVX-512F (bf16 pairs: gemm_bf16_cpu)");
+  }
+}
+
 void bind_cpu_gemm(py::module_& m) {
   m.def("has_avx2_fma", &has_avx2_fma, "Whether this CPU runs the AVX2 + FMA kernels (gemm_cpu, attention tiles).");
   m.def("gemm_packed_elements", [](int64_t n, int64_t k) {
@@ -349,11 +357,8 @@ void bind_cpu_gemm(py::module_& m) {
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
          int64_t y_stride, int64_t packed_dtype, int64_t num_threads, bool pairs) {
-        if (!has_avx2_fma()) value_error("gemm_cpu needs a CPU with AVX2 and FMA");
         const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
-        if (pairs && (!has_avx512f() || weights != CpuDtype::kFloat32)) {
-          value_error("gemm_cpu: pairs need fp32 weights and a CPU with AVX-512F (bf16 pairs: gemm_bf16_cpu)");
-        }
+        check_gemm_weights("gemm_cpu", weights, pairs);
         if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_cpu: bad sizes");
         if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
         const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
@@ -446,6 +451,13 @@ void check_moe_sizes(const char* what, int64_t rows, int64_t experts, int64_t to
   if (rows < 0 || logits_stride < experts || rows > kInt32Max / top_k) value_error(std::string(what) + ": bad sizes");
 }
 
+// A packed int8 / int4 weight's bits and groups over its k input columns.
+void check_quant_layout(const std::string& what, int64_t bits, int64_t group_size, int64_t k) {
+  if (bits != 4 && bits != 8) value_error(what + " bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size < 1 || group_size > k) value_error(what + " group_size must be in [1, " + std::to_string(k) + "]");
+  if (bits == 4 && !groups_pair(group_size, k)) value_error(what + ": int4 needs an even group size");
+}
+
 // One of a quantized MoE layer's two weights (n x k per expert, `experts` of them back to back),
 // checked against the sizes quant_gemm reads.
 MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t packed_bytes, uintptr_t scales,
@@ -453,9 +465,7 @@ MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t
                                      int64_t group_size, int64_t bits, double zero_offset, int64_t n, int64_t k,
                                      int64_t experts) {
   const std::string what = std::string("moe_quant_experts_cpu: ") + name;
-  if (bits != 4 && bits != 8) value_error(what + " bits must be 4 or 8, got " + std::to_string(bits));
-  if (group_size < 1 || group_size > k) value_error(what + " group_size must be in [1, " + std::to_string(k) + "]");
-  if (bits == 4 && !groups_pair(group_size, k)) value_error(what + ": int4 needs an even group size");
+  check_quant_layout(what, bits, group_size, k);
   const int64_t per_packed = quant_gemm_packed_bytes(n, k, static_cast<int>(bits));
   const int64_t per_scales = gemm_panels(n) * ((k + group_size - 1) / group_size) * kGemmPanel;
   if (per_packed > std::numeric_limits<int64_t>::max() / experts || per_scales > std::numeric_limits<int64_t>::max() / 4 / experts) {
@@ -665,19 +675,14 @@ void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, const ch
   if (!w.packed) value_error(what + ": null weight");
   switch (w.kind) {
     case DecoderLinear::Kind::kDense:
-      if (!has_avx2_fma()) value_error(what + ": gemm needs a CPU with AVX2 and FMA");
-      if (w.pairs && (!has_avx512f() || w.packed_dtype != CpuDtype::kFloat32)) {
-        value_error(what + ": pairs need fp32 weights and a CPU with AVX-512F");
-      }
+      check_gemm_weights(what, w.packed_dtype, w.pairs);
       break;
     case DecoderLinear::Kind::kDenseBf16:
       if (!has_avx512_bf16() || k % 2 != 0) value_error(what + ": gemm_bf16 needs AVX512-BF16 and an even k");
       break;
     case DecoderLinear::Kind::kQuant:
-      if (!w.scales || (w.bits != 4 && w.bits != 8) || w.group_size < 1 || w.group_size > k ||
-          (w.bits == 4 && !groups_pair(w.group_size, k))) {
-        value_error(what + ": bad quantized weight (bits 4 or 8, group size in [1, k], even for int4)");
-      }
+      if (!w.scales) value_error(what + ": null scales");
+      check_quant_layout(what, w.bits, w.group_size, k);
       if (w.bf16_min_rows > 0 && !groups_pair(w.group_size, k)) value_error(what + ": bf16 activations need even groups");
       break;
   }

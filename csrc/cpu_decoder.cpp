@@ -10,18 +10,6 @@
 #include "cpu_qkv_attention.h"
 
 namespace nanovllm {
-namespace {
-
-// rows x [rows, cols] of `from` -> `to`, contiguous: widened to fp32 or rounded to bf16, as torch's
-// .float() / .to(torch.bfloat16) (cpu/gemm.py's fp32_rows, the GEMM output's conversion).
-void widen_rows(const Bf16* x, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = widen(x[i]);
-}
-void narrow_rows(const float* x, Bf16* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
-}
-
-}  // namespace
 
 void* DecoderStack::Scratch::at_least(int64_t n) {
   if (n > bytes) {
@@ -42,7 +30,7 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
   const auto fp32_x = [&]() -> const float* {
     if (!bf16) return static_cast<const float*>(x);
     auto* wide = static_cast<float*>(buffer(kX32, m * w.k * static_cast<int64_t>(sizeof(float))));
-    widen_rows(static_cast<const Bf16*>(x), wide, m * w.k);
+    widen_n(static_cast<const Bf16*>(x), wide, m * w.k);
     return wide;
   };
   if (w.kind == DecoderLinear::Kind::kQuant) {
@@ -82,14 +70,14 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
     const Bf16* rows = static_cast<const Bf16*>(x);
     if (!bf16) {  // fp32 rows rounded to bf16 (cpu/gemm.py's bf16_rows)
       auto* r = static_cast<Bf16*>(buffer(kXBf16, m * w.k * static_cast<int64_t>(sizeof(Bf16))));
-      narrow_rows(static_cast<const float*>(x), r, m * w.k);
+      narrow_n(static_cast<const float*>(x), r, m * w.k);
       rows = r;
     }
     gemm_bf16({rows, static_cast<const Bf16*>(w.packed), w.bias, out, m, w.n, w.k, w.k, w.n}, num_threads);
   } else {
     gemm({fp32_x(), w.packed, w.bias, out, m, w.n, w.k, w.k, w.n, w.packed_dtype, w.pairs}, num_threads);
   }
-  if (bf16) narrow_rows(out, static_cast<Bf16*>(y), m * w.n);
+  if (bf16) narrow_n(out, static_cast<Bf16*>(y), m * w.n);
 }
 
 void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_t m, int num_threads) {
@@ -99,7 +87,7 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
   const float* logits32 = static_cast<const float*>(logits);
   if (shape_.dtype == CpuDtype::kBFloat16) {
     auto* wide = static_cast<float*>(buffer(kLogits32, m * experts * static_cast<int64_t>(sizeof(float))));
-    widen_rows(static_cast<const Bf16*>(logits), wide, m * experts);
+    widen_n(static_cast<const Bf16*>(logits), wide, m * experts);
     logits32 = wide;
   }
   MoeLayerArgs layer = e.layer;

@@ -1,11 +1,11 @@
 // A decoder's layers on the CPU in one call per forward: for each layer the input RMSNorm (with the
 // residual add), the qkv projection, qkv_attention (q/k norm, rotary, K/V write, paged attention),
 // the output projection, the post-attention RMSNorm, then gate/up, SiLU-and-mul and down, or a
-// mixture of experts (the router, the experts' one call); then the final norm. Each step is the kernel the Python layers call (nanovllm/models/decoder.py),
-// with the same inputs rounded the same way, so the hidden states are the same bits; what one call
-// saves is the Python around ~12 kernel calls a layer (~0.15 ms a layer a step, most of a batch-1
-// decode step's time outside the kernels). nanovllm/models/cpu_stack.py builds it where a model's
-// layers all take these kernels.
+// mixture of experts (the router, the experts' one call); then the final norm. Each step is the
+// kernel the Python layers call (nanovllm/models/decoder.py), with the same inputs rounded the same
+// way, so the hidden states are the same bits; what one call saves is the Python around ~12 kernel
+// calls a layer (~0.15 ms a layer a step, most of a batch-1 decode step's time outside the
+// kernels). nanovllm/models/cpu_stack.py builds it where a model's layers all take these kernels.
 #pragma once
 
 #include <array>

@@ -28,6 +28,14 @@ inline int64_t dtype_bytes(CpuDtype dtype) { return dtype == CpuDtype::kBFloat16
 inline void narrow(float x, float* dst) { *dst = x; }
 inline void narrow(float x, Bf16* dst) { *dst = to_bf16(x); }
 
+// n contiguous values converted, as torch's .float() / .to(torch.bfloat16) convert a tensor.
+inline void widen_n(const Bf16* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = widen(x[i]);
+}
+inline void narrow_n(const float* x, Bf16* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+}
+
 // x as it would be stored in T: rounded to bf16 for T = Bf16, unchanged for float. Mirrors torch,
 // which rounds the result of every bf16 op. widen(to_bf16(x)) bit for bit, computed on the float's
 // bits in place: no narrowing to 16 bits and back, which vectorized as lane shuffles (the MoE

@@ -1,8 +1,8 @@
 #include "cpu_gemm_quant.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cassert>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -612,9 +612,7 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
   const bool int16 = int16_path(a, isa);
   if (a.x_bf16 != nullptr && !int16 && !bf16_dots(isa)) {
     wide.resize(a.m * a.k);
-    for (int64_t r = 0; r < a.m; ++r) {
-      for (int64_t i = 0; i < a.k; ++i) wide[r * a.k + i] = widen(a.x_bf16[r * a.x_stride + i]);
-    }
+    for (int64_t r = 0; r < a.m; ++r) widen_n(a.x_bf16 + r * a.x_stride, wide.data() + r * a.k, a.k);
     g.x = wide.data();
     g.x_bf16 = nullptr;
     g.x_stride = a.k;

@@ -8,8 +8,8 @@ batch-1 decode step's time outside the kernels).
 Mixture-of-experts layers run as the Python layer's one C++ call (the router's GEMM, then the
 experts). Where anything differs (tensor parallelism, oneDNN-packed or activation-order weights,
 experts the Python layer loops over, another attention backend, a norm of another epsilon) `build`
-returns None and the model runs its layers in Python. A step whose tensors the kernels do not take as they
-are does too (`run` returns None).
+returns None and the model runs its layers in Python. A step whose tensors the kernels do not take
+as they are does too (`run` returns None).
 """
 
 from __future__ import annotations
@@ -115,8 +115,7 @@ def build(layers: list[StackLayer], final_norm: RMSNorm) -> CpuStack | None:
             0 if layer.k_norm is None else layer.k_norm.weight.data_ptr(),
             inv_freq.data_ptr(), a.k_cache.data_ptr(), a.v_cache.data_ptr(), moe))
     stack = _cpu.DecoderStack(KERNEL_DTYPES[dtype], hidden, heads, kv_heads, dim, inter.pop() if inter else 1, eps,
-                              first.scale,
-                              k_shape[1], k_shape[0], out, final_norm.weight.data_ptr())
+                              first.scale, k_shape[1], k_shape[0], out, final_norm.weight.data_ptr())
     return CpuStack(stack, cache_key(layers), dtype, hidden, tuple(keep))
 
 
