@@ -32,10 +32,12 @@ constexpr int64_t kQuadMaxRows = 64;
 // prefetcher alone kept too few lines in flight. Asking 4 panels ahead read 24 int4 weights of the
 // Qwen3-shaped layers (41 MB, in turn) 1.08-1.12x faster in most of 10 runs, 1.00-1.25x in all
 // (Zen 5, one process; 8 ahead no better). int8, twice the bytes a panel, gained nothing and is
-// not asked for.
+// not asked for. The AVX2 int16 path asks a line per line it reads, inside its loop, and past its
+// last panel goes on into its first of the next slice: 1.14x faster on the Qwen3-shaped layers from
+// memory than asking a panel's lines at once at its start (Zen 3, 2 threads; 2 or 8 ahead the same).
 constexpr int64_t kPrefetchPanels = 4;
 
-// Every cache line of [begin, end) asked for into L2.
+// Every cache line of [begin, end) asked for into L2 (the AVX-512 bf16 path, a panel at a time).
 inline void prefetch_l2(const uint8_t* begin, const uint8_t* end) {
   for (const uint8_t* line = begin; line < end; line += 64) __builtin_prefetch(line, 0, 2);
 }
@@ -69,6 +71,43 @@ struct Segments {
 // per this many input columns.
 constexpr int64_t kInt16Block = 32;
 
+// One block of kInt16Block bf16 values as 16-bit integers times a power of two, returned (NaN where
+// the block holds a NaN or infinity: every output NaN, as in fp32), and their sum.
+float int16_block(const Bf16* x, int16_t* q, int32_t& sum) {
+  float most = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < kInt16Block; ++i) {
+    const float v = std::fabs(widen(x[i]));
+    finite = finite && v <= std::numeric_limits<float>::max();
+    most = std::max(most, v);
+  }
+  int e = 0;
+  std::frexp(most, &e);  // most < 2^e: x * 2^(15 - e) fits 16 bits
+  // x times a power of two is exact; rounded half away from zero, |q| < 2^15 + 1/2.
+  const float up = finite ? std::ldexp(1.0f, 15 - e) : 0.0f;
+  sum = 0;
+  for (int64_t i = 0; i < kInt16Block; ++i) {
+    const float v = widen(x[i]) * up;
+    q[i] = static_cast<int16_t>(std::clamp(static_cast<int32_t>(v + (v < 0.0f ? -0.5f : 0.5f)), -32767, 32767));
+    sum += q[i];
+  }
+  return finite ? std::ldexp(1.0f, e - 15) : std::numeric_limits<float>::quiet_NaN();
+}
+
+// Eight of a row's 16-bit integers in the order the int16 path's lanes take (RowPrep::xq).
+void int16_pairs(const int16_t* q, int32_t* out) {
+  const auto pair = [](int16_t lo, int16_t hi) {
+    return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
+                                static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+  };
+  for (int lane = 0; lane < 4; ++lane) {
+    out[lane] = pair(q[0], q[4]);
+    out[lane + 4] = pair(q[2], q[6]);
+    out[lane + 8] = pair(q[1], q[5]);
+    out[lane + 12] = pair(q[3], q[7]);
+  }
+}
+
 // What every panel's pass reads of the rows, made once per call.
 struct RowPrep {
   // Each row's sum of x over each segment, for the zero points of the in-register paths (the fp32
@@ -83,8 +122,9 @@ struct RowPrep {
   std::vector<uint16_t> quads;
   // On the int16 path, the bf16 row as 16-bit integers times a power of two per kInt16Block columns
   // (xq_scale): exact for every value within 2^7 of its block's largest, the rest within 2^-16 of it
-  // (a bf16 output rounds at 2^-9). Per 4 columns two 32-bit words, (x0, x2) and (x1, x3): the pairs
-  // the kernel's lanes take. xsum then sums these values.
+  // (a bf16 output rounds at 2^-9). Per 8 columns two registers' worth of 16-bit pairs, the pairs the
+  // kernel's lanes take: (x0, x4) four times then (x2, x6) four times, and (x1, x5), (x3, x7) the
+  // same. xsum then sums these values.
   std::vector<int32_t> xq;
   std::vector<float> xq_scale;
 
@@ -180,56 +220,119 @@ struct Isa {
 };
 #include "cpu_gemm_quant_tiles.h"
 
-// The int16 path (int16_path): one row of bf16 activations as RowPrep::xq against int4 panels. Four
-// depths of a panel are two of its 16-byte rows; a permute and a byte shuffle put each column's two
-// bytes in a 32-bit lane (columns 0-3 and 8-11 in one register, 4-7 and 12-15 in another), a mask
-// leaves the low nibbles (depths 0 and 2) as 16-bit integers, a shift and the mask the high ones
-// (1 and 3), and vpmaddwd multiplies each pair with the activations' and adds them: 17 operations
-// per 64 weights against the fp32 decode's 28 (1.2x the weights a core on Zen 3, one row). Sums of
-// a block of kInt16Block depths stay exact in int32 and are scaled into fp32 at the block's end.
+// RowPrep::xq of a bf16 row (k a multiple of kInt16Block): int16_block's integers, scales and sums.
+// Blocks whose largest value is normal and not tiny take this vector form of its rule (the scale
+// read off the largest value's exponent bits); the rest take int16_block itself.
+void int16_row(const Bf16* x, int64_t k, int32_t* xq, float* scale, int32_t* sums) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+  const __m256i spread_a = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), spread_b = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
+  const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+  const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+  for (int64_t b = 0; b < k / kInt16Block; ++b) {
+    const Bf16* xb = x + b * kInt16Block;
+    int32_t* out = xq + b * kInt16Block * 2;
+    const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))};
+    // The largest magnitude's bits: bf16 magnitudes order as integers.
+    const __m256i m16 = _mm256_max_epi16(_mm256_and_si256(h[0], magnitude), _mm256_and_si256(h[1], magnitude));
+    __m128i m = _mm_max_epi16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
+    m = _mm_max_epi16(m, _mm_srli_si128(m, 8));
+    m = _mm_max_epi16(m, _mm_srli_si128(m, 4));
+    m = _mm_max_epi16(m, _mm_srli_si128(m, 2));
+    const int exponent = _mm_extract_epi16(m, 0) >> 7;  // biased; the largest value < 2^(exponent - 126)
+    if (exponent < 15 || exponent > 254) {  // zero, tiny, infinite or NaN
+      int16_t q[kInt16Block];
+      scale[b] = int16_block(xb, q, sums[b]);
+      for (int64_t d = 0; d < kInt16Block; d += 8) int16_pairs(q + d, out + 2 * d);
+      continue;
+    }
+    scale[b] = std::bit_cast<float>(static_cast<uint32_t>(exponent - 14) << 23);  // 2^(e - 15), e as frexp's
+    const __m256 up = _mm256_castsi256_ps(_mm256_set1_epi32((268 - exponent) << 23));  // 2^(15 - e)
+    __m256i sum = _mm256_setzero_si256();
+    for (int v = 0; v < kInt16Block / 8; ++v) {
+      const __m128i bf = v % 2 == 0 ? _mm256_castsi256_si128(h[v / 2]) : _mm256_extracti128_si256(h[v / 2], 1);
+      const __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf), 16)), up);
+      __m256i q = _mm256_cvttps_epi32(_mm256_add_ps(y, _mm256_or_ps(_mm256_and_ps(y, sign), half)));
+      q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
+      sum = _mm256_add_epi32(sum, q);
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      const __m256i pairs = _mm256_castsi128_si256(_mm_unpacklo_epi16(q16, _mm_srli_si128(q16, 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), _mm256_permutevar8x32_epi32(pairs, spread_a));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v + 8), _mm256_permutevar8x32_epi32(pairs, spread_b));
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 8));
+    s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 4));
+    sums[b] = _mm_cvtsi128_si32(s4);
+  }
+}
+
+// Columns (0, 2, 4, 6) and (1, 3, 5, 7), summed over both halves, as columns 0-7 in order.
+inline __m256 in_order(__m256 even, __m256 odd) {
+  const __m128 e = _mm_add_ps(_mm256_castps256_ps128(even), _mm256_extractf128_ps(even, 1));
+  const __m128 o = _mm_add_ps(_mm256_castps256_ps128(odd), _mm256_extractf128_ps(odd, 1));
+  return _mm256_set_m128(_mm_unpackhi_ps(e, o), _mm_unpacklo_ps(e, o));
+}
+
+// The int16 path (int16_path): one row of bf16 activations as RowPrep::xq against int4 panels. Eight
+// depths of a panel are four of its 16-byte rows, two registers A (rows j, j + 1) and B (j + 2, j + 3);
+// interleaving their 16-bit words puts two bytes of one column pair in each 32-bit lane, rows j and
+// j + 2 in the low half, j + 1 and j + 3 in the high half. Masks and shifts leave each nibble of those
+// bytes as a 16-bit integer in place (the even column's high nibble kept 16 times over, its sums
+// scaled back at the block's end), and vpmaddwd multiplies each pair with the activations' and adds
+// them: 14 operations per 64 weights and no byte shuffles (with a byte shuffle per 32 weights, 17
+// operations: 1.3x the weights a core, one row in L2, Zen 3). Sums of a block of kInt16Block depths
+// stay exact in int32 and are scaled into fp32 at the block's end; the two halves' depths and the
+// column pairs are put back in order at the segment's end.
 void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
-  const __m256i mask = _mm256_set1_epi32(0x000f000f);
-  // After the permute a lane holds [row j columns c..c+7 | row j + 1 the same columns]; the shuffle
-  // takes byte c of each row into a column's 32-bit lane (-1: a zero byte).
-  const __m256i spread_lo = _mm256_setr_epi8(0, -1, 8, -1, 1, -1, 9, -1, 2, -1, 10, -1, 3, -1, 11, -1, 0, -1, 8, -1, 1,
-                                             -1, 9, -1, 2, -1, 10, -1, 3, -1, 11, -1);
-  const __m256i spread_hi = _mm256_setr_epi8(4, -1, 12, -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1, 15, -1, 4, -1, 12,
-                                             -1, 5, -1, 13, -1, 6, -1, 14, -1, 7, -1, 15, -1);
-  // acc += the products of 4 depths of each column lane: its low nibbles with (x0, x2), its high ones
-  // with (x1, x3).
-  const auto dot4 = [&mask](__m256i& acc, __m256i lanes, __m256i x02, __m256i x13) {
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_and_si256(lanes, mask), x02));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi32(lanes, 4), mask), x13));
+  const __m256i low = _mm256_set1_epi16(0x000f), high = _mm256_set1_epi16(0x00f0);
+  // Lanes holding the column pair (c, c + 1) at depths d and d + 4 (d + 2 and d + 6 in the high half):
+  // the even column's nibbles times xa (low) and xb (high, times 16), the odd one's the same.
+  const auto dot8 = [&](__m256i t, __m256i& even, __m256i& even16, __m256i& odd, __m256i xa, __m256i xb) {
+    even = _mm256_add_epi32(even, _mm256_madd_epi16(_mm256_and_si256(t, low), xa));
+    even16 = _mm256_add_epi32(even16, _mm256_madd_epi16(_mm256_and_si256(t, high), xb));
+    odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 8), low), xa));
+    odd = _mm256_add_epi32(odd, _mm256_madd_epi16(_mm256_srli_epi16(t, 12), xb));
+    // Left to itself GCC reassociates the unrolled sums, holding every product first, and spills.
+    asm("" : "+x"(even), "+x"(even16), "+x"(odd));
   };
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     const int64_t panel_bytes = std::min(kQuantKc, a.k - k0) * kGemmPanel / 2;
-    const uint8_t* end = a.packed + slice_bytes(panels, a.k, p0, k0, 4) + (p1 - p0) * panel_bytes;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, a.k, p, k0, 4);
-      const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
-      prefetch_l2(ahead, std::min(end, w + (kPrefetchPanels + 1) * panel_bytes));
+      // The panel kPrefetchPanels on in this thread's order (into the next slice past p1), or itself.
+      const int64_t on = p + kPrefetchPanels;
+      const uint8_t* ahead = on < p1 ? w + kPrefetchPanels * panel_bytes
+                             : k0 + kQuantKc < a.k ? a.packed + slice_bytes(panels, a.k, p0 + on - p1, k0 + kQuantKc, 4)
+                                                   : w;
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
-        __m256 f_lo = _mm256_setzero_ps(), f_hi = _mm256_setzero_ps();  // columns 0-3 | 8-11, 4-7 | 12-15
+        // Columns 0-7 and 8-15: even and odd ones.
+        __m256 f_even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        __m256 f_odd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += kInt16Block) {
           const uint8_t* wb = w + (b0 - k0) / 2 * kGemmPanel;
-          const int32_t* xb = rows.xq.data() + b0 / 2;
-          // Two sets of sums, even and odd steps, so that consecutive steps do not wait on each other.
-          __m256i lo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-          __m256i hi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-#pragma GCC unroll 8
-          for (int st = 0; st < kInt16Block / 4; ++st) {
-            const __m256i rows2 = _mm256_permute4x64_epi64(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 2 * kGemmPanel * st)), 0xd8);
-            const __m256i x02 = _mm256_set1_epi32(xb[2 * st]), x13 = _mm256_set1_epi32(xb[2 * st + 1]);
-            dot4(lo[st % 2], _mm256_shuffle_epi8(rows2, spread_lo), x02, x13);
-            dot4(hi[st % 2], _mm256_shuffle_epi8(rows2, spread_hi), x02, x13);
+          const uint8_t* pb = ahead + (b0 - k0) / 2 * kGemmPanel;
+          const __m256i* xb = reinterpret_cast<const __m256i*>(rows.xq.data()) + b0 / 4;
+          __m256i even0 = _mm256_setzero_si256(), even16_0 = even0, odd0 = even0;
+          __m256i even1 = even0, even16_1 = even0, odd1 = even0;
+#pragma GCC unroll 4
+          for (int st = 0; st < kInt16Block / 8; ++st) {
+            __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+            const __m256i rows_a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 4 * kGemmPanel * st));
+            const __m256i rows_b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 4 * kGemmPanel * st + 32));
+            const __m256i xa = _mm256_loadu_si256(xb + 2 * st), xh = _mm256_loadu_si256(xb + 2 * st + 1);
+            dot8(_mm256_unpacklo_epi16(rows_a, rows_b), even0, even16_0, odd0, xa, xh);
+            dot8(_mm256_unpackhi_epi16(rows_a, rows_b), even1, even16_1, odd1, xa, xh);
           }
           const __m256 scale = _mm256_set1_ps(rows.xq_scale[b0 / kInt16Block]);
-          f_lo = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(lo[0], lo[1])), f_lo);
-          f_hi = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(hi[0], hi[1])), f_hi);
+          const auto add = [&scale](__m256& f, __m256i sums) { f = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), f); };
+          add(f_even[0], _mm256_add_epi32(even0, _mm256_srai_epi32(even16_0, 4)));
+          add(f_even[1], _mm256_add_epi32(even1, _mm256_srai_epi32(even16_1, 4)));
+          add(f_odd[0], odd0);
+          add(f_odd[1], odd1);
         }
-        const V acc[1][kVecs] = {{_mm256_permute2f128_ps(f_lo, f_hi, 0x20), _mm256_permute2f128_ps(f_lo, f_hi, 0x31)}};
+        const V acc[1][kVecs] = {{in_order(f_even[0], f_odd[0]), in_order(f_even[1], f_odd[1])}};
         finish_segment<1>(a, segs, p, sg, acc, rows.xsum.data(), a.y);
       }
     }
@@ -490,41 +593,14 @@ namespace {
 
 RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16) {
   if (int16) {
-    xq.resize(a.k / 2);
+    xq.resize(a.k * 2);
     xq_scale.resize(a.k / kInt16Block);
+    std::vector<int32_t> sums(a.k / kInt16Block);
+    quant_avx2::int16_row(a.x_bf16, a.k, xq.data(), xq_scale.data(), sums.data());
     xsum.assign(segs.count(), 0.0f);
-    int64_t sg = 0;
-    for (int64_t b = 0; b < a.k / kInt16Block; ++b) {
-      const Bf16* x = a.x_bf16 + b * kInt16Block;
-      float most = 0.0f;
-      bool finite = true;  // a NaN or infinity makes the block's scale NaN: every output NaN, as in fp32
-      for (int64_t i = 0; i < kInt16Block; ++i) {
-        const float v = std::fabs(widen(x[i]));
-        finite = finite && v <= std::numeric_limits<float>::max();
-        most = std::max(most, v);
-      }
-      int e = 0;
-      std::frexp(most, &e);  // most < 2^e: x * 2^(15 - e) fits 16 bits
-      xq_scale[b] = finite ? std::ldexp(1.0f, e - 15) : std::numeric_limits<float>::quiet_NaN();
-      // x times a power of two is exact; rounded half away from zero, |q| < 2^15 + 1/2.
-      const float up = finite ? std::ldexp(1.0f, 15 - e) : 0.0f;
-      int16_t q[kInt16Block];
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kInt16Block; ++i) {
-        const float v = widen(x[i]) * up;
-        q[i] = static_cast<int16_t>(std::clamp(static_cast<int32_t>(v + (v < 0.0f ? -0.5f : 0.5f)), -32767, 32767));
-        sum += q[i];
-      }
-      const auto pair = [](int16_t lo, int16_t hi) {
-        return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
-                                    static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
-      };
-      for (int64_t j = 0; j < kInt16Block / 4; ++j) {
-        xq[b * kInt16Block / 2 + 2 * j] = pair(q[4 * j], q[4 * j + 2]);
-        xq[b * kInt16Block / 2 + 2 * j + 1] = pair(q[4 * j + 1], q[4 * j + 3]);
-      }
+    for (int64_t b = 0, sg = 0; b < a.k / kInt16Block; ++b) {
       while (segs.start[sg + 1] <= b * kInt16Block) ++sg;
-      xsum[sg] += xq_scale[b] * static_cast<float>(sum);
+      xsum[sg] += xq_scale[b] * static_cast<float>(sums[b]);
     }
     return;
   }

@@ -139,6 +139,8 @@ def test_one_bf16_row_of_int4_as_16_bit_integers() -> None:
         p = cpu_kernel.pack(w)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         x[0, 3] = 300.0
+        x[0, 32:64] = 0.0  # blocks of zeros and of tiny values take the scalar rule, the rest its vector form
+        x[0, 64:96] *= 1e-37
         y = torch.empty(1, n)
         int16_call(x, p, y)
         expected = reference(x.float(), w, None).double()
@@ -160,6 +162,29 @@ def test_one_bf16_row_of_int4_as_16_bit_integers() -> None:
         y = torch.empty(1, 24)
         int16_call(x, p, y)
         assert torch.equal(y, cpu_kernel.linear(x.float(), p, None)), k
+
+
+@pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
+def test_int16_rows_round_half_away_from_zero() -> None:
+    """The int16 path's activations: each block's values as multiples of 2^(e - 15) (e the frexp
+    exponent of the block's largest magnitude) rounded half away from zero, the rule written here in
+    float64. Most values lie ~2^-12 below their block's largest, so every one of them rounds."""
+    k, n = 512, 24
+    w = random_quantized(n, k, 4, 128, symmetric=False, seed=5)
+    p = cpu_kernel.pack(w)
+    g = torch.Generator().manual_seed(5)
+    largest = torch.ldexp(torch.ones(k // 32), torch.randint(-6, 6, (k // 32,), generator=g))
+    x = torch.randn(k // 32, 32, generator=g) * 2.0**-12 * largest[:, None]
+    x[:, 7] = largest * torch.where(torch.rand(k // 32, generator=g) < 0.5, -1.0, 1.0)
+    x = x.reshape(1, k).to(torch.bfloat16)
+    blocks = x.double().reshape(-1, 32)
+    step = torch.ldexp(torch.ones(k // 32, dtype=torch.float64), torch.frexp(blocks.abs().amax(dim=1).float()).exponent - 15)
+    q = torch.trunc(blocks / step[:, None] + 0.5 * torch.sign(blocks)).clamp(-32767, 32767)
+    expected = F.linear((q * step[:, None]).reshape(1, k), w.dequantize(torch.float64))
+    y = torch.empty(1, n)
+    int16_call(x, p, y)
+    scale = F.linear(x.double().abs(), w.dequantize(torch.float64).abs())
+    assert ((y.double() - expected).abs() <= 1e-6 * scale).all()
 
 
 GUARDED_ROWS = """
