@@ -27,14 +27,15 @@ constexpr int64_t kQuantMc = 144;
 constexpr int64_t kMaxDirectRows = 12;
 // The most rows the bf16 int4 path reorders for two steps a decode (RowPrep::quads): a decode batch.
 constexpr int64_t kQuadMaxRows = 64;
-// How far ahead the bf16 int4 path asks for its panels' weights (2 KB each a slice). At one row a
-// core read int4 weights from memory at 8-13 GB/s, half its rate on cached ones: the hardware
-// prefetcher alone kept too few lines in flight. Asking 4 panels ahead read 24 int4 weights of the
-// Qwen3-shaped layers (41 MB, in turn) 1.08-1.12x faster in most of 10 runs, 1.00-1.25x in all
-// (Zen 5, one process; 8 ahead no better). int8, twice the bytes a panel, gained nothing and is
-// not asked for. The AVX2 int16 path asks a line per line it reads, inside its loop, and past its
-// last panel goes on into its first of the next slice: 1.14x faster on the Qwen3-shaped layers from
-// memory than asking a panel's lines at once at its start (Zen 3, 2 threads; 2 or 8 ahead the same).
+// How far ahead, in panels, a one-row pass asks for its weights. At one row a core read int4 weights
+// from memory at 8-13 GB/s, half its rate on cached ones: the hardware prefetcher alone kept too few
+// lines in flight. The AVX-512 bf16 path asks for a panel's lines at its start (24 int4 weights of the
+// Qwen3-shaped layers, 41 MB in turn, 1.00-1.25x faster, Zen 5; 8 ahead no better). The fp32
+// in-register path (one row) and the AVX2 int16 path ask a line per line they read, inside their
+// loops, going on past the thread's last panel into its first of the next slice (panel_ahead): from
+// memory on Zen 3 (2 threads) the int16 int4 path read the Qwen3-shaped layers 1.14x faster than
+// when asking at a panel's start, the fp32 path's int8 1.23x faster than with none (asking at a
+// panel's start: 0.81-0.89x); 2 or 8 ahead the same.
 constexpr int64_t kPrefetchPanels = 4;
 
 // Every cache line of [begin, end) asked for into L2 (the AVX-512 bf16 path, a panel at a time).
@@ -48,6 +49,16 @@ int64_t padded_depth(int64_t k, int bits) { return bits == 4 ? (k + 1) / 2 * 2 :
 // Where panel p's slice at depth k0 begins, in bytes (k0 and every slice depth even for int4).
 int64_t slice_bytes(int64_t panels, int64_t kp, int64_t p, int64_t k0, int bits) {
   return (k0 * panels + p * std::min(kQuantKc, kp - k0)) * kGemmPanel * bits / 8;
+}
+
+// Where a one-row pass over panels [p0, p1) of each slice in turn asks ahead while at panel p of the
+// slice at k0: kPrefetchPanels panels on in that order (past p1 into the next slice's), or p itself
+// at the weight's end.
+const uint8_t* panel_ahead(const QuantGemmArgs& a, int64_t k0, int64_t p, int64_t p0, int64_t p1) {
+  const int64_t panels = gemm_panels(a.n), kp = padded_depth(a.k, a.bits), on = p + kPrefetchPanels;
+  if (on < p1) return a.packed + slice_bytes(panels, kp, on, k0, a.bits);
+  if (k0 + kQuantKc < a.k) return a.packed + slice_bytes(panels, kp, p0 + std::min(on - p1, p1 - p0 - 1), k0 + kQuantKc, a.bits);
+  return a.packed + slice_bytes(panels, kp, p, k0, a.bits);
 }
 
 // The input-column ranges that lie in one group and one slice, in order; first[s] is slice s's first.
@@ -298,14 +309,9 @@ void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& r
     asm("" : "+x"(even), "+x"(even16), "+x"(odd));
   };
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
-    const int64_t panel_bytes = std::min(kQuantKc, a.k - k0) * kGemmPanel / 2;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, a.k, p, k0, 4);
-      // The panel kPrefetchPanels on in this thread's order (into the next slice past p1), or itself.
-      const int64_t on = p + kPrefetchPanels;
-      const uint8_t* ahead = on < p1 ? w + kPrefetchPanels * panel_bytes
-                             : k0 + kQuantKc < a.k ? a.packed + slice_bytes(panels, a.k, p0 + on - p1, k0 + kQuantKc, 4)
-                                                   : w;
+      const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
         // Columns 0-7 and 8-15: even and odd ones.
         __m256 f_even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};

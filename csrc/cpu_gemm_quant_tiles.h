@@ -56,7 +56,8 @@ constexpr int kSets = std::clamp(8 / (R * kVecs), 1, 4);
 // the terms they sum to: on random inputs the result's error grew 2-4x (to ~5e-6 of its largest
 // value in fp32; a bf16 output rounds at 4e-3).
 template <int R, int Bits>
-inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t len, V (*acc)[kVecs]) {
+inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, const uint8_t* ahead, int64_t len,
+                        V (*acc)[kVecs]) {
   constexpr int S = kSets<R>;
   constexpr int kStep = Bits == 8 ? 1 : 2;  // input columns per 16 bytes of weights
   V part[S][R][kVecs];
@@ -86,6 +87,8 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, int64_t l
   const int64_t steps = len / kStep;
   int64_t i = 0;
   for (; i + S <= steps; i += S) {
+    // One row reads a line of weights per 4 steps: the line as far ahead in the pass (panel_ahead).
+    if constexpr (R == 1 && S == 4) __builtin_prefetch(ahead + i * kGemmPanel, 0, 2);
 #pragma GCC unroll 4
     for (int t = 0; t < S; ++t) step(i + t, part[t]);
   }
@@ -140,14 +143,15 @@ template <int R>
 // segment (finish_segment at each one's end).
 template <int R, int Bits>
 void direct_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p, int64_t k0, const uint8_t* w,
-                  const float* x, int64_t ldx, const float* xsum, float* y) {
+                  const uint8_t* ahead, const float* x, int64_t ldx, const float* xsum, float* y) {
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
     const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
     V acc[R][kVecs];
     for (int r = 0; r < R; ++r) {
       for (int v = 0; v < kVecs; ++v) acc[r][v] = Isa::zero();
     }
-    dot_segment<R, Bits>(x + s0, ldx, w + (s0 - k0) * kGemmPanel * Bits / 8, len, acc);
+    const int64_t at = (s0 - k0) * kGemmPanel * Bits / 8;
+    dot_segment<R, Bits>(x + s0, ldx, w + at, ahead + at, len, acc);
     finish_segment<R>(a, segs, p, sg, acc, xsum, y);
   }
 }
@@ -242,8 +246,9 @@ void panels_direct(const QuantGemmArgs& a, const Segments& segs, const RowPrep& 
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
+      const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
       row_tiles<Isa::direct_tile_rows(Bits)>(a.m, [&]<int R>(int64_t, int64_t r) {
-        direct_slice<R, Bits>(a, segs, slice, p, k0, w, x + r * ldx, ldx, rows.xsum.data() + r * segs.count(),
+        direct_slice<R, Bits>(a, segs, slice, p, k0, w, ahead, x + r * ldx, ldx, rows.xsum.data() + r * segs.count(),
                               a.y + r * a.y_stride);
       });
     }
