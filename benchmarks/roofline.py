@@ -7,7 +7,9 @@ bandwidth-bound at batch 1, compute-bound once enough rows share each weight; on
 AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This script
 
 1. measures the read bandwidth with the engine's threads (torch.get_num_threads()): the best of a
-   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are), and the GEMM
+   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are), taken again
+   right before each variant and batch is timed (a shared VM's bandwidth drifts by tens of percent
+   within minutes, and a floor from another minute's bandwidth misstates the step), and the GEMM
    rate: the best of a few bf16 [256, 1024] x [1024, 6144] products on the kernel the engine runs
    such a layer on (cpu/gemm.py's choice for this CPU);
 2. counts the bytes a decode step must read: each linear layer's weight at its stored precision
@@ -126,7 +128,7 @@ def gemm_rate(repeats: int = 5) -> float:
 
 
 def run_variant(model: str, variant: str, batches: list[int], args: argparse.Namespace,
-                bandwidth: float, rate: float) -> list[dict[str, Any]]:
+                probe: torch.Tensor, rate: float) -> list[dict[str, Any]]:
     max_batch = max(batches)
     llm = LLM(model, dtype="bfloat16", quantization=VARIANTS[variant], max_num_seqs=max_batch,
               max_model_len=args.context + args.steps * (args.repeats + 2) + 64, kv_cache_memory_bytes=2 << 30)
@@ -141,6 +143,7 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
         budget = engine.config.max_num_batched_tokens
         for _ in range(2 + -(-batch * args.context // budget)):  # prefill, then decode only
             engine.step()
+        bandwidth = read_bandwidth(probe, repeats=3)
         walls = []
         for _ in range(args.repeats):
             start = time.perf_counter()
@@ -167,7 +170,8 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
         read_ms = {k: 1000 * v / bandwidth for k, v in nbytes.items()}
         compute_ms = {k: 1000 * v / rate for k, v in flops.items()}
         floor_ms = {k: max(read_ms[k], compute_ms[k]) for k in nbytes}
-        rows.append({"variant": variant, "batch": batch, "step_ms": step_ms, "tok_s": batch / step_ms * 1000,
+        rows.append({"variant": variant, "batch": batch, "bandwidth_bytes_s": bandwidth, "step_ms": step_ms,
+                     "tok_s": batch / step_ms * 1000,
                      "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "flops": flops, "parts_ms": parts_ms,
                      "floor_parts_ms": floor_ms, "read_floor_parts_ms": read_ms,
                      "compute_floor_parts_ms": compute_ms, "profiled_step_ms": totals["step"]})
@@ -188,7 +192,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         p = r["parts_ms"]
         table.append({
-            "variant": r["variant"], "batch": r["batch"], "tok/s": f"{r['tok_s']:.1f}",
+            "variant": r["variant"], "batch": r["batch"], "GB/s": f"{r['bandwidth_bytes_s'] / 1e9:.1f}",
+            "tok/s": f"{r['tok_s']:.1f}",
             "step ms (floor, %)": f"{r['step_ms']:.2f} ({r['floor_ms']:.2f}, {pct(r['floor_ms'], r['step_ms'])})",
             "MB read": f"{sum(r['bytes'].values()) / 1e6:.0f}",
             "GEMMs ms (floor)": part(r, "gemm"),
@@ -209,13 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants takes {', '.join(VARIANTS)}, got {v!r}")
-    bandwidth = read_bandwidth(torch.ones(1 << 28, dtype=torch.float32))  # 1 GiB
+    probe = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    bandwidth = read_bandwidth(probe)
     rate = gemm_rate()
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
-          f"read bandwidth: {bandwidth / 1e9:.1f} GB/s; bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; parts timed under "
-          "the profiler, the step without it; a part's floor is the larger of its bytes over the bandwidth and its "
-          "FLOPs over the GEMM rate (bw / compute: which), its % that floor over its time")
-    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, bandwidth, rate)]
+          f"read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s (each row's: GB/s, probed before its steps); "
+          f"bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; parts timed under the profiler, the step without it; a part's "
+          "floor is the larger of its bytes over the row's bandwidth and its FLOPs over the GEMM rate (bw / compute: "
+          "which), its % that floor over its time")
+    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, probe, rate)]
     print_rows(rows)
     if args.json is not None:
         write_json(args.json, {"model": args.model, "context": args.context, "threads": torch.get_num_threads(),
