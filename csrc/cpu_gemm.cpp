@@ -28,10 +28,11 @@ constexpr int64_t kPrefetchSlices = 2;
 // Below a full tile of rows the AVX-512 pair tiles stream the weights past a few multiply-adds each,
 // and the hardware prefetcher alone read them faster: the software prefetch then took 15-37% off the
 // GEMM's read rate at 1-8 rows (Zen 4, fp32 and bf16 pairs, weights from DRAM). From 12 rows it pays
-// (up to 24% at 16 rows with the weights in L3). The AVX2 tiles (WidenedTiles) ask at every row count:
-// on Zen 3 their one-row bf16 GEMMs from memory ran 1.24-1.32x faster with it (the LM head's 65.5 MB
-// at 46 GB/s, 35 without), 1.18-1.22x at 4 rows, 1.08-1.14x at 8; fp32 1.16-1.36x, the LM head even.
-constexpr int64_t kPairsPrefetchMinRows = 12;
+// (up to 24% at 16 rows with the weights in L3). The AVX2 tiles on bf16 weights ask at every row
+// count: on Zen 3 the Qwen3-shaped layers' one-row GEMMs ran 1.24-1.32x faster with it alone, 1.18-1.22x
+// at 4 rows, 1.08-1.14x at 8, and the engine's bf16 batch-1 step 1.07x (its MoE twin's 1.18x); on fp32
+// weights the engine's steps ran 0.89-0.95x with it, and they keep the threshold.
+constexpr int64_t kPrefetchMinRows = 12;
 
 // Where the kc slice starting at input column k0 of panel p begins in the packed weight.
 int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
@@ -75,7 +76,7 @@ struct WidenedTiles {
   static constexpr int kRows = 6;  // 6 x 16 outputs: 12 of the 16 ymm registers
   static constexpr int kUnit = 1;
   static constexpr int kPanels = 1;
-  static constexpr int64_t kPrefetchMinRows = 1;
+  static constexpr int64_t kPrefetchFromRows = std::is_same_v<TW, Bf16> ? 1 : kPrefetchMinRows;
 
   template <int R, int P>
   static NANOVLLM_AVX2 void tile(const float* a, const TW* b, int64_t kc, float* c, int64_t ldc,
@@ -148,7 +149,7 @@ struct Bf16PairTiles {
   static constexpr int kRows = 12;
   static constexpr int kUnit = 2;  // a k pair
   static constexpr int kPanels = 2;
-  static constexpr int64_t kPrefetchMinRows = kPairsPrefetchMinRows;
+  static constexpr int64_t kPrefetchFromRows = kPrefetchMinRows;
 
   // P panels starting at an even one, their slices interleaved k pair by k pair (pack_typed);
   // `cols` counts the columns of all. The prefetch region may span P slices.
@@ -194,7 +195,7 @@ struct Fp32PairTiles {
   static constexpr int kRows = 12;
   static constexpr int kUnit = 1;
   static constexpr int kPanels = 2;
-  static constexpr int64_t kPrefetchMinRows = kPairsPrefetchMinRows;
+  static constexpr int64_t kPrefetchFromRows = kPrefetchMinRows;
 
   template <int R, int P>
   static NANOVLLM_AVX512F void tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc,
@@ -346,7 +347,7 @@ void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
         const float* bias = a.bias == nullptr ? nullptr : a.bias + col0;
         // The prefetch covers the next tile's np slices, as far as the packed weight goes.
         const int64_t left = a.packed + panels * a.k * kGemmPanel - next;
-        const int64_t next_all = mc < Tiles::kPrefetchMinRows ? 0 : std::min(next_rows * np, left / kGemmPanel);
+        const int64_t next_all = mc < Tiles::kPrefetchFromRows ? 0 : std::min(next_rows * np, left / kGemmPanel);
         panels_rows<Tiles>(np, xs, mc, b, kc, c, a.y_stride, cols, k0 > 0, bias, next, next_all);
       }
     }
