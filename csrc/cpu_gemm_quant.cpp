@@ -78,8 +78,8 @@ struct Segments {
   }
 };
 
-// The one-row int4 path on bf16 activations without AVX512-BF16 (int16_path): a power-of-two scale
-// per this many input columns.
+// The one-row path on bf16 activations without AVX512-BF16 (int16_path): a power-of-two scale per
+// this many input columns.
 constexpr int64_t kInt16Block = 32;
 
 // One block of kInt16Block bf16 values as 16-bit integers times a power of two, returned (NaN where
@@ -105,7 +105,7 @@ float int16_block(const Bf16* x, int16_t* q, int32_t& sum) {
   return finite ? std::ldexp(1.0f, e - 15) : std::numeric_limits<float>::quiet_NaN();
 }
 
-// Eight of a row's 16-bit integers in the order the int16 path's lanes take (RowPrep::xq).
+// Eight of a row's 16-bit integers in the order the int4 int16 path's lanes take (RowPrep::xq).
 void int16_pairs(const int16_t* q, int32_t* out) {
   const auto pair = [](int16_t lo, int16_t hi) {
     return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
@@ -133,9 +133,9 @@ struct RowPrep {
   std::vector<uint16_t> quads;
   // On the int16 path, the bf16 row as 16-bit integers times a power of two per kInt16Block columns
   // (xq_scale): exact for every value within 2^7 of its block's largest, the rest within 2^-16 of it
-  // (a bf16 output rounds at 2^-9). Per 8 columns two registers' worth of 16-bit pairs, the pairs the
-  // kernel's lanes take: (x0, x4) four times then (x2, x6) four times, and (x1, x5), (x3, x7) the
-  // same. xsum then sums these values.
+  // (a bf16 output rounds at 2^-9). For int4, per 8 columns two registers' worth of 16-bit pairs,
+  // the pairs the kernel's lanes take: (x0, x4) four times then (x2, x6) four times, and (x1, x5),
+  // (x3, x7) the same; for int8 the integers in order. xsum then sums these values.
   std::vector<int32_t> xq;
   std::vector<float> xq_scale;
 
@@ -231,17 +231,18 @@ struct Isa {
 };
 #include "cpu_gemm_quant_tiles.h"
 
-// RowPrep::xq of a bf16 row (k a multiple of kInt16Block): int16_block's integers, scales and sums.
-// Blocks whose largest value is normal and not tiny take this vector form of its rule (the scale
-// read off the largest value's exponent bits); the rest take int16_block itself.
-void int16_row(const Bf16* x, int64_t k, int32_t* xq, float* scale, int32_t* sums) {
+// RowPrep::xq of a bf16 row (k a multiple of kInt16Block): int16_block's integers, scales and sums,
+// in int16_pairs' order for int4 (bits 4), in order for int8. Blocks whose largest value is normal
+// and not tiny take this vector form of its rule (the scale read off the largest value's exponent
+// bits); the rest take int16_block itself.
+void int16_row(const Bf16* x, int64_t k, int bits, int32_t* xq, float* scale, int32_t* sums) {
   const __m256i magnitude = _mm256_set1_epi16(0x7fff);
   const __m256i spread_a = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), spread_b = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
   const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
   const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
   for (int64_t b = 0; b < k / kInt16Block; ++b) {
     const Bf16* xb = x + b * kInt16Block;
-    int32_t* out = xq + b * kInt16Block * 2;
+    int32_t* out = bits == 4 ? xq + b * kInt16Block * 2 : xq + b * kInt16Block / 2;
     const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)),
                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))};
     // The largest magnitude's bits: bf16 magnitudes order as integers.
@@ -254,7 +255,11 @@ void int16_row(const Bf16* x, int64_t k, int32_t* xq, float* scale, int32_t* sum
     if (exponent < 15 || exponent > 254) {  // zero, tiny, infinite or NaN
       int16_t q[kInt16Block];
       scale[b] = int16_block(xb, q, sums[b]);
-      for (int64_t d = 0; d < kInt16Block; d += 8) int16_pairs(q + d, out + 2 * d);
+      if (bits == 4) {
+        for (int64_t d = 0; d < kInt16Block; d += 8) int16_pairs(q + d, out + 2 * d);
+      } else {
+        std::memcpy(out, q, sizeof(q));
+      }
       continue;
     }
     scale[b] = std::bit_cast<float>(static_cast<uint32_t>(exponent - 14) << 23);  // 2^(e - 15), e as frexp's
@@ -267,6 +272,10 @@ void int16_row(const Bf16* x, int64_t k, int32_t* xq, float* scale, int32_t* sum
       q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
       sum = _mm256_add_epi32(sum, q);
       const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      if (bits != 4) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * v), q16);
+        continue;
+      }
       const __m256i pairs = _mm256_castsi128_si256(_mm_unpacklo_epi16(q16, _mm_srli_si128(q16, 8)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), _mm256_permutevar8x32_epi32(pairs, spread_a));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v + 8), _mm256_permutevar8x32_epi32(pairs, spread_b));
@@ -339,6 +348,54 @@ void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& r
           add(f_odd[1], odd1);
         }
         const V acc[1][kVecs] = {{in_order(f_even[0], f_odd[0]), in_order(f_even[1], f_odd[1])}};
+        finish_segment<1>(a, segs, p, sg, acc, rows.xsum.data(), a.y);
+      }
+    }
+  }
+}
+
+// A panel row of int8 weights as 16 16-bit integers.
+inline __m256i widened(const uint8_t* row) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+}
+
+// The int16 path for int8 panels: two rows (depths d, d + 1) widened to 16-bit integers and their
+// words interleaved put a column's two weights in a 32-bit lane (columns 0-3 and 8-11 in one
+// register, 4-7 and 12-15 in the other), multiplied with the pair (x_d, x_d+1) by vpmaddwd: 8
+// operations per 32 weights against the fp32 decode's 12, for when the weights arrive faster than
+// the fp32 decode takes them.
+void panels_int16_int8(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
+  const int64_t panels = gemm_panels(a.n);
+  for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* w = a.packed + slice_bytes(panels, a.k, p, k0, 8);
+      const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
+      for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
+        __m256 f_lo = _mm256_setzero_ps(), f_hi = _mm256_setzero_ps();  // columns 0-3 | 8-11, 4-7 | 12-15
+        for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += kInt16Block) {
+          const uint8_t* wb = w + (b0 - k0) * kGemmPanel;
+          const uint8_t* pb = ahead + (b0 - k0) * kGemmPanel;
+          const int32_t* xb = rows.xq.data() + b0 / 2;
+          __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+#pragma GCC unroll 4
+          for (int st = 0; st < kInt16Block / 4; ++st) {
+            __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+            const uint8_t* r = wb + 4 * kGemmPanel * st;
+            const __m256i w0 = widened(r), w1 = widened(r + kGemmPanel);
+            const __m256i w2 = widened(r + 2 * kGemmPanel), w3 = widened(r + 3 * kGemmPanel);
+            const __m256i x01 = _mm256_set1_epi32(xb[2 * st]), x23 = _mm256_set1_epi32(xb[2 * st + 1]);
+            lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(_mm256_unpacklo_epi16(w0, w1), x01));
+            hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(_mm256_unpackhi_epi16(w0, w1), x01));
+            lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(_mm256_unpacklo_epi16(w2, w3), x23));
+            hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(_mm256_unpackhi_epi16(w2, w3), x23));
+            // As in panels_int16: keep GCC from reassociating the sums into a tree that spills.
+            asm("" : "+x"(lo0), "+x"(hi0), "+x"(lo1), "+x"(hi1));
+          }
+          const __m256 scale = _mm256_set1_ps(rows.xq_scale[b0 / kInt16Block]);
+          f_lo = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(lo0, lo1)), f_lo);
+          f_hi = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(hi0, hi1)), f_hi);
+        }
+        const V acc[1][kVecs] = {{_mm256_permute2f128_ps(f_lo, f_hi, 0x20), _mm256_permute2f128_ps(f_lo, f_hi, 0x31)}};
         finish_segment<1>(a, segs, p, sg, acc, rows.xsum.data(), a.y);
       }
     }
@@ -599,10 +656,10 @@ namespace {
 
 RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16) {
   if (int16) {
-    xq.resize(a.k * 2);
+    xq.resize(a.bits == 4 ? a.k * 2 : a.k / 2);
     xq_scale.resize(a.k / kInt16Block);
     std::vector<int32_t> sums(a.k / kInt16Block);
-    quant_avx2::int16_row(a.x_bf16, a.k, xq.data(), xq_scale.data(), sums.data());
+    quant_avx2::int16_row(a.x_bf16, a.k, a.bits, xq.data(), xq_scale.data(), sums.data());
     xsum.assign(segs.count(), 0.0f);
     for (int64_t b = 0, sg = 0; b < a.k / kInt16Block; ++b) {
       while (segs.start[sg + 1] <= b * kInt16Block) ++sg;
@@ -651,13 +708,13 @@ RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16) {
 // bf16 activations on vdpbf16ps (the AVX-512 bf16 path).
 bool bf16_dots(QuantIsa isa) { return quant_has_bf16() && (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512); }
 
-// bf16 activations of one row against int4 on AVX2 as 16-bit integers (RowPrep::xq): the decode
-// of an int4 weight for fp32 FMAs bounds one row on AVX2, integer multiply-adds of (nibble,
-// nibble) lanes with (x, x) pairs take fewer operations.
+// bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the
+// decode of the weights for fp32 FMAs bounds one row on AVX2, integer multiply-adds of pairs of
+// weights with pairs of activations take fewer operations.
 bool int16_path(const QuantGemmArgs& a, QuantIsa isa) {
 #if defined(__x86_64__)
   return a.x_bf16 != nullptr && !bf16_dots(isa) && (isa == QuantIsa::kAuto ? quant_isa_best() : isa) == QuantIsa::kAvx2 &&
-         a.bits == 4 && a.m == 1 && a.group_size % kInt16Block == 0 && a.k % kInt16Block == 0;
+         a.m == 1 && a.group_size % kInt16Block == 0 && a.k % kInt16Block == 0;
 #else
   return false;
 #endif
@@ -668,8 +725,10 @@ void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const R
   if (a.x_bf16 != nullptr) {
     if (rows.xq.empty()) {
       quant_avx512::run_bf16(a, segs, rows, p0, p1);
-    } else {
+    } else if (a.bits == 4) {
       quant_avx2::panels_int16(a, segs, rows, p0, p1);
+    } else {
+      quant_avx2::panels_int16_int8(a, segs, rows, p0, p1);
     }
     return;
   }

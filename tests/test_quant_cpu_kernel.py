@@ -122,20 +122,21 @@ def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor
     """quant_gemm_cpu on one row of bf16 activations (x_bf16), fp32 out."""
     k = p.in_features
     _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(), 0,
-                        y.data_ptr(), 1, p.out_features, k, x.shape[1], p.out_features, p.group_size, 4,
+                        y.data_ptr(), 1, p.out_features, k, x.shape[1], p.out_features, p.group_size, p.bits,
                         p.zero_offset, 0, 1, x.data_ptr())
 
 
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
-def test_one_bf16_row_of_int4_as_16_bit_integers() -> None:
-    """One bf16 row against int4 on AVX2: 16-bit integers with a power-of-two scale per 32 columns
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
+    """One bf16 row against int4 or int8 on AVX2: 16-bit integers with a power-of-two scale per 32 columns
     (largest value below 2^e: steps of 2^(e - 15)), so within half a step per value of the fp32
     product of the same row (an outlier coarsens its own block only); it is not the fp32 path
     (whose result differs); NaN reaches every output; shapes it does not take (k or the groups not a
     multiple of 32) give the fp32 path's bits."""
     for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (512, 16, 512), (96, 100, 32),
                                        (3072, 17, 64), (768, 50, 256)]):
-        w = random_quantized(n, k, 4, group, symmetric=bool(i % 2), seed=60 + i)
+        w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=60 + i)
         p = cpu_kernel.pack(w)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         x[0, 3] = 300.0
@@ -156,7 +157,7 @@ def test_one_bf16_row_of_int4_as_16_bit_integers() -> None:
         int16_call(x, p, y)
         assert torch.isnan(y).all(), i
     for k, group in ((100, 50), (96, 48), (130, 130)):  # fp32 path: the same bits as from fp32 rows
-        w = random_quantized(24, k, 4, group, symmetric=False, seed=k)
+        w = random_quantized(24, k, bits, group, symmetric=False, seed=k)
         p = cpu_kernel.pack(w)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
         y = torch.empty(1, 24)
@@ -165,12 +166,13 @@ def test_one_bf16_row_of_int4_as_16_bit_integers() -> None:
 
 
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
-def test_int16_rows_round_half_away_from_zero() -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int16_rows_round_half_away_from_zero(bits: int) -> None:
     """The int16 path's activations: each block's values as multiples of 2^(e - 15) (e the frexp
     exponent of the block's largest magnitude) rounded half away from zero, the rule written here in
     float64. Most values lie ~2^-12 below their block's largest, so every one of them rounds."""
     k, n = 512, 24
-    w = random_quantized(n, k, 4, 128, symmetric=False, seed=5)
+    w = random_quantized(n, k, bits, 128, symmetric=False, seed=5)
     p = cpu_kernel.pack(w)
     g = torch.Generator().manual_seed(5)
     largest = torch.ldexp(torch.ones(k // 32), torch.randint(-6, 6, (k // 32,), generator=g))

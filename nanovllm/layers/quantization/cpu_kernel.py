@@ -31,15 +31,14 @@ AVX2_BEST = _cpu.quant_isa_best() == ISA_CODES["avx2"]  # AVX2 without AVX-512
 def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
     """The row counts (least, most; most 0: any) at which bf16 activations go to the kernel as bf16
     (else widened to fp32): where the CPU has AVX512-BF16, its dot products from BF16_MIN_ROWS rows;
-    on an AVX2 CPU one row against int4, as 16-bit integers (csrc/cpu_gemm_quant.h: 1.2x the int4
-    weights a core reads on Zen 3, exact to bf16's precision for values within 2^7 of the largest
-    of their 32 columns; int8, bound by memory there, gained nothing). (0, 0): never (groups of an
-    odd size)."""
+    on an AVX2 CPU one row, as 16-bit integers (csrc/cpu_gemm_quant.cpp: fewer operations than the
+    fp32 decode, exact to bf16's precision for values within 2^7 of the largest of their 32
+    columns). (0, 0): never (groups of an odd size)."""
     if not groups_pair(p.group_size, p.in_features):
         return 0, 0
     if HAS_BF16 and isa in ("auto", "avx512"):
         return BF16_MIN_ROWS[p.bits], 0
-    if p.bits == 4 and isa in ("auto", "avx2") and AVX2_BEST:
+    if isa in ("auto", "avx2") and AVX2_BEST:
         return 1, 1
     return 0, 0
 
