@@ -30,8 +30,8 @@ constexpr int64_t kQuadMaxRows = 64;
 // How far ahead, in panels, a one-row pass asks for its weights. At one row a core read int4 weights
 // from memory at 8-13 GB/s, half its rate on cached ones: the hardware prefetcher alone kept too few
 // lines in flight. The AVX-512 bf16 path asks for a panel's lines at its start (24 int4 weights of the
-// Qwen3-shaped layers, 41 MB in turn, 1.00-1.25x faster, Zen 5; 8 ahead no better). The fp32
-// in-register path (one row) and the AVX2 int16 path ask a line per line they read, inside their
+// Qwen3-shaped layers, 41 MB in turn, 1.00-1.25x faster, Zen 5; 8 ahead no better). The AVX2
+// fp32 in-register path (one row) and the int16 paths ask a line per line they read, inside their
 // loops, going on past the thread's last panel into its first of the next slice (panel_ahead): from
 // memory on Zen 3 (2 threads) the int16 int4 path read the Qwen3-shaped layers 1.14x faster than
 // when asking at a panel's start, the fp32 path's int8 1.23x faster than with none (asking at a
@@ -94,11 +94,11 @@ float int16_block(const Bf16* x, int16_t* q, int32_t& sum) {
   }
   int e = 0;
   std::frexp(most, &e);  // most < 2^e: x * 2^(15 - e) fits 16 bits
-  // x times a power of two is exact; rounded half away from zero, |q| < 2^15 + 1/2.
-  const float up = finite ? std::ldexp(1.0f, 15 - e) : 0.0f;
+  // x times a power of two is exact (ldexp, not a product with 2^(15 - e): for blocks below 2^-113
+  // that factor is no float); rounded half away from zero, |q| < 2^15 + 1/2.
   sum = 0;
   for (int64_t i = 0; i < kInt16Block; ++i) {
-    const float v = widen(x[i]) * up;
+    const float v = finite ? std::ldexp(widen(x[i]), 15 - e) : 0.0f;
     q[i] = static_cast<int16_t>(std::clamp(static_cast<int32_t>(v + (v < 0.0f ? -0.5f : 0.5f)), -32767, 32767));
     sum += q[i];
   }
@@ -659,7 +659,9 @@ RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16) {
     xq.resize(a.bits == 4 ? a.k * 2 : a.k / 2);
     xq_scale.resize(a.k / kInt16Block);
     std::vector<int32_t> sums(a.k / kInt16Block);
+#if defined(__x86_64__)
     quant_avx2::int16_row(a.x_bf16, a.k, a.bits, xq.data(), xq_scale.data(), sums.data());
+#endif
     xsum.assign(segs.count(), 0.0f);
     for (int64_t b = 0, sg = 0; b < a.k / kInt16Block; ++b) {
       while (segs.start[sg + 1] <= b * kInt16Block) ++sg;

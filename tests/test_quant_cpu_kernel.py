@@ -140,8 +140,7 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
         p = cpu_kernel.pack(w)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         x[0, 3] = 300.0
-        x[0, 32:64] = 0.0  # blocks of zeros and of tiny values take the scalar rule, the rest its vector form
-        x[0, 64:96] *= 1e-37
+        x[0, 32:64] = 0.0  # a block of zeros takes the scalar rule, the rest its vector form
         y = torch.empty(1, n)
         int16_call(x, p, y)
         expected = reference(x.float(), w, None).double()
@@ -167,15 +166,18 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
 
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int16_rows_round_half_away_from_zero(bits: int) -> None:
+@pytest.mark.parametrize("exponents", [(-6, 6), (-134, -108), (100, 118)])
+def test_int16_rows_round_half_away_from_zero(bits: int, exponents: tuple[int, int]) -> None:
     """The int16 path's activations: each block's values as multiples of 2^(e - 15) (e the frexp
     exponent of the block's largest magnitude) rounded half away from zero, the rule written here in
-    float64. Most values lie ~2^-12 below their block's largest, so every one of them rounds."""
+    float64. Most values lie ~2^-12 below their block's largest, so every one of them rounds. Rows
+    of ordinary, tiny (down to bf16's subnormals: the scalar form of the rule, below 2^-112) and
+    huge magnitudes."""
     k, n = 512, 24
     w = random_quantized(n, k, bits, 128, symmetric=False, seed=5)
     p = cpu_kernel.pack(w)
     g = torch.Generator().manual_seed(5)
-    largest = torch.ldexp(torch.ones(k // 32), torch.randint(-6, 6, (k // 32,), generator=g))
+    largest = torch.ldexp(torch.ones(k // 32), torch.randint(*exponents, (k // 32,), generator=g))
     x = torch.randn(k // 32, 32, generator=g) * 2.0**-12 * largest[:, None]
     x[:, 7] = largest * torch.where(torch.rand(k // 32, generator=g) < 0.5, -1.0, 1.0)
     x = x.reshape(1, k).to(torch.bfloat16)
