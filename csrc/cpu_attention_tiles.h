@@ -120,17 +120,22 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   const T* k_cache = static_cast<const T*>(a.k_cache) + head_off;
   // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
   // its block that this sequence has not written: their scores land past L and are never used.
-  // Both passes ask for the rows `ahead` one head's slice at a time, on that head's turn: asking
-  // for the task's whole rows at once (64 requests a step at 4 heads) stalled the core while they
-  // drained (one sequence from memory, 320 keys bf16: 1.17-1.19x faster a head at a time; 32
-  // sequences 1.04x, fp32 1.09x; Zen 3).
+  // A bf16 cache's passes ask for the rows `ahead` one head's slice at a time, on that head's turn:
+  // asking for the task's whole rows at once (64 requests a step at 4 heads) stalled the core while
+  // they drained (from memory, one sequence of 320 keys 1.17-1.19x faster a head at a time, 32
+  // sequences 1.04x; Zen 3). An fp32 cache keeps whole rows: a head at a time ran one sequence
+  // 1.09x faster but 32 sequences 0.94x.
+  constexpr bool by_head = std::is_same_v<T, Bf16>;
   const int64_t ahead = kPrefetchBlocks * bs;
   for (int64_t r = 0; r < ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.k_cache);
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    if constexpr (!by_head) prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off, heads, a.k_cache);
     const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
     const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
     for (int h = 0; h < heads; ++h) {
-      prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off + static_cast<int64_t>(h) * D, 1, a.k_cache);
+      if constexpr (by_head) {
+        prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off + static_cast<int64_t>(h) * D, 1, a.k_cache);
+      }
       const T* kh = k + static_cast<int64_t>(h) * D;
       const int end = (h + 1) * per_head;
       if constexpr (std::is_same_v<T, Bf16>) {
@@ -152,15 +157,21 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   // Values a block at a time: each head's vectors, four at a time, add up the block's rows in
   // registers (the portable loop loaded and stored every accumulator once per key). A vector's
   // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
-  // pass. Each head's slice of the block was asked for on its turn a pass ahead, so walking the
-  // block head by head reads from cache.
+  // pass. The block was asked for ahead (each head's slice on its turn, or a share of the whole
+  // rows per head), so walking it head by head reads from cache.
   const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
   for (int64_t r = 0; r < ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
+  const int share = (bs + heads - 1) / heads;  // rows of the block `ahead` on that each head's turn asks for
   for (int64_t t0 = 0; t0 < L; t0 += bs) {
     const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int h = 0; h < heads; ++h) {
-      prefetch_rows<T>(a, table, t0 + ahead, bs, L, head_off + static_cast<int64_t>(h) * D, 1, a.v_cache);
+      if constexpr (by_head) {
+        prefetch_rows<T>(a, table, t0 + ahead, bs, L, head_off + static_cast<int64_t>(h) * D, 1, a.v_cache);
+      } else if (h * share < bs) {
+        prefetch_rows<T>(a, table, t0 + ahead + h * share, std::min(share, bs - h * share), L, head_off, heads,
+                         a.v_cache);
+      }
       for (int v = h * per_head; v < (h + 1) * per_head; v += 4) {
         const float* pv = sc + v * stride + t0;
         const T* xh = x + static_cast<int64_t>(h) * D;
