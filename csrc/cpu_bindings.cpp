@@ -485,16 +485,25 @@ MoeQuantWeights quant_expert_weights(const char* name, uintptr_t packed, int64_t
           reinterpret_cast<const int8_t*>(zeros), group_size, static_cast<int>(bits), static_cast<float>(zero_offset)};
 }
 
-// A dense MoE layer's packed experts (gemm_pack_cpu's copies) and shape, checked; its rows, x,
-// logits and out are the caller's (check_moe_rows).
+// A MoE layer's shape, routing and dtype, checked; its rows, x, logits and out are each call's
+// (MoeLayerArgs::on_rows, check_moe_rows).
+MoeLayerArgs checked_moe_layer(const char* what, int64_t hidden, int64_t inter, int64_t experts, int64_t top_k,
+                               bool renormalize, int64_t dtype) {
+  check_moe_sizes(what, 0, experts, top_k, experts);
+  if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error(std::string(what) + ": bad sizes");
+  return {nullptr, hidden, nullptr, experts, 0, hidden, inter, experts, top_k, renormalize, nullptr, hidden,
+          checked_dtype(dtype, "dtype")};
+}
+
+// A dense MoE layer's packed experts (gemm_pack_cpu's copies) and shape, checked.
 MoeExpertsArgs checked_moe_experts(const char* what, uintptr_t w13, int64_t w13_elements, uintptr_t w2,
                                    int64_t w2_elements, int64_t weight_dtype, bool pairs, int64_t hidden, int64_t inter,
                                    int64_t experts, int64_t top_k, bool renormalize, int64_t dtype) {
   const std::string name(what);
   if (!has_avx2_fma()) value_error(name + " needs a CPU with AVX2 and FMA");
-  check_moe_sizes(what, 0, experts, top_k, experts);
-  if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error(name + ": bad sizes");
-  const CpuDtype type = checked_dtype(dtype, "dtype"), weights = checked_dtype(weight_dtype, "weight_dtype");
+  MoeExpertsArgs a{};
+  a.layer = checked_moe_layer(what, hidden, inter, experts, top_k, renormalize, dtype);
+  const CpuDtype type = a.layer.dtype, weights = checked_dtype(weight_dtype, "weight_dtype");
   const bool bf16_pairs = pairs && weights == CpuDtype::kBFloat16;  // MoeExpertsArgs::bf16_pairs()
   if (bf16_pairs && (!has_avx512_bf16() || type != CpuDtype::kBFloat16 || hidden % 2 != 0)) {
     value_error(name + ": bf16 pairs need an AVX512-BF16 CPU, bf16 activations and an even hidden size");
@@ -513,8 +522,6 @@ MoeExpertsArgs checked_moe_experts(const char* what, uintptr_t w13, int64_t w13_
                 std::to_string(experts * per_w13) + " and " + std::to_string(experts * per_w2));
   }
   if (!w13 || !w2) value_error("null pointer passed to " + name);
-  MoeExpertsArgs a{};
-  a.layer = {nullptr, hidden, nullptr, experts, 0, hidden, inter, experts, top_k, renormalize, nullptr, hidden, type};
   a.w13 = reinterpret_cast<const void*>(w13);
   a.w2 = reinterpret_cast<const void*>(w2);
   a.weight_dtype = weights;
@@ -602,13 +609,8 @@ void bind_cpu_moe(py::module_& m) {
                                                pairs, hidden, inter, experts, top_k, renormalize, dtype);
         check_moe_rows("moe_experts_cpu", rows, logits_stride, x_stride, out_stride, a.layer);
         if (rows > 0 && (!x || !logits || !out)) value_error("null pointer passed to moe_experts_cpu");
-        a.layer.x = reinterpret_cast<const void*>(x);
-        a.layer.x_stride = x_stride;
-        a.layer.logits = reinterpret_cast<const float*>(logits);
-        a.layer.logits_stride = logits_stride;
-        a.layer.rows = rows;
-        a.layer.out = reinterpret_cast<void*>(out);
-        a.layer.out_stride = out_stride;
+        a.layer = a.layer.on_rows(reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
+                                  logits_stride, rows, reinterpret_cast<void*>(out), out_stride);
         py::gil_scoped_release release;
         moe_experts(a, clamp_threads(num_threads));
       },
@@ -628,11 +630,9 @@ void bind_cpu_moe(py::module_& m) {
          int64_t w13_bits, double w13_zero_offset, uintptr_t w2_packed, int64_t w2_packed_bytes, uintptr_t w2_scales,
          int64_t w2_scales_elements, uintptr_t w2_zeros, int64_t w2_zeros_elements, int64_t w2_group_size,
          int64_t w2_bits, double w2_zero_offset, int64_t num_threads) {
-        check_moe_sizes("moe_quant_experts_cpu", rows, experts, top_k, logits_stride);
-        if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error("moe_quant_experts_cpu: bad sizes");
-        const CpuDtype type = checked_dtype(dtype, "dtype");
-        check_moe_rows("moe_quant_experts_cpu", rows, logits_stride, x_stride, out_stride,
-                       {nullptr, 0, nullptr, 0, rows, hidden, inter, experts, top_k, renormalize, nullptr, 0, type});
+        const MoeLayerArgs layer =
+            checked_moe_layer("moe_quant_experts_cpu", hidden, inter, experts, top_k, renormalize, dtype);
+        check_moe_rows("moe_quant_experts_cpu", rows, logits_stride, x_stride, out_stride, layer);
         const MoeQuantWeights w13 =
             quant_expert_weights("w13", w13_packed, w13_packed_bytes, w13_scales, w13_scales_elements, w13_zeros,
                                  w13_zeros_elements, w13_group_size, w13_bits, w13_zero_offset,
@@ -640,11 +640,11 @@ void bind_cpu_moe(py::module_& m) {
         const MoeQuantWeights w2 =
             quant_expert_weights("w2", w2_packed, w2_packed_bytes, w2_scales, w2_scales_elements, w2_zeros,
                                  w2_zeros_elements, w2_group_size, w2_bits, w2_zero_offset, hidden, inter, experts);
-        if (bf16_rows) check_moe_bf16_rows("moe_quant_experts_cpu", type, hidden, w13, w2, inter);
+        if (bf16_rows) check_moe_bf16_rows("moe_quant_experts_cpu", layer.dtype, hidden, w13, w2, inter);
         if (rows > 0 && (!x || !logits || !out)) value_error("null pointer passed to moe_quant_experts_cpu");
-        const MoeQuantExpertsArgs a{{reinterpret_cast<const void*>(x), x_stride, reinterpret_cast<const float*>(logits),
-                                     logits_stride, rows, hidden, inter, experts, top_k, renormalize,
-                                     reinterpret_cast<void*>(out), out_stride, type},
+        const MoeQuantExpertsArgs a{layer.on_rows(reinterpret_cast<const void*>(x), x_stride,
+                                                  reinterpret_cast<const float*>(logits), logits_stride, rows,
+                                                  reinterpret_cast<void*>(out), out_stride),
                                     w13, w2, bf16_rows};
         py::gil_scoped_release release;
         moe_quant_experts(a, clamp_threads(num_threads));
@@ -775,13 +775,10 @@ void bind_cpu_decoder(py::module_& m) {
              int64_t w13_group_size, int64_t w13_bits, double w13_zero_offset, uintptr_t w2_packed,
              int64_t w2_packed_bytes, uintptr_t w2_scales, int64_t w2_scales_elements, uintptr_t w2_zeros,
              int64_t w2_zeros_elements, int64_t w2_group_size, int64_t w2_bits, double w2_zero_offset) {
-            check_moe_sizes("DecoderMoe", 0, experts, top_k, experts);
-            if (hidden < 1 || hidden > kInt32Max || inter < 1 || inter > kInt32Max) value_error("DecoderMoe: bad sizes");
             DecoderMoe e;
             e.router = router;
             e.quantized = true;
-            e.layer = {nullptr, hidden, nullptr, experts, 0, hidden, inter, experts, top_k, renormalize, nullptr, hidden,
-                       checked_dtype(dtype, "dtype")};
+            e.layer = checked_moe_layer("DecoderMoe", hidden, inter, experts, top_k, renormalize, dtype);
             e.quant.w13 = quant_expert_weights("w13", w13_packed, w13_packed_bytes, w13_scales, w13_scales_elements,
                                                w13_zeros, w13_zeros_elements, w13_group_size, w13_bits, w13_zero_offset,
                                                moe_gate_up_rows(inter), hidden, experts);

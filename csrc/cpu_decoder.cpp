@@ -90,14 +90,7 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
     widen_n(static_cast<const Bf16*>(logits), wide, m * experts);
     logits32 = wide;
   }
-  MoeLayerArgs layer = e.layer;
-  layer.x = x;
-  layer.x_stride = layer.hidden;
-  layer.logits = logits32;
-  layer.logits_stride = experts;
-  layer.rows = m;
-  layer.out = out;
-  layer.out_stride = layer.hidden;
+  const MoeLayerArgs layer = e.layer.on_rows(x, e.layer.hidden, logits32, experts, m, out, e.layer.hidden);
   if (!e.quantized) {
     MoeExpertsArgs a = e.dense;
     a.layer = layer;

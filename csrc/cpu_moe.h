@@ -73,6 +73,20 @@ struct MoeLayerArgs {
   void* out;  // [rows, hidden] of dtype
   int64_t out_stride;
   CpuDtype dtype;
+
+  // The layer (its shape, routing and dtype) on one call's rows.
+  MoeLayerArgs on_rows(const void* rows_x, int64_t rows_x_stride, const float* rows_logits, int64_t rows_logits_stride,
+                       int64_t count, void* rows_out, int64_t rows_out_stride) const {
+    MoeLayerArgs r = *this;
+    r.x = rows_x;
+    r.x_stride = rows_x_stride;
+    r.logits = rows_logits;
+    r.logits_stride = rows_logits_stride;
+    r.rows = count;
+    r.out = rows_out;
+    r.out_stride = rows_out_stride;
+    return r;
+  }
 };
 
 struct MoeExpertsArgs {
