@@ -65,13 +65,17 @@ const uint8_t* panel_ahead(const QuantGemmArgs& a, int64_t k0, int64_t p, int64_
 struct Segments {
   std::vector<int64_t> start;  // count() + 1 entries, the last = k
   std::vector<int64_t> first;  // slices + 1 entries
+  std::vector<int64_t> group;  // count() entries: the group each lies in
   int64_t count() const { return static_cast<int64_t>(start.size()) - 1; }
 
   Segments(int64_t k, int64_t group_size) {
     for (int64_t k0 = 0; k0 < k; k0 += kQuantKc) {
       first.push_back(static_cast<int64_t>(start.size()));
       const int64_t end = std::min(k, k0 + kQuantKc);
-      for (int64_t s = k0; s < end; s = std::min(end, (s / group_size + 1) * group_size)) start.push_back(s);
+      for (int64_t s = k0; s < end; s = std::min(end, (s / group_size + 1) * group_size)) {
+        start.push_back(s);
+        group.push_back(s / group_size);
+      }
     }
     first.push_back(static_cast<int64_t>(start.size()));
     start.push_back(k);
@@ -79,15 +83,26 @@ struct Segments {
 };
 
 // The one-row path on bf16 activations without AVX512-BF16 (int16_path): a power-of-two scale per
-// this many input columns.
-constexpr int64_t kInt16Block = 32;
+// block of input columns, the largest of these sizes that divides both k and the group size. The
+// kernels turn a block's integer sums into fp32 once, and at one row they run close to their bound
+// in operations as much as in bytes: blocks of 128 (one per group of 128) instead of 32 read the
+// Qwen3-shaped decode's int4 weights 1.07-1.08x faster from memory (2 threads, Zen 3). The cost: a
+// value's rounding is relative to the largest of 128, not 32, around it.
+constexpr int64_t kInt16Blocks[] = {128, 64, 32};
 
-// One block of kInt16Block bf16 values as 16-bit integers times a power of two, returned (NaN where
-// the block holds a NaN or infinity: every output NaN, as in fp32), and their sum.
-float int16_block(const Bf16* x, int16_t* q, int32_t& sum) {
+int64_t int16_block_size(int64_t k, int64_t group_size) {
+  for (const int64_t b : kInt16Blocks) {
+    if (k % b == 0 && group_size % b == 0) return b;
+  }
+  return 0;
+}
+
+// One block of n bf16 values as 16-bit integers times a power of two, returned (NaN where the block
+// holds a NaN or infinity: every output NaN, as in fp32), and their sum.
+float int16_block(const Bf16* x, int64_t n, int16_t* q, int32_t& sum) {
   float most = 0.0f;
   bool finite = true;
-  for (int64_t i = 0; i < kInt16Block; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float v = std::fabs(widen(x[i]));
     finite = finite && v <= std::numeric_limits<float>::max();
     most = std::max(most, v);
@@ -97,7 +112,7 @@ float int16_block(const Bf16* x, int16_t* q, int32_t& sum) {
   // x times a power of two is exact (ldexp, not a product with 2^(15 - e): for blocks below 2^-113
   // that factor is no float); rounded half away from zero, |q| < 2^15 + 1/2.
   sum = 0;
-  for (int64_t i = 0; i < kInt16Block; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float v = finite ? std::ldexp(widen(x[i]), 15 - e) : 0.0f;
     q[i] = static_cast<int16_t>(std::clamp(static_cast<int32_t>(v + (v < 0.0f ? -0.5f : 0.5f)), -32767, 32767));
     sum += q[i];
@@ -131,12 +146,15 @@ struct RowPrep {
   // On the bf16 int4 path, the bf16 rows with each quad of columns reordered x0 x2 x1 x3, the pairs
   // QuadDecoder's lanes take (rows x_stride apart); empty where quads would straddle a segment.
   std::vector<uint16_t> quads;
-  // On the int16 path, the bf16 row as 16-bit integers times a power of two per kInt16Block columns
-  // (xq_scale): exact for every value within 2^7 of its block's largest, the rest within 2^-16 of it
-  // (a bf16 output rounds at 2^-9). For int4, per 8 columns two registers' worth of 16-bit pairs,
-  // the pairs the kernel's lanes take: (x0, x4) four times then (x2, x6) four times, and (x1, x5),
-  // (x3, x7) the same; for int8 the integers in order. xsum then sums these values.
-  std::vector<int32_t> xq;
+  // On the int16 path, the bf16 row as 16-bit integers times a power of two per xq_block columns
+  // (xq_scale, int16_block_size): exact for every value within 2^7 of its block's largest, the rest
+  // within 2^-16 of it (a bf16 output rounds at 2^-9). For int4, per 8 columns two registers' worth
+  // of 16-bit pairs, the pairs the kernel's lanes take: (x0, x4) four times then (x2, x6) four
+  // times, and (x1, x5), (x3, x7) the same; for int8 the integers in order. xsum then sums these values.
+  std::unique_ptr<int32_t[]> xq;
+  int64_t xq_block = 0;  // 0: not the int16 path
+  // xq_scale's values are relative to this one (their largest), which the kernels apply last.
+  float xq_row_scale = 0.0f;
   std::vector<float> xq_scale;
 
   RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16);
@@ -231,54 +249,57 @@ struct Isa {
 };
 #include "cpu_gemm_quant_tiles.h"
 
-// RowPrep::xq of a bf16 row (k a multiple of kInt16Block): int16_block's integers, scales and sums,
-// in int16_pairs' order for int4 (bits 4), in order for int8. Blocks whose largest value is normal
-// and not tiny take this vector form of its rule (the scale read off the largest value's exponent
-// bits); the rest take int16_block itself.
-void int16_row(const Bf16* x, int64_t k, int bits, int32_t* xq, float* scale, int32_t* sums) {
+// RowPrep::xq of a bf16 row (k a multiple of block, itself a multiple of 32): int16_block's
+// integers, scales and sums, in int16_pairs' order for int4 (bits 4), in order for int8. Blocks whose
+// largest value is normal and not tiny take this vector form of its rule (the scale read off the
+// largest value's exponent bits); the rest take int16_block itself.
+void int16_row(const Bf16* x, int64_t k, int64_t block, int bits, int32_t* xq, float* scale, int32_t* sums) {
   const __m256i magnitude = _mm256_set1_epi16(0x7fff);
   const __m256i spread_a = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), spread_b = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
   const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
   const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
-  for (int64_t b = 0; b < k / kInt16Block; ++b) {
-    const Bf16* xb = x + b * kInt16Block;
-    int32_t* out = bits == 4 ? xq + b * kInt16Block * 2 : xq + b * kInt16Block / 2;
-    const __m256i h[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)),
-                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))};
+  // Where the integers of column d go: 2 int32 (a pair each) per column for int4, half one for int8.
+  const auto out_at = [xq, bits](int64_t d) { return bits == 4 ? xq + d * 2 : xq + d / 2; };
+  for (int64_t b = 0; b < k / block; ++b) {
+    const Bf16* xb = x + b * block;
     // The largest magnitude's bits: bf16 magnitudes order as integers.
-    const __m256i m16 = _mm256_max_epi16(_mm256_and_si256(h[0], magnitude), _mm256_and_si256(h[1], magnitude));
+    __m256i m16 = _mm256_setzero_si256();
+    for (int64_t i = 0; i < block; i += 16) {
+      m16 = _mm256_max_epi16(m16, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i)), magnitude));
+    }
     __m128i m = _mm_max_epi16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
     m = _mm_max_epi16(m, _mm_srli_si128(m, 8));
     m = _mm_max_epi16(m, _mm_srli_si128(m, 4));
     m = _mm_max_epi16(m, _mm_srli_si128(m, 2));
     const int exponent = _mm_extract_epi16(m, 0) >> 7;  // biased; the largest value < 2^(exponent - 126)
     if (exponent < 15 || exponent > 254) {  // zero, tiny, infinite or NaN
-      int16_t q[kInt16Block];
-      scale[b] = int16_block(xb, q, sums[b]);
+      int16_t q[kInt16Blocks[0]];
+      scale[b] = int16_block(xb, block, q, sums[b]);
       if (bits == 4) {
-        for (int64_t d = 0; d < kInt16Block; d += 8) int16_pairs(q + d, out + 2 * d);
+        for (int64_t d = 0; d < block; d += 8) int16_pairs(q + d, out_at(b * block + d));
       } else {
-        std::memcpy(out, q, sizeof(q));
+        std::memcpy(out_at(b * block), q, block * sizeof(int16_t));
       }
       continue;
     }
     scale[b] = std::bit_cast<float>(static_cast<uint32_t>(exponent - 14) << 23);  // 2^(e - 15), e as frexp's
     const __m256 up = _mm256_castsi256_ps(_mm256_set1_epi32((268 - exponent) << 23));  // 2^(15 - e)
     __m256i sum = _mm256_setzero_si256();
-    for (int v = 0; v < kInt16Block / 8; ++v) {
-      const __m128i bf = v % 2 == 0 ? _mm256_castsi256_si128(h[v / 2]) : _mm256_extracti128_si256(h[v / 2], 1);
+    for (int64_t d = 0; d < block; d += 8) {
+      const __m128i bf = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + d));
       const __m256 y = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf), 16)), up);
       __m256i q = _mm256_cvttps_epi32(_mm256_add_ps(y, _mm256_or_ps(_mm256_and_ps(y, sign), half)));
       q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
       sum = _mm256_add_epi32(sum, q);
       const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      int32_t* out = out_at(b * block + d);
       if (bits != 4) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4 * v), q16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), q16);
         continue;
       }
       const __m256i pairs = _mm256_castsi128_si256(_mm_unpacklo_epi16(q16, _mm_srli_si128(q16, 8)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v), _mm256_permutevar8x32_epi32(pairs, spread_a));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * v + 8), _mm256_permutevar8x32_epi32(pairs, spread_b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(pairs, spread_a));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8), _mm256_permutevar8x32_epi32(pairs, spread_b));
     }
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s4 = _mm_add_epi32(s4, _mm_srli_si128(s4, 8));
@@ -294,6 +315,46 @@ inline __m256 in_order(__m256 even, __m256 odd) {
   return _mm256_set_m128(_mm_unpackhi_ps(e, o), _mm_unpacklo_ps(e, o));
 }
 
+// A panel's group scales for a segment of the one-row int16 paths, in column order, and half of
+// what its zero points (zero_offset added) take off its sums: scale x zero point x the segment's
+// activation sum / 2, for each of the two halves of lanes the kernels sum at the slice's end. The
+// kernels take it off once the segment's blocks are in: the sums of unsigned int4 weights are
+// several times their value after it, and a slice's sums with each segment's terms left on read
+// 1e-6 of |x| |w| off where per segment they read 1e-7.
+struct GroupTerms {
+  __m256 scale[2];
+  __m256 zero_term[2];
+  GroupTerms(const QuantGemmArgs& a, int64_t p, int64_t group, float xsum) {
+    const int64_t at = (group * gemm_panels(a.n) + p) * kGemmPanel;
+    const __m256 offset = _mm256_set1_ps(a.zero_offset), half_sum = _mm256_set1_ps(0.5f * xsum);
+    for (int v = 0; v < 2; ++v) {
+      scale[v] = _mm256_loadu_ps(a.scales + at + 8 * v);
+      __m256 z = offset;
+      if (a.zeros != nullptr) {
+        const __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.zeros + at + 8 * v));
+        z = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(z8)), offset);
+      }
+      zero_term[v] = _mm256_mul_ps(_mm256_mul_ps(scale[v], z), half_sum);
+    }
+  }
+};
+
+// The end of a panel's slice on the one-row int16 paths: its 16 sums (columns 0-7, 8-15) times the
+// row's scale (RowPrep::xq_row_scale), plus the bias on the first slice, into y (added to what
+// earlier slices left).
+inline void finish_slice(const QuantGemmArgs& a, const RowPrep& rows, int64_t p, int64_t k0, const __m256* sums) {
+  const int64_t col0 = p * kGemmPanel;
+  const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
+  const __m256 row_scale = _mm256_set1_ps(rows.xq_row_scale);
+  V out[kVecs] = {_mm256_mul_ps(sums[0], row_scale), _mm256_mul_ps(sums[1], row_scale)};
+  if (k0 == 0 && a.bias != nullptr) {
+    alignas(32) float b16[kGemmPanel] = {};
+    std::copy_n(a.bias + col0, cols, b16);
+    for (int v = 0; v < kVecs; ++v) out[v] = _mm256_add_ps(out[v], _mm256_load_ps(b16 + 8 * v));
+  }
+  put(a.y + col0, out, cols, k0 > 0);
+}
+
 // The int16 path (int16_path): one row of bf16 activations as RowPrep::xq against int4 panels. Eight
 // depths of a panel are four of its 16-byte rows, two registers A (rows j, j + 1) and B (j + 2, j + 3);
 // interleaving their 16-bit words puts two bytes of one column pair in each 32-bit lane, rows j and
@@ -301,12 +362,17 @@ inline __m256 in_order(__m256 even, __m256 odd) {
 // bytes as a 16-bit integer in place (the even column's high nibble kept 16 times over, its sums
 // scaled back at the block's end), and vpmaddwd multiplies each pair with the activations' and adds
 // them: 14 operations per 64 weights and no byte shuffles (with a byte shuffle per 32 weights, 17
-// operations: 1.3x the weights a core, one row in L2, Zen 3). Sums of a block of kInt16Block depths
-// stay exact in int32 and are scaled into fp32 at the block's end; the two halves' depths and the
-// column pairs are put back in order at the segment's end.
+// operations: 1.3x the weights a core, one row in L2, Zen 3). Sums of a block of Block depths stay
+// exact in int32 (at most 2 x 16 x 15 x 32767 x Block / 8 < 2^31 for Block 128) and go to fp32 at the
+// block's end, times the activations' scale and the group's scales (in the lanes' column order), into
+// one set of sums per panel slice; the two halves' depths and the column pairs are put back in order
+// at the slice's end, and each segment's zero points are taken off there.
+template <int64_t Block>
 void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
+  static_assert(Block % 32 == 0 && Block <= 128, "the int32 sums of a block must not overflow");
   const int64_t panels = gemm_panels(a.n);
   const __m256i low = _mm256_set1_epi16(0x000f), high = _mm256_set1_epi16(0x00f0);
+  const __m256i even_lanes = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6), odd_lanes = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
   // Lanes holding the column pair (c, c + 1) at depths d and d + 4 (d + 2 and d + 6 in the high half):
   // the even column's nibbles times xa (low) and xb (high, times 16), the odd one's the same.
   const auto dot8 = [&](__m256i t, __m256i& even, __m256i& even16, __m256i& odd, __m256i xa, __m256i xb) {
@@ -321,35 +387,40 @@ void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& r
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, a.k, p, k0, 4);
       const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
+      // Columns (0, 2, 4, 6 | the same) and (1, 3, 5, 7 | ...) of 0-7, then of 8-15.
+      __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
-        // Columns 0-7 and 8-15: even and odd ones.
-        __m256 f_even[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        __m256 f_odd[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += kInt16Block) {
-          const uint8_t* wb = w + (b0 - k0) / 2 * kGemmPanel;
-          const uint8_t* pb = ahead + (b0 - k0) / 2 * kGemmPanel;
-          const __m256i* xb = reinterpret_cast<const __m256i*>(rows.xq.data()) + b0 / 4;
+        const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg]);
+        const __m256 scales[4] = {_mm256_permutevar8x32_ps(g.scale[0], even_lanes), _mm256_permutevar8x32_ps(g.scale[0], odd_lanes),
+                                  _mm256_permutevar8x32_ps(g.scale[1], even_lanes), _mm256_permutevar8x32_ps(g.scale[1], odd_lanes)};
+        for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += Block) {
+          const uint8_t* wb = w + (b0 - k0) * (kGemmPanel / 2);
+          const uint8_t* pb = ahead + (b0 - k0) * (kGemmPanel / 2);
+          const __m256i* xb = reinterpret_cast<const __m256i*>(rows.xq.get()) + b0 / 4;
           __m256i even0 = _mm256_setzero_si256(), even16_0 = even0, odd0 = even0;
           __m256i even1 = even0, even16_1 = even0, odd1 = even0;
+          for (int64_t st0 = 0; st0 < Block / 8; st0 += 4) {
 #pragma GCC unroll 4
-          for (int st = 0; st < kInt16Block / 8; ++st) {
-            __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
-            const __m256i rows_a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 4 * kGemmPanel * st));
-            const __m256i rows_b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 4 * kGemmPanel * st + 32));
-            const __m256i xa = _mm256_loadu_si256(xb + 2 * st), xh = _mm256_loadu_si256(xb + 2 * st + 1);
-            dot8(_mm256_unpacklo_epi16(rows_a, rows_b), even0, even16_0, odd0, xa, xh);
-            dot8(_mm256_unpackhi_epi16(rows_a, rows_b), even1, even16_1, odd1, xa, xh);
+            for (int64_t st = st0; st < st0 + 4; ++st) {
+              __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+              const __m256i rows_a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 4 * kGemmPanel * st));
+              const __m256i rows_b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 4 * kGemmPanel * st + 32));
+              const __m256i xa = _mm256_loadu_si256(xb + 2 * st), xh = _mm256_loadu_si256(xb + 2 * st + 1);
+              dot8(_mm256_unpacklo_epi16(rows_a, rows_b), even0, even16_0, odd0, xa, xh);
+              dot8(_mm256_unpackhi_epi16(rows_a, rows_b), even1, even16_1, odd1, xa, xh);
+            }
           }
-          const __m256 scale = _mm256_set1_ps(rows.xq_scale[b0 / kInt16Block]);
-          const auto add = [&scale](__m256& f, __m256i sums) { f = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), f); };
-          add(f_even[0], _mm256_add_epi32(even0, _mm256_srai_epi32(even16_0, 4)));
-          add(f_even[1], _mm256_add_epi32(even1, _mm256_srai_epi32(even16_1, 4)));
-          add(f_odd[0], odd0);
-          add(f_odd[1], odd1);
+          // The activations' scale first: its product with a group's scale may leave fp32's range where
+          // the block's sums times it do not.
+          const __m256 xs = _mm256_set1_ps(rows.xq_scale[b0 / Block]);
+          const __m256i ints[4] = {_mm256_add_epi32(even0, _mm256_srai_epi32(even16_0, 4)), odd0,
+                                   _mm256_add_epi32(even1, _mm256_srai_epi32(even16_1, 4)), odd1};
+          for (int i = 0; i < 4; ++i) sums[i] = _mm256_fmadd_ps(scales[i], _mm256_mul_ps(xs, _mm256_cvtepi32_ps(ints[i])), sums[i]);
         }
-        const V acc[1][kVecs] = {{in_order(f_even[0], f_odd[0]), in_order(f_even[1], f_odd[1])}};
-        finish_segment<1>(a, segs, p, sg, acc, rows.xsum.data(), a.y);
+        for (int i = 0; i < 4; ++i) sums[i] = _mm256_sub_ps(sums[i], _mm256_permutevar8x32_ps(g.zero_term[i / 2], i % 2 ? odd_lanes : even_lanes));
       }
+      const __m256 ordered[2] = {in_order(sums[0], sums[1]), in_order(sums[2], sums[3])};
+      finish_slice(a, rows, p, k0, ordered);
     }
   }
 }
@@ -363,42 +434,71 @@ inline __m256i widened(const uint8_t* row) {
 // words interleaved put a column's two weights in a 32-bit lane (columns 0-3 and 8-11 in one
 // register, 4-7 and 12-15 in the other), multiplied with the pair (x_d, x_d+1) by vpmaddwd: 8
 // operations per 32 weights against the fp32 decode's 12, for when the weights arrive faster than
-// the fp32 decode takes them.
+// the fp32 decode takes them. Blocks, group scales and zero points as panels_int16 (a block's sums at
+// most 2 x 128 x 32767 x Block / 2 < 2^31 for Block 128).
+template <int64_t Block>
 void panels_int16_int8(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
+  static_assert(Block % 32 == 0 && Block <= 128, "the int32 sums of a block must not overflow");
   const int64_t panels = gemm_panels(a.n);
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, a.k, p, k0, 8);
       const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
+      __m256 f_lo = _mm256_setzero_ps(), f_hi = _mm256_setzero_ps();  // columns 0-3 | 8-11, 4-7 | 12-15
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
-        __m256 f_lo = _mm256_setzero_ps(), f_hi = _mm256_setzero_ps();  // columns 0-3 | 8-11, 4-7 | 12-15
-        for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += kInt16Block) {
+        const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg]);
+        const __m256 scale_lo = _mm256_permute2f128_ps(g.scale[0], g.scale[1], 0x20);
+        const __m256 scale_hi = _mm256_permute2f128_ps(g.scale[0], g.scale[1], 0x31);
+        for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += Block) {
           const uint8_t* wb = w + (b0 - k0) * kGemmPanel;
           const uint8_t* pb = ahead + (b0 - k0) * kGemmPanel;
-          const int32_t* xb = rows.xq.data() + b0 / 2;
+          const int32_t* xb = rows.xq.get() + b0 / 2;
           __m256i lo0 = _mm256_setzero_si256(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
-#pragma GCC unroll 4
-          for (int st = 0; st < kInt16Block / 4; ++st) {
-            __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
-            const uint8_t* r = wb + 4 * kGemmPanel * st;
-            const __m256i w0 = widened(r), w1 = widened(r + kGemmPanel);
-            const __m256i w2 = widened(r + 2 * kGemmPanel), w3 = widened(r + 3 * kGemmPanel);
-            const __m256i x01 = _mm256_set1_epi32(xb[2 * st]), x23 = _mm256_set1_epi32(xb[2 * st + 1]);
-            lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(_mm256_unpacklo_epi16(w0, w1), x01));
-            hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(_mm256_unpackhi_epi16(w0, w1), x01));
-            lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(_mm256_unpacklo_epi16(w2, w3), x23));
-            hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(_mm256_unpackhi_epi16(w2, w3), x23));
-            // As in panels_int16: keep GCC from reassociating the sums into a tree that spills.
-            asm("" : "+x"(lo0), "+x"(hi0), "+x"(lo1), "+x"(hi1));
+          for (int64_t st0 = 0; st0 < Block / 4; st0 += 8) {
+#pragma GCC unroll 8
+            for (int64_t st = st0; st < st0 + 8; ++st) {
+              __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+              const uint8_t* r = wb + 4 * kGemmPanel * st;
+              const __m256i w0 = widened(r), w1 = widened(r + kGemmPanel);
+              const __m256i w2 = widened(r + 2 * kGemmPanel), w3 = widened(r + 3 * kGemmPanel);
+              const __m256i x01 = _mm256_set1_epi32(xb[2 * st]), x23 = _mm256_set1_epi32(xb[2 * st + 1]);
+              lo0 = _mm256_add_epi32(lo0, _mm256_madd_epi16(_mm256_unpacklo_epi16(w0, w1), x01));
+              hi0 = _mm256_add_epi32(hi0, _mm256_madd_epi16(_mm256_unpackhi_epi16(w0, w1), x01));
+              lo1 = _mm256_add_epi32(lo1, _mm256_madd_epi16(_mm256_unpacklo_epi16(w2, w3), x23));
+              hi1 = _mm256_add_epi32(hi1, _mm256_madd_epi16(_mm256_unpackhi_epi16(w2, w3), x23));
+              // As in panels_int16: keep GCC from reassociating the sums into a tree that spills.
+              asm("" : "+x"(lo0), "+x"(hi0), "+x"(lo1), "+x"(hi1));
+            }
           }
-          const __m256 scale = _mm256_set1_ps(rows.xq_scale[b0 / kInt16Block]);
-          f_lo = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(lo0, lo1)), f_lo);
-          f_hi = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_add_epi32(hi0, hi1)), f_hi);
+          const __m256 xs = _mm256_set1_ps(rows.xq_scale[b0 / Block]);  // first, as in panels_int16
+          f_lo = _mm256_fmadd_ps(scale_lo, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(_mm256_add_epi32(lo0, lo1))), f_lo);
+          f_hi = _mm256_fmadd_ps(scale_hi, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(_mm256_add_epi32(hi0, hi1))), f_hi);
         }
-        const V acc[1][kVecs] = {{_mm256_permute2f128_ps(f_lo, f_hi, 0x20), _mm256_permute2f128_ps(f_lo, f_hi, 0x31)}};
-        finish_segment<1>(a, segs, p, sg, acc, rows.xsum.data(), a.y);
+        // Each lane holds one column here: the whole term (twice the half).
+        f_lo = _mm256_sub_ps(f_lo, _mm256_add_ps(_mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20),
+                                                 _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20)));
+        f_hi = _mm256_sub_ps(f_hi, _mm256_add_ps(_mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31),
+                                                 _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31)));
       }
+      const __m256 ordered[2] = {_mm256_permute2f128_ps(f_lo, f_hi, 0x20), _mm256_permute2f128_ps(f_lo, f_hi, 0x31)};
+      finish_slice(a, rows, p, k0, ordered);
     }
+  }
+}
+
+// The int16 paths at the row's block size (RowPrep::xq_block).
+void run_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
+  const auto run = [&]<int64_t Block>() {
+    if (a.bits == 4) {
+      panels_int16<Block>(a, segs, rows, p0, p1);
+    } else {
+      panels_int16_int8<Block>(a, segs, rows, p0, p1);
+    }
+  };
+  switch (rows.xq_block) {
+    case 128: run.template operator()<128>(); break;
+    case 64: run.template operator()<64>(); break;
+    default: run.template operator()<32>(); break;
   }
 }
 }  // namespace
@@ -524,7 +624,7 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     const uint8_t* ws = w + (s0 - k0) * kRowBytes;
     // The group's scales and zero points are loaded first, a possible cache miss the dot products hide.
     __m512 s[1], z[1];
-    group_params(a, p, s0 / a.group_size, s, z);
+    group_params(a, p, segs.group[sg], s, z);
     __m512 part[S][R];
     for (int t = 0; t < S; ++t) {
       for (int r = 0; r < R; ++r) part[t][r] = _mm512_setzero_ps();
@@ -656,15 +756,21 @@ namespace {
 
 RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16) {
   if (int16) {
-    xq.resize(a.bits == 4 ? a.k * 2 : a.k / 2);
-    xq_scale.resize(a.k / kInt16Block);
-    std::vector<int32_t> sums(a.k / kInt16Block);
+    xq_block = int16_block_size(a.k, a.group_size);
+    xq = std::make_unique_for_overwrite<int32_t[]>(a.bits == 4 ? a.k * 2 : a.k / 2);  // int16_row writes it all
+    xq_scale.resize(a.k / xq_block);
+    std::vector<int32_t> sums(a.k / xq_block);
 #if defined(__x86_64__)
-    quant_avx2::int16_row(a.x_bf16, a.k, a.bits, xq.data(), xq_scale.data(), sums.data());
+    quant_avx2::int16_row(a.x_bf16, a.k, xq_block, a.bits, xq.get(), xq_scale.data(), sums.data());
 #endif
+    // The scales relative to the largest (powers of two: exact), that one applied at a slice's end:
+    // the kernels' products of a block's sums with its scale then stay within fp32's normal range
+    // for rows of any magnitude bf16 holds.
+    for (const float s : xq_scale) xq_row_scale = std::isnan(s) ? xq_row_scale : std::max(xq_row_scale, s);
+    for (float& s : xq_scale) s /= xq_row_scale;
     xsum.assign(segs.count(), 0.0f);
-    for (int64_t b = 0, sg = 0; b < a.k / kInt16Block; ++b) {
-      while (segs.start[sg + 1] <= b * kInt16Block) ++sg;
+    for (int64_t b = 0, sg = 0; b < a.k / xq_block; ++b) {
+      while (segs.start[sg + 1] <= b * xq_block) ++sg;
       xsum[sg] += xq_scale[b] * static_cast<float>(sums[b]);
     }
     return;
@@ -716,7 +822,7 @@ bool bf16_dots(QuantIsa isa) { return quant_has_bf16() && (isa == QuantIsa::kAut
 bool int16_path(const QuantGemmArgs& a, QuantIsa isa) {
 #if defined(__x86_64__)
   return a.x_bf16 != nullptr && !bf16_dots(isa) && (isa == QuantIsa::kAuto ? quant_isa_best() : isa) == QuantIsa::kAvx2 &&
-         a.m == 1 && a.group_size % kInt16Block == 0 && a.k % kInt16Block == 0;
+         a.m == 1 && int16_block_size(a.k, a.group_size) > 0;
 #else
   return false;
 #endif
@@ -725,12 +831,10 @@ bool int16_path(const QuantGemmArgs& a, QuantIsa isa) {
 void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
   if (a.x_bf16 != nullptr) {
-    if (rows.xq.empty()) {
+    if (rows.xq_block == 0) {
       quant_avx512::run_bf16(a, segs, rows, p0, p1);
-    } else if (a.bits == 4) {
-      quant_avx2::panels_int16(a, segs, rows, p0, p1);
     } else {
-      quant_avx2::panels_int16_int8(a, segs, rows, p0, p1);
+      quant_avx2::run_int16(a, segs, rows, p0, p1);
     }
     return;
   }

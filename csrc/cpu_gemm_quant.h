@@ -38,8 +38,9 @@ struct QuantGemmArgs {
   // rows x_stride apart, groups of an even size (or one per row). Where the CPU has AVX512-BF16
   // (isa auto or AVX-512) multiplied with its dot products on pairs of input columns (twice the fp32
   // FMA rate); one row against int4 or int8 on AVX2 (groups and k multiples of 32) as 16-bit
-  // integers, a power-of-two scale per 32 columns, with integer multiply-adds (exact for values
-  // within 2^7 of their block's largest, the others within 2^-16 of it); otherwise widened to fp32.
+  // integers, a power-of-two scale per block of 128, 64 or 32 columns (the largest dividing k and
+  // the group size), with integer multiply-adds (exact for values within 2^7 of their block's
+  // largest, the others within 2^-16 of it); otherwise widened to fp32.
   const uint16_t* x_bf16;
   const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
   const float* scales;       // [groups][panels][16]

@@ -120,7 +120,7 @@ template <int R>
   const int64_t col0 = p * kGemmPanel, s0 = segs.start[sg];
   const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
   V s[kVecs], z[kVecs], bias[kVecs];
-  group_params(a, p, s0 / a.group_size, s, z);
+  group_params(a, p, segs.group[sg], s, z);
   const bool first = s0 == 0;
   for (int v = 0; v < kVecs; ++v) bias[v] = Isa::zero();
   if (first) {
@@ -164,7 +164,7 @@ void dequant_slice(const QuantGemmArgs& a, const Segments& segs, int64_t slice, 
   for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
     const int64_t s0 = segs.start[sg], s1 = segs.start[sg + 1];
     V s[kVecs], z[kVecs];
-    group_params(a, p, s0 / a.group_size, s, z);
+    group_params(a, p, segs.group[sg], s, z);
     const auto store = [&](int64_t i, const V* q) {
       for (int v = 0; v < kVecs; ++v) Isa::store(buf + (i - k0) * kGemmPanel + v * kLanes, Isa::mul(Isa::sub(q[v], z[v]), s[v]));
     };

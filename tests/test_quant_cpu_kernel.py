@@ -19,6 +19,7 @@ from quant_helpers import random_quantized
 from nanovllm import _cpu
 from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.weights import QuantizedWeight
+from nanovllm.layers.quantization.weights import QuantizedWeight
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_kernel.isa_supported(isa), reason=f"the CPU lacks {isa}"))
         for isa in ("portable", "avx2", "avx512")]
@@ -118,6 +119,21 @@ def test_bf16_path_sums_in_fp32(group: int) -> None:
         assert torch.equal(yb, y.to(torch.bfloat16))
 
 
+def int16_block(k: int, group: int) -> int:
+    """The int16 path's activation block: the largest of 128, 64, 32 that divides k and the group size."""
+    return next(b for b in (128, 64, 32) if k % b == 0 and group % b == 0)
+
+
+def summed_magnitudes(x: torch.Tensor, w: QuantizedWeight, zero_offset: float) -> torch.Tensor:
+    """|x| times the magnitudes the kernels add before a group's zero points come off (its stored
+    values and zero points, zero_offset on both, times |scale|): what fp32 rounding is relative to.
+    For unsigned int4 these are several times |w| where q and z are close."""
+    zeros = torch.zeros_like(w.scales) if w.zeros is None else w.zeros.double()
+    stored = (w.qweight.double() + zero_offset).abs()
+    stored += (zeros + zero_offset).abs().repeat_interleave(w.group_size, dim=1)[:, :w.in_features]
+    return F.linear(x.double().abs(), stored * w.scales.double().abs().repeat_interleave(w.group_size, dim=1)[:, :w.in_features])
+
+
 def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor) -> None:
     """quant_gemm_cpu on one row of bf16 activations (x_bf16), fp32 out."""
     k = p.in_features
@@ -129,11 +145,11 @@ def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
-    """One bf16 row against int4 or int8 on AVX2: 16-bit integers with a power-of-two scale per 32 columns
-    (largest value below 2^e: steps of 2^(e - 15)), so within half a step per value of the fp32
-    product of the same row (an outlier coarsens its own block only); it is not the fp32 path
-    (whose result differs); NaN reaches every output; shapes it does not take (k or the groups not a
-    multiple of 32) give the fp32 path's bits."""
+    """One bf16 row against int4 or int8 on AVX2: 16-bit integers with a power-of-two scale per block of
+    128, 64 or 32 columns (int16_block; largest value below 2^e: steps of 2^(e - 15)), so within half
+    a step per value of the fp32 product of the same row (an outlier coarsens its own block only); it
+    is not the fp32 path (whose result differs); NaN reaches every output; shapes it does not take
+    (k or the groups not a multiple of 32) give the fp32 path's bits."""
     for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (512, 16, 512), (96, 100, 32),
                                        (3072, 17, 64), (768, 50, 256)]):
         w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=60 + i)
@@ -144,8 +160,9 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
         y = torch.empty(1, n)
         int16_call(x, p, y)
         expected = reference(x.float(), w, None).double()
-        blocks = x.float().reshape(-1, 32).abs().amax(dim=1)
-        half_step = torch.ldexp(torch.ones_like(blocks), torch.frexp(blocks).exponent - 16).repeat_interleave(32)
+        block = int16_block(k, group)
+        blocks = x.float().reshape(-1, block).abs().amax(dim=1)
+        half_step = torch.ldexp(torch.ones_like(blocks), torch.frexp(blocks).exponent - 16).repeat_interleave(block)
         bound = F.linear(half_step.double()[None], w.dequantize(torch.float64).abs())
         scale = F.linear(x.double().abs(), w.dequantize(torch.float64).abs())
         assert ((y.double() - expected).abs() <= bound + 1e-6 * scale).all(), i
@@ -167,28 +184,30 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("exponents", [(-6, 6), (-134, -108), (100, 118)])
-def test_int16_rows_round_half_away_from_zero(bits: int, exponents: tuple[int, int]) -> None:
-    """The int16 path's activations: each block's values as multiples of 2^(e - 15) (e the frexp
-    exponent of the block's largest magnitude) rounded half away from zero, the rule written here in
-    float64. Most values lie ~2^-12 below their block's largest, so every one of them rounds. Rows
-    of ordinary, tiny (down to bf16's subnormals: the scalar form of the rule, below 2^-112) and
-    huge magnitudes."""
+@pytest.mark.parametrize("group", [128, 64, 32])
+def test_int16_rows_round_half_away_from_zero(bits: int, exponents: tuple[int, int], group: int) -> None:
+    """The int16 path's activations: each block's values (int16_block: 128, 64 or 32 columns) as
+    multiples of 2^(e - 15) (e the frexp exponent of the block's largest magnitude) rounded half away
+    from zero, the rule written here in float64. Most values lie ~2^-12 below their block's largest,
+    so every one of them rounds. Rows of ordinary, tiny (down to bf16's subnormals: the scalar form of
+    the rule, below 2^-112) and huge magnitudes."""
     k, n = 512, 24
-    w = random_quantized(n, k, bits, 128, symmetric=False, seed=5)
+    block = int16_block(k, group)
+    w = random_quantized(n, k, bits, group, symmetric=False, seed=5)
     p = cpu_kernel.pack(w)
     g = torch.Generator().manual_seed(5)
-    largest = torch.ldexp(torch.ones(k // 32), torch.randint(*exponents, (k // 32,), generator=g))
-    x = torch.randn(k // 32, 32, generator=g) * 2.0**-12 * largest[:, None]
-    x[:, 7] = largest * torch.where(torch.rand(k // 32, generator=g) < 0.5, -1.0, 1.0)
+    largest = torch.ldexp(torch.ones(k // block), torch.randint(*exponents, (k // block,), generator=g))
+    x = torch.randn(k // block, block, generator=g) * 2.0**-12 * largest[:, None]
+    x[:, 7] = largest * torch.where(torch.rand(k // block, generator=g) < 0.5, -1.0, 1.0)
     x = x.reshape(1, k).to(torch.bfloat16)
-    blocks = x.double().reshape(-1, 32)
-    step = torch.ldexp(torch.ones(k // 32, dtype=torch.float64), torch.frexp(blocks.abs().amax(dim=1).float()).exponent - 15)
+    blocks = x.double().reshape(-1, block)
+    step = torch.ldexp(torch.ones(k // block, dtype=torch.float64),
+                       torch.frexp(blocks.abs().amax(dim=1).float()).exponent - 15)
     q = torch.trunc(blocks / step[:, None] + 0.5 * torch.sign(blocks)).clamp(-32767, 32767)
     expected = F.linear((q * step[:, None]).reshape(1, k), w.dequantize(torch.float64))
     y = torch.empty(1, n)
     int16_call(x, p, y)
-    scale = F.linear(x.double().abs(), w.dequantize(torch.float64).abs())
-    assert ((y.double() - expected).abs() <= 1e-6 * scale).all()
+    assert ((y.double() - expected).abs() <= 1e-6 * summed_magnitudes(x, w, p.zero_offset)).all()
 
 
 GUARDED_ROWS = """
@@ -196,6 +215,7 @@ import ctypes, mmap, sys, torch
 from quant_helpers import random_quantized
 from nanovllm import _cpu
 from nanovllm.layers.quantization import cpu_kernel
+from nanovllm.layers.quantization.weights import QuantizedWeight
 libc = ctypes.CDLL(None)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
