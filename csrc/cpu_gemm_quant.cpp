@@ -89,6 +89,7 @@ struct Segments {
 // Qwen3-shaped decode's int4 weights 1.07-1.08x faster from memory (2 threads, Zen 3). The cost: a
 // value's rounding is relative to the largest of 128, not 32, around it.
 constexpr int64_t kInt16Blocks[] = {128, 64, 32};
+constexpr int64_t kInt16MaxBlock = kInt16Blocks[0];
 
 int64_t int16_block_size(int64_t k, int64_t group_size) {
   for (const int64_t b : kInt16Blocks) {
@@ -98,7 +99,8 @@ int64_t int16_block_size(int64_t k, int64_t group_size) {
 }
 
 // One block of n bf16 values as 16-bit integers times a power of two, returned (NaN where the block
-// holds a NaN or infinity: every output NaN, as in fp32), and their sum.
+// holds a NaN or infinity: every output NaN, as in fp32; 0 for a block of zeros, whose integers any
+// scale leaves 0, so that the row's largest scale is a value's, RowPrep), and their sum.
 float int16_block(const Bf16* x, int64_t n, int16_t* q, int32_t& sum) {
   float most = 0.0f;
   bool finite = true;
@@ -117,7 +119,8 @@ float int16_block(const Bf16* x, int64_t n, int16_t* q, int32_t& sum) {
     q[i] = static_cast<int16_t>(std::clamp(static_cast<int32_t>(v + (v < 0.0f ? -0.5f : 0.5f)), -32767, 32767));
     sum += q[i];
   }
-  return finite ? std::ldexp(1.0f, e - 15) : std::numeric_limits<float>::quiet_NaN();
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  return most > 0.0f ? std::ldexp(1.0f, e - 15) : 0.0f;
 }
 
 // Eight of a row's 16-bit integers in the order the int4 int16 path's lanes take (RowPrep::xq).
@@ -265,7 +268,8 @@ void int16_row(const Bf16* x, int64_t k, int64_t block, int bits, int32_t* xq, f
     // The largest magnitude's bits: bf16 magnitudes order as integers.
     __m256i m16 = _mm256_setzero_si256();
     for (int64_t i = 0; i < block; i += 16) {
-      m16 = _mm256_max_epi16(m16, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i)), magnitude));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i));
+      m16 = _mm256_max_epi16(m16, _mm256_and_si256(h, magnitude));
     }
     __m128i m = _mm_max_epi16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
     m = _mm_max_epi16(m, _mm_srli_si128(m, 8));
@@ -273,7 +277,7 @@ void int16_row(const Bf16* x, int64_t k, int64_t block, int bits, int32_t* xq, f
     m = _mm_max_epi16(m, _mm_srli_si128(m, 2));
     const int exponent = _mm_extract_epi16(m, 0) >> 7;  // biased; the largest value < 2^(exponent - 126)
     if (exponent < 15 || exponent > 254) {  // zero, tiny, infinite or NaN
-      int16_t q[kInt16Blocks[0]];
+      int16_t q[kInt16MaxBlock];
       scale[b] = int16_block(xb, block, q, sums[b]);
       if (bits == 4) {
         for (int64_t d = 0; d < block; d += 8) int16_pairs(q + d, out_at(b * block + d));
@@ -365,14 +369,15 @@ inline void finish_slice(const QuantGemmArgs& a, const RowPrep& rows, int64_t p,
 // operations: 1.3x the weights a core, one row in L2, Zen 3). Sums of a block of Block depths stay
 // exact in int32 (at most 2 x 16 x 15 x 32767 x Block / 8 < 2^31 for Block 128) and go to fp32 at the
 // block's end, times the activations' scale and the group's scales (in the lanes' column order), into
-// one set of sums per panel slice; the two halves' depths and the column pairs are put back in order
-// at the slice's end, and each segment's zero points are taken off there.
+// one set of sums per panel slice, each segment's zero points taken off at its end; the two halves'
+// depths and the column pairs are put back in order at the slice's end.
 template <int64_t Block>
 void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
   static_assert(Block % 32 == 0 && Block <= 128, "the int32 sums of a block must not overflow");
   const int64_t panels = gemm_panels(a.n);
   const __m256i low = _mm256_set1_epi16(0x000f), high = _mm256_set1_epi16(0x00f0);
-  const __m256i even_lanes = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6), odd_lanes = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
+  const __m256i even_lanes = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+  const __m256i odd_lanes = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
   // Lanes holding the column pair (c, c + 1) at depths d and d + 4 (d + 2 and d + 6 in the high half):
   // the even column's nibbles times xa (low) and xb (high, times 16), the odd one's the same.
   const auto dot8 = [&](__m256i t, __m256i& even, __m256i& even16, __m256i& odd, __m256i xa, __m256i xb) {
@@ -391,8 +396,9 @@ void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& r
       __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
         const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg]);
-        const __m256 scales[4] = {_mm256_permutevar8x32_ps(g.scale[0], even_lanes), _mm256_permutevar8x32_ps(g.scale[0], odd_lanes),
-                                  _mm256_permutevar8x32_ps(g.scale[1], even_lanes), _mm256_permutevar8x32_ps(g.scale[1], odd_lanes)};
+        // sums[i]'s lanes: the even (i even) or odd columns of g.scale[i / 2]'s eight.
+        const auto lanes = [&](__m256 v, int i) { return _mm256_permutevar8x32_ps(v, i % 2 ? odd_lanes : even_lanes); };
+        const __m256 scales[4] = {lanes(g.scale[0], 0), lanes(g.scale[0], 1), lanes(g.scale[1], 2), lanes(g.scale[1], 3)};
         for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += Block) {
           const uint8_t* wb = w + (b0 - k0) * (kGemmPanel / 2);
           const uint8_t* pb = ahead + (b0 - k0) * (kGemmPanel / 2);
@@ -415,9 +421,11 @@ void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& r
           const __m256 xs = _mm256_set1_ps(rows.xq_scale[b0 / Block]);
           const __m256i ints[4] = {_mm256_add_epi32(even0, _mm256_srai_epi32(even16_0, 4)), odd0,
                                    _mm256_add_epi32(even1, _mm256_srai_epi32(even16_1, 4)), odd1};
-          for (int i = 0; i < 4; ++i) sums[i] = _mm256_fmadd_ps(scales[i], _mm256_mul_ps(xs, _mm256_cvtepi32_ps(ints[i])), sums[i]);
+          for (int i = 0; i < 4; ++i) {
+            sums[i] = _mm256_fmadd_ps(scales[i], _mm256_mul_ps(xs, _mm256_cvtepi32_ps(ints[i])), sums[i]);
+          }
         }
-        for (int i = 0; i < 4; ++i) sums[i] = _mm256_sub_ps(sums[i], _mm256_permutevar8x32_ps(g.zero_term[i / 2], i % 2 ? odd_lanes : even_lanes));
+        for (int i = 0; i < 4; ++i) sums[i] = _mm256_sub_ps(sums[i], lanes(g.zero_term[i / 2], i));
       }
       const __m256 ordered[2] = {in_order(sums[0], sums[1]), in_order(sums[2], sums[3])};
       finish_slice(a, rows, p, k0, ordered);
@@ -475,10 +483,10 @@ void panels_int16_int8(const QuantGemmArgs& a, const Segments& segs, const RowPr
           f_hi = _mm256_fmadd_ps(scale_hi, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(_mm256_add_epi32(hi0, hi1))), f_hi);
         }
         // Each lane holds one column here: the whole term (twice the half).
-        f_lo = _mm256_sub_ps(f_lo, _mm256_add_ps(_mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20),
-                                                 _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20)));
-        f_hi = _mm256_sub_ps(f_hi, _mm256_add_ps(_mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31),
-                                                 _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31)));
+        const __m256 zero_lo = _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20);
+        const __m256 zero_hi = _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31);
+        f_lo = _mm256_sub_ps(f_lo, _mm256_add_ps(zero_lo, zero_lo));
+        f_hi = _mm256_sub_ps(f_hi, _mm256_add_ps(zero_hi, zero_hi));
       }
       const __m256 ordered[2] = {_mm256_permute2f128_ps(f_lo, f_hi, 0x20), _mm256_permute2f128_ps(f_lo, f_hi, 0x31)};
       finish_slice(a, rows, p, k0, ordered);
@@ -498,7 +506,8 @@ void run_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows
   switch (rows.xq_block) {
     case 128: run.template operator()<128>(); break;
     case 64: run.template operator()<64>(); break;
-    default: run.template operator()<32>(); break;
+    case 32: run.template operator()<32>(); break;
+    default: assert(false && "a block size kInt16Blocks lacks"); break;
   }
 }
 }  // namespace
@@ -764,9 +773,12 @@ RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16) {
     quant_avx2::int16_row(a.x_bf16, a.k, xq_block, a.bits, xq.get(), xq_scale.data(), sums.data());
 #endif
     // The scales relative to the largest (powers of two: exact), that one applied at a slice's end:
-    // the kernels' products of a block's sums with its scale then stay within fp32's normal range
-    // for rows of any magnitude bf16 holds.
+    // the products of the largest blocks' sums with their scales stay near 1 whatever the row's
+    // magnitude (with absolute scales, a row of bf16's tiniest values lost precision to fp32's
+    // subnormals); blocks 2^126 below the row's largest fall to subnormals as in any fp32 sum. A row
+    // of zeros keeps 1.
     for (const float s : xq_scale) xq_row_scale = std::isnan(s) ? xq_row_scale : std::max(xq_row_scale, s);
+    if (xq_row_scale == 0.0f) xq_row_scale = 1.0f;
     for (float& s : xq_scale) s /= xq_row_scale;
     xsum.assign(segs.count(), 0.0f);
     for (int64_t b = 0, sg = 0; b < a.k / xq_block; ++b) {

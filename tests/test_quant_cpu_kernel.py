@@ -19,7 +19,6 @@ from quant_helpers import random_quantized
 from nanovllm import _cpu
 from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.weights import QuantizedWeight
-from nanovllm.layers.quantization.weights import QuantizedWeight
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_kernel.isa_supported(isa), reason=f"the CPU lacks {isa}"))
         for isa in ("portable", "avx2", "avx512")]
@@ -134,12 +133,13 @@ def summed_magnitudes(x: torch.Tensor, w: QuantizedWeight, zero_offset: float) -
     return F.linear(x.double().abs(), stored * w.scales.double().abs().repeat_interleave(w.group_size, dim=1)[:, :w.in_features])
 
 
-def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor) -> None:
+def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor,
+               bias: torch.Tensor | None = None) -> None:
     """quant_gemm_cpu on one row of bf16 activations (x_bf16), fp32 out."""
     k = p.in_features
-    _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(), 0,
-                        y.data_ptr(), 1, p.out_features, k, x.shape[1], p.out_features, p.group_size, p.bits,
-                        p.zero_offset, 0, 1, x.data_ptr())
+    _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
+                        0 if bias is None else bias.data_ptr(), y.data_ptr(), 1, p.out_features, k, x.shape[1],
+                        p.out_features, p.group_size, p.bits, p.zero_offset, 0, 1, x.data_ptr())
 
 
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
@@ -150,25 +150,28 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
     a step per value of the fp32 product of the same row (an outlier coarsens its own block only); it
     is not the fp32 path (whose result differs); NaN reaches every output; shapes it does not take
     (k or the groups not a multiple of 32) give the fp32 path's bits."""
+    # Slices of 256 columns: a partial last one (384, 320), a group across two (384 of 768).
     for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (512, 16, 512), (96, 100, 32),
-                                       (3072, 17, 64), (768, 50, 256)]):
+                                       (3072, 17, 64), (768, 50, 256), (384, 24, 128), (320, 20, 64),
+                                       (768, 20, 384)]):
         w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=60 + i)
         p = cpu_kernel.pack(w)
+        block = int16_block(k, group)
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
         x[0, 3] = 300.0
-        x[0, 32:64] = 0.0  # a block of zeros takes the scalar rule, the rest its vector form
+        x[0, block:2 * block] = 0.0  # a block of zeros takes the scalar rule, the rest its vector form
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(100 + i)) if i % 3 == 0 else None
         y = torch.empty(1, n)
-        int16_call(x, p, y)
-        expected = reference(x.float(), w, None).double()
-        block = int16_block(k, group)
+        int16_call(x, p, y, bias)
+        expected = reference(x.float(), w, bias).double()
         blocks = x.float().reshape(-1, block).abs().amax(dim=1)
         half_step = torch.ldexp(torch.ones_like(blocks), torch.frexp(blocks).exponent - 16).repeat_interleave(block)
         bound = F.linear(half_step.double()[None], w.dequantize(torch.float64).abs())
         scale = F.linear(x.double().abs(), w.dequantize(torch.float64).abs())
         assert ((y.double() - expected).abs() <= bound + 1e-6 * scale).all(), i
-        y32 = cpu_kernel.linear(x.float(), p, None)
+        y32 = cpu_kernel.linear(x.float(), p, bias)
         assert not torch.equal(y, y32), i  # the integer path ran
-        assert torch.equal(cpu_kernel.linear(x, p, None), y.to(torch.bfloat16)), i  # linear takes it for bf16 rows
+        assert torch.equal(cpu_kernel.linear(x, p, bias), y.to(torch.bfloat16)), i  # linear takes it for bf16 rows
         x[0, k // 2] = float("nan")
         int16_call(x, p, y)
         assert torch.isnan(y).all(), i
@@ -215,7 +218,6 @@ import ctypes, mmap, sys, torch
 from quant_helpers import random_quantized
 from nanovllm import _cpu
 from nanovllm.layers.quantization import cpu_kernel
-from nanovllm.layers.quantization.weights import QuantizedWeight
 libc = ctypes.CDLL(None)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]

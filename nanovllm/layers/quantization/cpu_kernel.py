@@ -32,8 +32,8 @@ def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
     """The row counts (least, most; most 0: any) at which bf16 activations go to the kernel as bf16
     (else widened to fp32): where the CPU has AVX512-BF16, its dot products from BF16_MIN_ROWS rows;
     on an AVX2 CPU one row, as 16-bit integers (csrc/cpu_gemm_quant.cpp: fewer operations than the
-    fp32 decode, exact to bf16's precision for values within 2^7 of the largest of their 32
-    columns). (0, 0): never (groups of an odd size)."""
+    fp32 decode, exact to bf16's precision for values within 2^7 of the largest of their block of
+    128, 64 or 32 columns). (0, 0): never (groups of an odd size)."""
     if not groups_pair(p.group_size, p.in_features):
         return 0, 0
     if HAS_BF16 and isa in ("auto", "avx512"):
