@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -34,6 +35,17 @@ constexpr int64_t kMinWorkPerThread = 1 << 16;
 struct Task {
   int32_t seq, head_begin, head_end;  // KV heads [head_begin, head_end)
   int32_t row_begin, row_end;         // query rows, relative to the sequence's first one
+  // A part of a lone decode row's keys, [key_begin, key_end), whose partial softmax (max, sum and
+  // unnormalized values) goes to slot `part` of the step's partials, merged after all parts ran;
+  // part -1: the task's rows see all their keys and it writes its output itself.
+  int32_t key_begin = 0, key_end = 0, part = -1;
+};
+
+// The parts of a lone decode row split by keys: per part, each query vector's max score and sum of
+// exponentials (2 floats) then its unnormalized values (head_dim floats), vectors in head order.
+struct Partials {
+  float* data = nullptr;
+  int64_t floats_per_part = 0;
 };
 
 struct Scratch {
@@ -198,13 +210,16 @@ template <typename T>
   return m;
 }
 
-// Softmax of each score row (`stride` apart) over the keys its vector sees (base + row + 1, row =
-// (v % per_head) / group), the rest of the row up to `width` set to 0.
+// Softmax of each score row (`stride` apart, column j holding key k0 + j) over the keys its vector
+// sees (base + row + 1, row = (v % per_head) / group) below `width`, the rest of the row up to key
+// `width` set to 0. With `stats`, a part of the keys (Task::part): the exponentials stay
+// unnormalized and each vector's max and sum go to stats[2v], stats[2v + 1].
 [[gnu::always_inline]] inline void softmax_visible(float* __restrict sc, int64_t stride, int V, int per_head,
-                                                   int group, int base, int64_t width) {
+                                                   int group, int base, int64_t width, int64_t k0 = 0,
+                                                   float* __restrict stats = nullptr) {
   for (int v = 0; v < V; ++v) {
     float* p = sc + v * stride;
-    const int n = base + (v % per_head) / group + 1;
+    const int n = static_cast<int>(std::min<int64_t>(base + (v % per_head) / group + 1, width) - k0);
     const float m = row_max(p, n);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -212,10 +227,15 @@ template <typename T>
       p[t] = vec_exp(p[t] - m);
       sum += p[t];
     }
-    const float inv = 1.0f / sum;
+    if (stats != nullptr) {
+      stats[2 * v] = m;
+      stats[2 * v + 1] = sum;
+    } else {
+      const float inv = 1.0f / sum;
 #pragma omp simd
-    for (int t = 0; t < n; ++t) p[t] *= inv;
-    std::fill(p + n, p + width, 0.0f);
+      for (int t = 0; t < n; ++t) p[t] *= inv;
+    }
+    std::fill(p + n, p + width - k0, 0.0f);
   }
 }
 
@@ -315,7 +335,8 @@ template <typename T>
 // row_begin. The cache is walked row by row, every KV head of the task per row, so a decode task
 // (all heads of a sequence) reads each K/V row once, sequentially.
 template <typename T>
-[[gnu::always_inline]] inline void attend_task(const PagedAttentionArgs& a, const Task& task, Scratch& s) {
+[[gnu::always_inline]] inline void attend_task(const PagedAttentionArgs& a, const Task& task, Scratch& s,
+                                               const Partials& partials) {
   const int group = a.num_heads / a.num_kv_heads;
   const int D = a.head_dim;
   const int bs = a.block_size;
@@ -326,13 +347,14 @@ template <typename T>
   const int heads = task.head_end - task.head_begin;
   const int per_head = rows * group;
   const int V = heads * per_head;
-  const int64_t L = base + rows;  // keys the last row sees
+  const int64_t L = task.part >= 0 ? task.key_end : base + rows;  // keys the last row sees (or the part's end)
   const int32_t* table = a.block_tables + static_cast<int64_t>(task.seq) * a.block_table_stride;
   const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
   const int64_t head_off = static_cast<int64_t>(task.head_begin) * D;
   const T* query = static_cast<const T*>(a.query);
 
-  const int64_t stride = (L + 7) / 8 * 8;  // score row stride: room for the AVX2 path's 8-key chunks
+  // Score row stride (column j: key key_begin + j): room for the AVX2 path's 8-key chunks.
+  const int64_t stride = (L - task.key_begin + 7) / 8 * 8;
   s.q.resize(static_cast<size_t>(V) * D);
   s.scores.resize(static_cast<size_t>(V) * stride);
   s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
@@ -366,12 +388,19 @@ template <typename T>
 #if defined(__x86_64__)
   if (tiles) {
     const Bf16* qb = bf16_scores ? s.qb.data() : nullptr;
+    float* part = task.part >= 0 ? partials.data + task.part * partials.floats_per_part : nullptr;
     if (D % 16 == 0 && has_avx512_bf16()) {
-      attn_avx512::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc);
+      attn_avx512::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc,
+                                   task.key_begin, part);
     } else {
-      attn_avx2::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc);
+      attn_avx2::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc,
+                                 task.key_begin, part);
     }
-    write_task_output<T>(a, task, acc);
+    if (part != nullptr) {
+      std::copy_n(acc, static_cast<int64_t>(V) * D, part + 2 * V);
+    } else {
+      write_task_output<T>(a, task, acc);
+    }
     return;
   }
 #endif
@@ -399,40 +428,81 @@ template <typename T>
 
 // One copy per instruction set, picked when the library loads: AVX-512, AVX2 + FMA, baseline.
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void run_f32(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std::atomic<int64_t>& next) {
+void run_f32(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std::atomic<int64_t>& next,
+             const Partials& partials) {
   Scratch s;
-  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) attend_task<float>(a, tasks[i], s);
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+    attend_task<float>(a, tasks[i], s, partials);
+  }
 }
 
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std::atomic<int64_t>& next) {
+void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std::atomic<int64_t>& next,
+              const Partials& partials) {
   Scratch s;
-  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) attend_task<Bf16>(a, tasks[i], s);
+  for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+    attend_task<Bf16>(a, tasks[i], s, partials);
+  }
 }
 
-// A decode row is one task with every KV head (its K/V rows read once, sequentially), or, when
-// there are fewer decode rows than threads and nothing else to do, a few tasks of consecutive KV
-// heads (a lone decode row left the other threads idle); a prefill chunk is cut into tiles of rows
-// per KV head, so a loaded K/V row serves many queries and long chunks spread over the threads.
-// Prefill tiles go first: handing out the long tasks first balances the threads.
-std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64_t& work) {
+// Whether a call takes the tile path (attend_task's `tiles`), the one that splits keys.
+bool takes_tiles(const PagedAttentionArgs& a) {
+#if defined(__x86_64__)
+  return a.head_dim % 8 == 0 && a.block_size % 8 == 0 && has_avx2_fma();
+#else
+  (void)a;
+  return false;
+#endif
+}
+
+// How many parts of its keys a step's only row, a decode on the tile path, is cut into: a power of
+// two up to kMaxKeyParts with at least kMinBlocksPerPart blocks each, whatever the thread count (the
+// output must not depend on it; the parts' sums merge in order).
+constexpr int32_t kMaxKeyParts = 8;
+constexpr int32_t kMinBlocksPerPart = 8;
+
+int32_t key_parts(int32_t blocks) {
+  int32_t parts = 1;
+  while (parts < kMaxKeyParts && blocks >= 2 * parts * kMinBlocksPerPart) parts *= 2;
+  return parts;
+}
+
+// A decode row is one task with every KV head (its K/V rows read once, sequentially). A step's only
+// row, a decode on the tile path, is cut into parts of its keys (key_parts), each reading whole
+// cache rows: with its KV heads split instead, two threads read halves of every row, 1.2-1.4x
+// slower from memory (one sequence of 300-3000 keys, bf16, 2 threads, Zen 3). Otherwise, when there
+// are fewer decode rows than threads and nothing else to do, a few tasks of consecutive KV heads (a
+// lone decode row left the other threads idle). A prefill chunk is cut into tiles of rows per KV
+// head, so a loaded K/V row serves many queries and long chunks spread over the threads. Prefill
+// tiles go first: handing out the long tasks first balances the threads. `parts`: the key parts.
+std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64_t& work, int32_t& parts) {
   const int group = a.num_heads / a.num_kv_heads;
   const int tile = std::max(1, kQueryVectorsPerTask / group);
   int32_t decodes = 0;
   for (int32_t seq = 0; seq < a.num_seqs; ++seq) decodes += a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] == 1;
-  const int32_t parts = decodes > 0 && decodes == a.num_seqs && decodes < num_threads
-                            ? std::min(a.num_kv_heads, (num_threads + decodes - 1) / decodes)
-                            : 1;
+  const int32_t heads_split = decodes > 0 && decodes == a.num_seqs && decodes < num_threads
+                                  ? std::min(a.num_kv_heads, (num_threads + decodes - 1) / decodes)
+                                  : 1;
   std::vector<Task> prefill, decode;
   work = 0;
+  parts = 0;
   for (int32_t seq = 0; seq < a.num_seqs; ++seq) {
     const int32_t q_len = a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq];
     const int32_t prefix = a.context_lens[seq] - q_len;
     if (q_len == 1) {
-      for (int32_t part = 0; part < parts; ++part) {
-        decode.push_back({seq, a.num_kv_heads * part / parts, a.num_kv_heads * (part + 1) / parts, 0, 1});
-      }
       work += prefix + 1;
+      const int32_t blocks = prefix / a.block_size + 1;
+      const int32_t pieces = a.num_seqs == 1 && takes_tiles(a) ? key_parts(blocks) : 1;
+      if (pieces > 1) {
+        const int32_t per_part = (blocks + pieces - 1) / pieces * a.block_size;
+        for (int32_t k = 0; k <= prefix; k += per_part) {
+          decode.push_back({seq, 0, a.num_kv_heads, 0, 1, k, std::min(prefix + 1, k + per_part), parts++});
+        }
+        continue;
+      }
+      for (int32_t part = 0; part < heads_split; ++part) {
+        decode.push_back({seq, a.num_kv_heads * part / heads_split, a.num_kv_heads * (part + 1) / heads_split, 0, 1});
+      }
       continue;
     }
     for (int32_t r = 0; r < q_len; r += tile) {
@@ -446,17 +516,56 @@ std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64
   return prefill;
 }
 
+// The output row of a decode row split by keys, from its parts' partial softmaxes in order: each
+// part's sums weighted by exp(its max - the row's max), over the parts' weighted sums of exponentials.
+template <typename T>
+void merge_parts(const PagedAttentionArgs& a, const std::vector<Task>& tasks, const Partials& partials) {
+  const int64_t V = a.num_heads, D = a.head_dim;
+  std::vector<float> row(D);
+  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(a.cu_seqlens_q[tasks.front().seq]) * V * D;
+  for (int64_t v = 0; v < V; ++v) {
+    float most = -std::numeric_limits<float>::infinity();
+    for (const Task& t : tasks) most = std::max(most, partials.data[t.part * partials.floats_per_part + 2 * v]);
+    float total = 0.0f;
+    std::fill(row.begin(), row.end(), 0.0f);
+    for (const Task& t : tasks) {
+      const float* part = partials.data + t.part * partials.floats_per_part;
+      const float weight = std::exp(part[2 * v] - most);
+      total += weight * part[2 * v + 1];
+      const float* sums = part + 2 * V + v * D;
+      for (int64_t d = 0; d < D; ++d) row[d] += weight * sums[d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < D; ++d) narrow(row[d] * inv, out + v * D + d);
+  }
+}
+
 }  // namespace
 
 void paged_attention(const PagedAttentionArgs& a, int num_threads) {
   int64_t work = 0;
-  const std::vector<Task> tasks = make_tasks(a, num_threads, work);
+  int32_t parts = 0;
+  const std::vector<Task> tasks = make_tasks(a, num_threads, work, parts);
   const int64_t count = static_cast<int64_t>(tasks.size());
   const int64_t threads = std::clamp<int64_t>(std::min<int64_t>(num_threads, work / kMinWorkPerThread), 1,
                                               std::max<int64_t>(count, 1));
+  std::vector<float> partial_floats;
+  Partials partials;
+  if (parts > 0) {
+    partials.floats_per_part = static_cast<int64_t>(a.num_heads) * (2 + a.head_dim);
+    partial_floats.resize(parts * partials.floats_per_part);
+    partials.data = partial_floats.data();
+  }
   const auto run = a.dtype == CpuDtype::kBFloat16 ? run_bf16 : run_f32;
   std::atomic<int64_t> next{0};
-  parallel_team(threads, [&](int64_t, int64_t) { run(a, tasks.data(), count, next); });
+  parallel_team(threads, [&](int64_t, int64_t) { run(a, tasks.data(), count, next, partials); });
+  if (parts == 0) return;
+  // Only a step of one sequence is split: every task is one of its parts.
+  if (a.dtype == CpuDtype::kBFloat16) {
+    merge_parts<Bf16>(a, tasks, partials);
+  } else {
+    merge_parts<float>(a, tasks, partials);
+  }
 }
 
 void write_kv_cache(const KVWriteArgs& a) {

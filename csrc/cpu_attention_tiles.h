@@ -106,12 +106,15 @@ inline void weighted_rows(const float* __restrict p, int64_t p_stride, const T* 
 }
 
 // Scores, softmax and weighted values of one task: the same results as attend_task's portable loops
-// up to fp32 rounding. qf holds the task's V scaled query vectors, sc is [V, stride] with stride >=
-// L rounded up to 8, acc [V, D] zeros. qb, when not null, holds the same vectors unscaled in bf16
-// instead (qf is then not filled), and the scores take Isa::scores_bf16.
+// up to fp32 rounding. qf holds the task's V scaled query vectors, sc is [V, stride] (column j: key
+// k0 + j) with stride >= L - k0 rounded up to 8, acc [V, D] zeros. qb, when not null, holds the same vectors unscaled in bf16
+// instead (qf is then not filled), and the scores take Isa::scores_bf16. Keys [k0, L) (k0 a multiple
+// of the block size); with `stats`, a part of a row's keys: the values unnormalized, each vector's
+// max score and sum of exponentials into stats (softmax_visible).
 template <typename T>
 void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads, int per_head,
-                  int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb, float* sc, float* acc) {
+                  int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb, float* sc, float* acc,
+                  int64_t k0, float* stats) {
   const int group = a.num_heads / a.num_kv_heads;
   const int D = a.head_dim;
   const int bs = a.block_size;
@@ -127,8 +130,8 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   // 1.09x faster but 32 sequences 0.94x.
   constexpr bool by_head = std::is_same_v<T, Bf16>;
   const int64_t ahead = kPrefetchBlocks * bs;
-  for (int64_t r = 0; r < ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.k_cache);
-  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+  for (int64_t r = k0; r < k0 + ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.k_cache);
+  for (int64_t t0 = k0; t0 < L; t0 += 8) {
     if constexpr (!by_head) prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off, heads, a.k_cache);
     const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
     const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
@@ -141,28 +144,30 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
       if constexpr (std::is_same_v<T, Bf16>) {
         if (qb != nullptr) {
           for (int v = h * per_head + first; v < end; ++v) {
-            Isa::scores_bf16(qb + static_cast<int64_t>(v) * D, kh, kv_row, D, a.scale, sc + v * stride + t0);
+            Isa::scores_bf16(qb + static_cast<int64_t>(v) * D, kh, kv_row, D, a.scale, sc + v * stride + t0 - k0);
           }
           continue;
         }
       }
       int v = h * per_head + first;
       if constexpr (Isa::kScoreVectors == 2) {
-        for (; v + 2 <= end; v += 2) dot8<2>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0, stride);
+        for (; v + 2 <= end; v += 2) {
+          dot8<2>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0 - k0, stride);
+        }
       }
-      for (; v < end; ++v) dot8<1>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0, stride);
+      for (; v < end; ++v) dot8<1>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0 - k0, stride);
     }
   }
-  softmax_visible(sc, stride, V, per_head, group, base, L);
+  softmax_visible(sc, stride, V, per_head, group, base, L, k0, stats);
   // Values a block at a time: each head's vectors, four at a time, add up the block's rows in
   // registers (the portable loop loaded and stored every accumulator once per key). A vector's
   // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
   // pass. The block was asked for ahead (each head's slice on its turn, or a share of the whole
   // rows per head), so walking it head by head reads from cache.
   const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
-  for (int64_t r = 0; r < ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
+  for (int64_t r = k0; r < k0 + ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
   const int share = (bs + heads - 1) / heads;  // rows of the block `ahead` on that each head's turn asks for
-  for (int64_t t0 = 0; t0 < L; t0 += bs) {
+  for (int64_t t0 = k0; t0 < L; t0 += bs) {
     const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     for (int h = 0; h < heads; ++h) {
@@ -173,7 +178,7 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
                          a.v_cache);
       }
       for (int v = h * per_head; v < (h + 1) * per_head; v += 4) {
-        const float* pv = sc + v * stride + t0;
+        const float* pv = sc + v * stride + t0 - k0;
         const T* xh = x + static_cast<int64_t>(h) * D;
         float* av = acc + static_cast<int64_t>(v) * D;
         switch (std::min(4, (h + 1) * per_head - v)) {

@@ -73,7 +73,8 @@ def test_few_decode_rows_split_their_heads_over_threads(heads: int, kv_heads: in
                                                         dtype: torch.dtype) -> None:
     """Fewer decode rows than threads: each row's KV heads are cut into consecutive ranges, one task
     each (uneven when the threads do not divide them; never more ranges than heads), on the tiles'
-    path and the portable one; the same output whatever the thread count."""
+    path and the portable one (a step's only row on the tiles' path is cut by keys instead); the
+    same output whatever the thread count."""
     rows = [1] if threads == 2 else [1, 1]  # one row on two threads; two rows on three or five
     query, k, v, meta = random_case(7, rows, [300, 41][:len(rows)], heads, kv_heads, dim, 16, dtype)
     ref = torch_backend.paged_attention(query, k, v, meta, dim**-0.5)
@@ -87,6 +88,27 @@ def test_few_decode_rows_split_their_heads_over_threads(heads: int, kv_heads: in
         torch.set_num_threads(previous)
     torch.testing.assert_close(split, ref, **TOL[dtype])
     assert torch.equal(split, one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("ctx", "block_size"), [(255, 16), (256, 16), (257, 16), (1000, 16), (3000, 16), (130, 8),
+                                                 (2 * 8 * 256 + 1, 256), (100, 16)])
+def test_a_lone_decode_row_split_by_keys(ctx: int, block_size: int, dtype: torch.dtype) -> None:
+    """A step's only row, a decode, is cut into 1, 2, 4 or 8 parts of its keys (at least 8 blocks
+    each; the last part shorter), whose partial softmaxes are merged: the reference's output, and
+    the same bits on 1, 2 or 3 threads (the parts do not depend on the thread count)."""
+    query, k, v, meta = random_case(11, [1], [ctx], 8, 2, 64, block_size, dtype)
+    ref = torch_backend.paged_attention(query, k, v, meta, 0.125)
+    previous = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(cpu_backend.paged_attention(query, k, v, meta, 0.125))
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(outs[0], ref, **TOL[dtype])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
