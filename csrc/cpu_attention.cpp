@@ -138,7 +138,7 @@ constexpr int64_t kPrefetchBlocks = 2;
   }
 }
 
-// Rows [r, r + n) of a pass over keys [0, L), within one block, their slice of the task's KV heads
+// Rows [r, r + n) of a pass over keys below L, within one block, their slice of the task's KV heads
 // (a task of fewer heads asks only for its own: its siblings run on other threads).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_rows(const PagedAttentionArgs& a, const int32_t* table, int64_t r, int n,
@@ -152,7 +152,7 @@ template <typename T>
   for (int i = 0; i < n; ++i, p += row_bytes) prefetch_bytes(p, slice);
 }
 
-// At the start of block `t0 / bs` of a pass over keys [0, L): the blocks kPrefetchBlocks ahead
+// At the start of block `t0 / bs` of a pass over keys below L: the blocks kPrefetchBlocks ahead
 // (at the first block, also the ones before them), whole, as the portable loops walk them. The
 // AVX2 path asks for the rows ahead a few at a time as it goes instead (asking for a whole block
 // at its start stalled the core while the burst of requests drained: 32 x 1000 keys bf16 on one
@@ -329,11 +329,23 @@ template <typename T>
   }
 }
 
+// Whether a call takes the tile path (AVX2 and FMA, head_dim and block_size multiples of 8): the
+// only one that takes a part of a row's keys (Task::part).
+bool takes_tiles(const PagedAttentionArgs& a) {
+#if defined(__x86_64__)
+  return a.head_dim % 8 == 0 && a.block_size % 8 == 0 && has_avx2_fma();
+#else
+  (void)a;
+  return false;
+#endif
+}
+
 // One task: query rows [row_begin, row_end) of one sequence for the query heads of KV heads
 // [head_begin, head_end). Vector v = h * per_head + r * group + g is row row_begin + r, query head
-// (head_begin + h) * group + g; it sees `base + r + 1` keys, base = the absolute position of row
-// row_begin. The cache is walked row by row, every KV head of the task per row, so a decode task
-// (all heads of a sequence) reads each K/V row once, sequentially.
+// (head_begin + h) * group + g; it sees `base + r + 1` keys (a part, only those in [key_begin,
+// key_end)), base = the absolute position of row row_begin. The cache is walked row by row, every
+// KV head of the task per row, so a decode task (all heads of a sequence) reads each K/V row once,
+// sequentially.
 template <typename T>
 [[gnu::always_inline]] inline void attend_task(const PagedAttentionArgs& a, const Task& task, Scratch& s,
                                                const Partials& partials) {
@@ -360,13 +372,9 @@ template <typename T>
   s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
   s.row.resize(D);
   float* __restrict qf = s.q.data();
-  float* __restrict sc = s.scores.data();  // [V, L]
+  float* __restrict sc = s.scores.data();  // [V, stride]
   float* __restrict acc = s.acc.data();    // [V, D]
-#if defined(__x86_64__)
-  const bool tiles = D % 8 == 0 && bs % 8 == 0 && has_avx2_fma();
-#else
-  const bool tiles = false;
-#endif
+  const bool tiles = takes_tiles(a);
   // A bf16 cache on AVX512-BF16 takes the query vectors as stored (qb), every other path scaled fp32 (qf).
   const bool bf16_scores = std::is_same_v<T, Bf16> && tiles && D % 32 == 0 && has_avx512_bf16();
   if (bf16_scores) s.qb.resize(static_cast<size_t>(V) * D);
@@ -445,19 +453,10 @@ void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std
   }
 }
 
-// Whether a call takes the tile path (attend_task's `tiles`), the one that splits keys.
-bool takes_tiles(const PagedAttentionArgs& a) {
-#if defined(__x86_64__)
-  return a.head_dim % 8 == 0 && a.block_size % 8 == 0 && has_avx2_fma();
-#else
-  (void)a;
-  return false;
-#endif
-}
-
 // How many parts of its keys a step's only row, a decode on the tile path, is cut into: a power of
-// two up to kMaxKeyParts with at least kMinBlocksPerPart blocks each, whatever the thread count (the
-// output must not depend on it; the parts' sums merge in order).
+// two up to kMaxKeyParts with at least kMinBlocksPerPart blocks each (part i from block
+// blocks * i / parts), whatever the thread count (the output must not depend on it; the parts' sums
+// merge in order).
 constexpr int32_t kMaxKeyParts = 8;
 constexpr int32_t kMinBlocksPerPart = 8;
 
@@ -469,7 +468,7 @@ int32_t key_parts(int32_t blocks) {
 
 // A decode row is one task with every KV head (its K/V rows read once, sequentially). A step's only
 // row, a decode on the tile path, is cut into parts of its keys (key_parts), each reading whole
-// cache rows: with its KV heads split instead, two threads read halves of every row, 1.2-1.4x
+// cache rows: with its KV heads split instead, two threads read halves of every row, 1.18-1.23x
 // slower from memory (one sequence of 300-3000 keys, bf16, 2 threads, Zen 3). Otherwise, when there
 // are fewer decode rows than threads and nothing else to do, a few tasks of consecutive KV heads (a
 // lone decode row left the other threads idle). A prefill chunk is cut into tiles of rows per KV
@@ -494,9 +493,10 @@ std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64
       const int32_t blocks = prefix / a.block_size + 1;
       const int32_t pieces = a.num_seqs == 1 && takes_tiles(a) ? key_parts(blocks) : 1;
       if (pieces > 1) {
-        const int32_t per_part = (blocks + pieces - 1) / pieces * a.block_size;
-        for (int32_t k = 0; k <= prefix; k += per_part) {
-          decode.push_back({seq, 0, a.num_kv_heads, 0, 1, k, std::min(prefix + 1, k + per_part), parts++});
+        for (int32_t i = 0; i < pieces; ++i) {
+          const int32_t begin = blocks * i / pieces * a.block_size;
+          const int32_t end = std::min(prefix + 1, blocks * (i + 1) / pieces * a.block_size);
+          decode.push_back({seq, 0, a.num_kv_heads, 0, 1, begin, end, parts++});
         }
         continue;
       }

@@ -107,10 +107,10 @@ inline void weighted_rows(const float* __restrict p, int64_t p_stride, const T* 
 
 // Scores, softmax and weighted values of one task: the same results as attend_task's portable loops
 // up to fp32 rounding. qf holds the task's V scaled query vectors, sc is [V, stride] (column j: key
-// k0 + j) with stride >= L - k0 rounded up to 8, acc [V, D] zeros. qb, when not null, holds the same vectors unscaled in bf16
-// instead (qf is then not filled), and the scores take Isa::scores_bf16. Keys [k0, L) (k0 a multiple
-// of the block size); with `stats`, a part of a row's keys: the values unnormalized, each vector's
-// max score and sum of exponentials into stats (softmax_visible).
+// k0 + j) with stride >= L - k0 rounded up to 8, acc [V, D] zeros. qb, when not null, holds the same
+// vectors unscaled in bf16 instead (qf is then not filled), and the scores take Isa::scores_bf16.
+// Keys [k0, L) (k0 a multiple of the block size); with `stats`, a part of a row's keys: the values
+// unnormalized, each vector's max score and sum of exponentials into stats (softmax_visible).
 template <typename T>
 void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads, int per_head,
                   int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb, float* sc, float* acc,
@@ -122,7 +122,8 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
   const T* k_cache = static_cast<const T*>(a.k_cache) + head_off;
   // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
-  // its block that this sequence has not written: their scores land past L and are never used.
+  // its block this pass does not take (unwritten, or the next part's): their scores land past L's
+  // column and are never used.
   // A bf16 cache's passes ask for the rows `ahead` one head's slice at a time, on that head's turn:
   // asking for the task's whole rows at once (64 requests a step at 4 heads) stalled the core while
   // they drained (from memory, one sequence of 320 keys 1.17-1.19x faster a head at a time, 32
