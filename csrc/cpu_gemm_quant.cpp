@@ -319,18 +319,18 @@ inline __m256 in_order(__m256 even, __m256 odd) {
   return _mm256_set_m128(_mm_unpackhi_ps(e, o), _mm_unpacklo_ps(e, o));
 }
 
-// A panel's group scales for a segment of the one-row int16 paths, in column order, and half of
-// what its zero points (zero_offset added) take off its sums: scale x zero point x the segment's
-// activation sum / 2, for each of the two halves of lanes the kernels sum at the slice's end. The
-// kernels take it off once the segment's blocks are in: the sums of unsigned int4 weights are
-// several times their value after it, and a slice's sums with each segment's terms left on read
-// 1e-6 of |x| |w| off where per segment they read 1e-7.
+// A panel's group scales for a segment of the one-row int16 paths, in column order, and what its
+// zero points (zero_offset added) take off its sums: scale x zero point x the segment's activation
+// sum x `share` (int4's kernel sums each column over two halves of lanes at the slice's end: half
+// from each). The kernels take it off once the segment's blocks are in: the sums of unsigned int4
+// weights are several times their value after it, and a slice's sums with each segment's terms left
+// on read 1e-6 of |x| |w| off where per segment they read 1e-7.
 struct GroupTerms {
   __m256 scale[2];
   __m256 zero_term[2];
-  GroupTerms(const QuantGemmArgs& a, int64_t p, int64_t group, float xsum) {
+  GroupTerms(const QuantGemmArgs& a, int64_t p, int64_t group, float xsum, float share) {
     const int64_t at = (group * gemm_panels(a.n) + p) * kGemmPanel;
-    const __m256 offset = _mm256_set1_ps(a.zero_offset), half_sum = _mm256_set1_ps(0.5f * xsum);
+    const __m256 offset = _mm256_set1_ps(a.zero_offset), shared_sum = _mm256_set1_ps(share * xsum);
     for (int v = 0; v < 2; ++v) {
       scale[v] = _mm256_loadu_ps(a.scales + at + 8 * v);
       __m256 z = offset;
@@ -338,7 +338,7 @@ struct GroupTerms {
         const __m128i z8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a.zeros + at + 8 * v));
         z = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(z8)), offset);
       }
-      zero_term[v] = _mm256_mul_ps(_mm256_mul_ps(scale[v], z), half_sum);
+      zero_term[v] = _mm256_mul_ps(_mm256_mul_ps(scale[v], z), shared_sum);
     }
   }
 };
@@ -352,9 +352,9 @@ inline void finish_slice(const QuantGemmArgs& a, const RowPrep& rows, int64_t p,
   const __m256 row_scale = _mm256_set1_ps(rows.xq_row_scale);
   V out[kVecs] = {_mm256_mul_ps(sums[0], row_scale), _mm256_mul_ps(sums[1], row_scale)};
   if (k0 == 0 && a.bias != nullptr) {
-    alignas(32) float b16[kGemmPanel] = {};
-    std::copy_n(a.bias + col0, cols, b16);
-    for (int v = 0; v < kVecs; ++v) out[v] = _mm256_add_ps(out[v], _mm256_load_ps(b16 + 8 * v));
+    V bias[kVecs];
+    load_bias(a, col0, cols, true, bias);
+    for (int v = 0; v < kVecs; ++v) out[v] = _mm256_add_ps(out[v], bias[v]);
   }
   put(a.y + col0, out, cols, k0 > 0);
 }
@@ -395,7 +395,7 @@ void panels_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& r
       // Columns (0, 2, 4, 6 | the same) and (1, 3, 5, 7 | ...) of 0-7, then of 8-15.
       __m256 sums[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
-        const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg]);
+        const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg], 0.5f);
         // sums[i]'s lanes: the even (i even) or odd columns of g.scale[i / 2]'s eight.
         const auto lanes = [&](__m256 v, int i) { return _mm256_permutevar8x32_ps(v, i % 2 ? odd_lanes : even_lanes); };
         const __m256 scales[4] = {lanes(g.scale[0], 0), lanes(g.scale[0], 1), lanes(g.scale[1], 2), lanes(g.scale[1], 3)};
@@ -454,7 +454,7 @@ void panels_int16_int8(const QuantGemmArgs& a, const Segments& segs, const RowPr
       const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
       __m256 f_lo = _mm256_setzero_ps(), f_hi = _mm256_setzero_ps();  // columns 0-3 | 8-11, 4-7 | 12-15
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
-        const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg]);
+        const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg], 1.0f);
         const __m256 scale_lo = _mm256_permute2f128_ps(g.scale[0], g.scale[1], 0x20);
         const __m256 scale_hi = _mm256_permute2f128_ps(g.scale[0], g.scale[1], 0x31);
         for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += Block) {
@@ -482,11 +482,8 @@ void panels_int16_int8(const QuantGemmArgs& a, const Segments& segs, const RowPr
           f_lo = _mm256_fmadd_ps(scale_lo, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(_mm256_add_epi32(lo0, lo1))), f_lo);
           f_hi = _mm256_fmadd_ps(scale_hi, _mm256_mul_ps(xs, _mm256_cvtepi32_ps(_mm256_add_epi32(hi0, hi1))), f_hi);
         }
-        // Each lane holds one column here: the whole term (twice the half).
-        const __m256 zero_lo = _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20);
-        const __m256 zero_hi = _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31);
-        f_lo = _mm256_sub_ps(f_lo, _mm256_add_ps(zero_lo, zero_lo));
-        f_hi = _mm256_sub_ps(f_hi, _mm256_add_ps(zero_hi, zero_hi));
+        f_lo = _mm256_sub_ps(f_lo, _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x20));
+        f_hi = _mm256_sub_ps(f_hi, _mm256_permute2f128_ps(g.zero_term[0], g.zero_term[1], 0x31));
       }
       const __m256 ordered[2] = {_mm256_permute2f128_ps(f_lo, f_hi, 0x20), _mm256_permute2f128_ps(f_lo, f_hi, 0x31)};
       finish_slice(a, rows, p, k0, ordered);
@@ -670,9 +667,8 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     for (; j < pairs; ++j) step(j, part[0]);
     const __m512 zero = _mm512_add_ps(z[0], _mm512_set1_ps(magic));
     const bool first = s0 == 0;
-    alignas(64) float b16[kGemmPanel] = {};
-    if (first && a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
-    const __m512 bias = _mm512_load_ps(b16);
+    __m512 bias;
+    load_bias(a, col0, cols, first, &bias);
     for (int r = 0; r < R; ++r) {
       __m512 acc = part[0][r];
       for (int t = 1; t < S; ++t) acc = _mm512_add_ps(acc, part[t][r]);

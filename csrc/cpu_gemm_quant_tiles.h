@@ -19,6 +19,13 @@ inline void load16(const float* p, V* out) {
   for (int v = 0; v < kVecs; ++v) out[v] = Isa::load(p + v * kLanes);
 }
 
+// The bias of a panel's `cols` columns from col0 where `take` and the layer has one, else zeros.
+inline void load_bias(const QuantGemmArgs& a, int64_t col0, int cols, bool take, V* out) {
+  alignas(64) float b16[kGemmPanel] = {};
+  if (take && a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
+  load16(b16, out);
+}
+
 // y[0, cols) = v (+ y when `add`).
 inline void put(float* y, const V* v, int cols, bool add) {
   if (cols == kGemmPanel) {
@@ -122,12 +129,7 @@ template <int R>
   V s[kVecs], z[kVecs], bias[kVecs];
   group_params(a, p, segs.group[sg], s, z);
   const bool first = s0 == 0;
-  for (int v = 0; v < kVecs; ++v) bias[v] = Isa::zero();
-  if (first) {
-    alignas(64) float b16[kGemmPanel] = {};
-    if (a.bias != nullptr) std::copy_n(a.bias + col0, cols, b16);
-    load16(b16, bias);
-  }
+  load_bias(a, col0, cols, first, bias);
   for (int r = 0; r < R; ++r) {
     const V xs = Isa::bcast(xsum + r * segs.count() + sg);
     V out[kVecs];
@@ -221,10 +223,8 @@ void panels_buffered(const QuantGemmArgs& a, const Segments& segs, int64_t p0, i
         const int64_t col0 = p * kGemmPanel;
         const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
         dequant_slice<Bits>(a, segs, slice, p, k0, a.packed + slice_bytes(panels, kp, p, k0, Bits), buf);
-        alignas(64) float b16[kGemmPanel] = {};
-        if (a.bias != nullptr && k0 == 0) std::copy_n(a.bias + col0, cols, b16);
         V bias[kVecs];
-        load16(b16, bias);
+        load_bias(a, col0, cols, k0 == 0, bias);
         const float* x = a.x + m0 * a.x_stride + k0;
         float* y = a.y + m0 * a.y_stride + col0;
         row_tiles<Isa::kTileRows>(mc, [&]<int R>(int64_t, int64_t r) {
