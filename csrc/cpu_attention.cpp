@@ -369,11 +369,14 @@ template <typename T>
   const int64_t stride = (L - task.key_begin + 7) / 8 * 8;
   s.q.resize(static_cast<size_t>(V) * D);
   s.scores.resize(static_cast<size_t>(V) * stride);
-  s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
   s.row.resize(D);
+  // A part's slot: its stats (2 floats a vector), then its values, summed in place (zeros from the
+  // allocation).
+  float* part = task.part >= 0 ? partials.data + task.part * partials.floats_per_part : nullptr;
+  if (part == nullptr) s.acc.assign(static_cast<size_t>(V) * D, 0.0f);
   float* __restrict qf = s.q.data();
-  float* __restrict sc = s.scores.data();  // [V, stride]
-  float* __restrict acc = s.acc.data();    // [V, D]
+  float* __restrict sc = s.scores.data();                                // [V, stride]
+  float* __restrict acc = part != nullptr ? part + 2 * V : s.acc.data();  // [V, D]
   const bool tiles = takes_tiles(a);
   // A bf16 cache on AVX512-BF16 takes the query vectors as stored (qb), every other path scaled fp32 (qf).
   const bool bf16_scores = std::is_same_v<T, Bf16> && tiles && D % 32 == 0 && has_avx512_bf16();
@@ -396,7 +399,6 @@ template <typename T>
 #if defined(__x86_64__)
   if (tiles) {
     const Bf16* qb = bf16_scores ? s.qb.data() : nullptr;
-    float* part = task.part >= 0 ? partials.data + task.part * partials.floats_per_part : nullptr;
     if (D % 16 == 0 && has_avx512_bf16()) {
       attn_avx512::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc,
                                    task.key_begin, part);
@@ -404,11 +406,7 @@ template <typename T>
       attn_avx2::attend_tiles<T>(a, table, head_off, heads, per_head, base, L, stride, qf, qb, sc, acc,
                                  task.key_begin, part);
     }
-    if (part != nullptr) {
-      std::copy_n(acc, static_cast<int64_t>(V) * D, part + 2 * V);
-    } else {
-      write_task_output<T>(a, task, acc);
-    }
+    if (part == nullptr) write_task_output<T>(a, task, acc);
     return;
   }
 #endif
