@@ -123,9 +123,10 @@ struct Scratch {
 
 // Blocks of rows asked for ahead of their use: blocks sit anywhere in the cache, and a hardware
 // prefetcher restarts at each one (and at each 4 KB page), so without this a pass over a
-// sequence's blocks runs at memory latency, not bandwidth (measured ~3x below it). Two blocks
-// ahead: 64 decodes x 230 keys (8/4 heads x 32, 2 threads) 1.1-1.9 ms against 2.1 ms one block
-// ahead and 1.9 ms four ahead. Into L2, not L1: the block in use and two ahead (16 KB each for 8
+// sequence's blocks runs at memory latency, not bandwidth (measured ~3x below it). The portable
+// loops ask for whole blocks two ahead: 64 decodes x 230 keys (8/4 heads x 32, 2 threads) 1.1-1.9
+// ms against 2.1 ms one block ahead and 1.9 ms four ahead, Zen 4 (the tile path, whose requests
+// are spread over its loads, asks one block ahead: RowFeed). Into L2, not L1: the block in use and two ahead (16 KB each for 8
 // bf16 heads of 64) overflow a 32 KB L1, and each prefetch evicted rows still to be read; into L2
 // decode attention ran 15-30% faster (32 x 1000 keys and 8 x 2000, bf16, 1 and 2 threads, Zen 4).
 constexpr int64_t kPrefetchBlocks = 2;
@@ -152,9 +153,69 @@ template <typename T>
   for (int i = 0; i < n; ++i, p += row_bytes) prefetch_bytes(p, slice);
 }
 
+// Cache lines asked for from the tile kernels' inner loops, PerStep lines a step (each step's loads
+// of the rows in use next to a request for rows ahead), the rest at the end of a KV head's turn
+// (finish). Asking for a turn's share of the rows ahead at once, 16-32 requests before its loads,
+// stalled the core while they drained (the prefetch instructions held 10% of a decode's samples
+// with the KV in L3); fed a line a step, 32 sequences of 256 keys read from memory 1.2x faster and
+// one of 3,000 keys 1.27x (bf16, 2 threads, Zen 3).
+template <int PerStep>
+struct LineFeed {
+  static constexpr int kPerStep = PerStep;
+  const char* next = nullptr;
+  const char* end = nullptr;
+
+  [[gnu::always_inline]] void step() {
+#pragma GCC unroll 8
+    for (int i = 0; i < PerStep; ++i) {
+      if (next >= end) return;
+      __builtin_prefetch(next, 0, 2);
+      next += 64;
+    }
+  }
+  [[gnu::always_inline]] void finish() {
+    for (; next < end; next += 64) __builtin_prefetch(next, 0, 2);
+  }
+};
+
+// A tile pass's requests for the n rows at a time (within one block) it will read one block later:
+// on each of the task's KV heads' turns a share. Where the task has every KV head, the n rows are
+// one contiguous range cut into equal shares (of whole lines; the last turn takes the remainder),
+// fed to the kernels by a LineFeed; a task of some heads (their slices of the rows, apart) asks for
+// its share of the rows' slices at once.
+template <typename T>
+struct RowFeed {
+  const PagedAttentionArgs& a;
+  const int32_t* table;
+  int64_t head_off;
+  int n, heads;
+  int64_t row_bytes = static_cast<int64_t>(a.num_kv_heads) * a.head_dim * sizeof(T);
+  int64_t slice = static_cast<int64_t>(heads) * a.head_dim * sizeof(T);
+  int64_t share = n * row_bytes / heads / 64 * 64;
+
+  // Row r's slice in `cache`, null at or past L.
+  [[gnu::always_inline]] const char* rows(const void* cache, int64_t r, int64_t L) const {
+    if (r >= L) return nullptr;
+    return static_cast<const char*>(cache) +
+           (static_cast<int64_t>(table[r / a.block_size]) * a.block_size + r % a.block_size) * row_bytes +
+           head_off * static_cast<int64_t>(sizeof(T));
+  }
+
+  template <int PerStep>
+  [[gnu::always_inline]] LineFeed<PerStep> turn(const char* p, int h) const {
+    if (p == nullptr) return {};
+    if (slice == row_bytes) {
+      const char* begin = p + h * share;
+      return {begin, h == heads - 1 ? p + n * row_bytes : begin + share};
+    }
+    for (int i = n * h / heads; i < n * (h + 1) / heads; ++i) prefetch_bytes(p + i * row_bytes, slice);
+    return {};
+  }
+};
+
 // At the start of block `t0 / bs` of a pass over keys below L: the blocks kPrefetchBlocks ahead
 // (at the first block, also the ones before them), whole, as the portable loops walk them. The
-// AVX2 path asks for the rows ahead a few at a time as it goes instead (asking for a whole block
+// tile path asks for the rows ahead a line at a time as it goes instead (asking for a whole block
 // at its start stalled the core while the burst of requests drained: 32 x 1000 keys bf16 on one
 // thread 6.6-7.4 ms against 8.5-9.3, fp32 32 x 200 20-30% faster; Zen 4).
 template <typename T>
@@ -251,8 +312,10 @@ struct Isa {
   // query chunk in 16 registers (eight keys for both would not fit).
   static constexpr int kScoreVectors = 2;
   static constexpr int kScoreAccumulators = 8;
-  // At most 12 accumulators, the broadcast scores and a row chunk in 16 registers.
-  static constexpr int kValueTile[5] = {0, 8, 6, 4, 2};
+  // At most 12 accumulators, the broadcast scores and a row chunk in 16 registers. Two vectors take
+  // four chunks, two passes for a head of 64 (six then one and one: the one-chunk passes chained
+  // each accumulator's FMAs key after key, 1.01-1.07x slower; Zen 3).
+  static constexpr int kValueTile[5] = {0, 8, 4, 4, 2};
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return avx2::load8(p); }
   static V load(const Bf16* p) { return avx2::load8(p); }

@@ -23,18 +23,25 @@
 
 using V = Isa::V;
 constexpr int kLanes = Isa::kLanes;
+// Lines of the rows ahead asked for per inner step (a step loads kLanes elements of each of several
+// rows): at two query vectors a KV head, what spreads a turn's share of one block ahead over the
+// scores' steps on AVX2, and the values' (RowFeed, LineFeed).
+template <typename T>
+using Feed = LineFeed<std::max<int>(1, kLanes * static_cast<int>(sizeof(T)) / 16)>;
 
 // out[v * out_stride + j] = q_v . k_j for NV scaled query vectors (q + v * D) and the KP keys k,
-// k + kv_row, ... (D a multiple of kLanes; KP 8, or 4 where the set has a 4-key sum).
+// k + kv_row, ... (D a multiple of kLanes; KP 8, or 4 where the set has a 4-key sum); a step of
+// the feed per kLanes columns.
 template <int NV, int KP, typename T, typename I = Isa>  // I: only the sets with 4-key passes have sum4
 inline void dot_keys(const float* __restrict q, const T* __restrict k, int64_t kv_row, int D, float* __restrict out,
-                     int64_t out_stride) {
+                     int64_t out_stride, Feed<T>& feed) {
   V acc[NV][KP];
 #pragma GCC unroll 16
   for (int v = 0; v < NV; ++v) {
     for (int j = 0; j < KP; ++j) acc[v][j] = Isa::zero();
   }
   for (int d = 0; d < D; d += kLanes) {
+    feed.step();
     V kv[KP];
 #pragma GCC unroll 8
     for (int j = 0; j < KP; ++j) kv[j] = Isa::load(k + j * kv_row + d);
@@ -59,25 +66,26 @@ inline void dot_keys(const float* __restrict q, const T* __restrict k, int64_t k
 // every key's load (a bf16 one widened) still feeds all NV vectors.
 template <int NV, typename T>
 inline void dot8(const float* __restrict q, const T* __restrict k, int64_t kv_row, int D, float* __restrict out,
-                 int64_t out_stride) {
+                 int64_t out_stride, Feed<T>& feed) {
   if constexpr (NV * 8 <= Isa::kScoreAccumulators) {
-    dot_keys<NV, 8>(q, k, kv_row, D, out, out_stride);
+    dot_keys<NV, 8>(q, k, kv_row, D, out, out_stride, feed);
   } else {
-    dot_keys<NV, 4>(q, k, kv_row, D, out, out_stride);
-    dot_keys<NV, 4>(q, k + 4 * kv_row, kv_row, D, out + 4, out_stride);
+    dot_keys<NV, 4>(q, k, kv_row, D, out, out_stride, feed);
+    dot_keys<NV, 4>(q, k + 4 * kv_row, kv_row, D, out + 4, out_stride, feed);
   }
 }
 
 // acc[v][c * kLanes ..] += sum over keys i < n of p[v * p_stride + i] * x_i[c * kLanes ..] for NV
 // vectors and W chunks of columns, accumulators held in registers across the keys (x_i = x + i *
-// x_stride).
+// x_stride); a step of the feed per key.
 template <int NV, int W, typename T>
 inline void weighted_chunk(const float* __restrict p, int64_t p_stride, const T* __restrict x, int64_t x_stride, int n,
-                           float* __restrict acc, int64_t acc_stride) {
+                           float* __restrict acc, int64_t acc_stride, Feed<T>& feed) {
   V a[NV][W];
   for (int v = 0; v < NV; ++v)
     for (int c = 0; c < W; ++c) a[v][c] = Isa::load(acc + v * acc_stride + c * kLanes);
   for (int i = 0; i < n; ++i, x += x_stride) {
+    feed.step();
     V pv[NV];
     for (int v = 0; v < NV; ++v) pv[v] = Isa::bcast(p + v * p_stride + i);
     for (int c = 0; c < W; ++c) {
@@ -93,16 +101,18 @@ inline void weighted_chunk(const float* __restrict p, int64_t p_stride, const T*
 // then one at a time.
 template <int NV, typename T>
 inline void weighted_rows(const float* __restrict p, int64_t p_stride, const T* __restrict x, int64_t x_stride, int n,
-                          int D, float* __restrict acc, int64_t acc_stride) {
+                          int D, float* __restrict acc, int64_t acc_stride, Feed<T>& feed) {
   constexpr int W = Isa::kValueTile[NV];
   int d = 0;
-  for (; d + W * kLanes <= D; d += W * kLanes) weighted_chunk<NV, W>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+  for (; d + W * kLanes <= D; d += W * kLanes) {
+    weighted_chunk<NV, W>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride, feed);
+  }
   if constexpr (W > 4) {
     for (; d + 4 * kLanes <= D; d += 4 * kLanes) {
-      weighted_chunk<NV, 4>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+      weighted_chunk<NV, 4>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride, feed);
     }
   }
-  for (; d < D; d += kLanes) weighted_chunk<NV, 1>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride);
+  for (; d < D; d += kLanes) weighted_chunk<NV, 1>(p, p_stride, x + d, x_stride, n, acc + d, acc_stride, feed);
 }
 
 // Scores, softmax and weighted values of one task: the same results as attend_task's portable loops
@@ -124,22 +134,23 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
   // its block this pass does not take (unwritten, or the next part's): their scores land past L's
   // column and are never used.
-  // A bf16 cache's passes ask for the rows `ahead` one head's slice at a time, on that head's turn:
-  // asking for the task's whole rows at once (64 requests a step at 4 heads) stalled the core while
-  // they drained (from memory, one sequence of 320 keys 1.17-1.19x faster a head at a time, 32
-  // sequences 1.04x; Zen 3). An fp32 cache keeps whole rows: a head at a time ran one sequence
-  // 1.09x faster but 32 sequences 0.94x.
-  constexpr bool by_head = std::is_same_v<T, Bf16>;
-  const int64_t ahead = kPrefetchBlocks * bs;
+  // Each pass asks for the rows one block ahead as it goes, a share on each KV head's turn, fed to
+  // the kernels a line a step (RowFeed); the scores pass, once past its last keys, for the first
+  // rows of values. One block ahead, not two: 1.05-1.06x with the KV from memory or L3 (Zen 3),
+  // and the requests spread over the loads together with a share per turn instead of each head's
+  // slice of the rows (1.15-1.18x) took decode attention 1.2-1.3x faster from memory (32 sequences
+  // of 256 keys, one of 3,000; bf16, 2 threads).
+  const int64_t ahead = bs;
+  const int64_t L8 = k0 + (L - k0 + 7) / 8 * 8;  // the scores pass's end
+  const RowFeed<T> rows8{a, table, head_off, 8, heads};
   for (int64_t r = k0; r < k0 + ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.k_cache);
   for (int64_t t0 = k0; t0 < L; t0 += 8) {
-    if constexpr (!by_head) prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off, heads, a.k_cache);
+    const char* next = t0 + ahead < L ? rows8.rows(a.k_cache, t0 + ahead, L)
+                                      : rows8.rows(a.v_cache, k0 + (t0 + ahead - L8), L);
     const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
     const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
     for (int h = 0; h < heads; ++h) {
-      if constexpr (by_head) {
-        prefetch_rows<T>(a, table, t0 + ahead, 8, L, head_off + static_cast<int64_t>(h) * D, 1, a.k_cache);
-      }
+      Feed<T> feed = rows8.template turn<Feed<T>::kPerStep>(next, h);
       const T* kh = k + static_cast<int64_t>(h) * D;
       const int end = (h + 1) * per_head;
       if constexpr (std::is_same_v<T, Bf16>) {
@@ -147,48 +158,51 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
           for (int v = h * per_head + first; v < end; ++v) {
             Isa::scores_bf16(qb + static_cast<int64_t>(v) * D, kh, kv_row, D, a.scale, sc + v * stride + t0 - k0);
           }
+          feed.finish();
           continue;
         }
       }
       int v = h * per_head + first;
       if constexpr (Isa::kScoreVectors == 2) {
         for (; v + 2 <= end; v += 2) {
-          dot8<2>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0 - k0, stride);
+          dot8<2>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0 - k0, stride, feed);
         }
       }
-      for (; v < end; ++v) dot8<1>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0 - k0, stride);
+      for (; v < end; ++v) {
+        dot8<1>(qf + static_cast<int64_t>(v) * D, kh, kv_row, D, sc + v * stride + t0 - k0, stride, feed);
+      }
+      feed.finish();
     }
   }
   softmax_visible(sc, stride, V, per_head, group, base, L, k0, stats);
   // Values a block at a time: each head's vectors, four at a time, add up the block's rows in
   // registers (the portable loop loaded and stored every accumulator once per key). A vector's
   // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
-  // pass. The block was asked for ahead (each head's slice on its turn, or a share of the whole
-  // rows per head), so walking it head by head reads from cache.
+  // pass. The block was asked for ahead, so walking it head by head reads from cache.
   const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
-  for (int64_t r = k0; r < k0 + ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
-  const int share = (bs + heads - 1) / heads;  // rows of the block `ahead` on that each head's turn asks for
+  for (int64_t r = k0 + std::min(ahead, L8 - k0); r < k0 + ahead; r += 8) {  // rows the scores pass did not ask for
+    prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
+  }
+  const RowFeed<T> block{a, table, head_off, bs, heads};
   for (int64_t t0 = k0; t0 < L; t0 += bs) {
     const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+    const char* next = block.rows(a.v_cache, t0 + ahead, L);
     for (int h = 0; h < heads; ++h) {
-      if constexpr (by_head) {
-        prefetch_rows<T>(a, table, t0 + ahead, bs, L, head_off + static_cast<int64_t>(h) * D, 1, a.v_cache);
-      } else if (h * share < bs) {
-        prefetch_rows<T>(a, table, t0 + ahead + h * share, std::min(share, bs - h * share), L, head_off, heads,
-                         a.v_cache);
-      }
+      Feed<T> feed = block.template turn<Feed<T>::kPerStep>(next, h);
       for (int v = h * per_head; v < (h + 1) * per_head; v += 4) {
         const float* pv = sc + v * stride + t0 - k0;
         const T* xh = x + static_cast<int64_t>(h) * D;
         float* av = acc + static_cast<int64_t>(v) * D;
         switch (std::min(4, (h + 1) * per_head - v)) {
-          case 1: weighted_rows<1>(pv, stride, xh, kv_row, n, D, av, D); break;
-          case 2: weighted_rows<2>(pv, stride, xh, kv_row, n, D, av, D); break;
-          case 3: weighted_rows<3>(pv, stride, xh, kv_row, n, D, av, D); break;
-          default: weighted_rows<4>(pv, stride, xh, kv_row, n, D, av, D); break;
+          case 1: weighted_rows<1>(pv, stride, xh, kv_row, n, D, av, D, feed); break;
+          case 2: weighted_rows<2>(pv, stride, xh, kv_row, n, D, av, D, feed); break;
+          case 3: weighted_rows<3>(pv, stride, xh, kv_row, n, D, av, D, feed); break;
+          default: weighted_rows<4>(pv, stride, xh, kv_row, n, D, av, D, feed); break;
         }
       }
+      feed.finish();
     }
   }
 }
+
