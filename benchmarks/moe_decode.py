@@ -1,8 +1,10 @@
 """The bytes of expert weights a CPU decode step reads, against the machine's memory bandwidth.
 
 `--num-seqs` prompts of `--prompt-len` random tokens are prefilled, then `--steps` decode steps of
-the whole batch are timed. Every mixture-of-experts layer's call (layers/fused_moe.py, the experts
-only: the router's GEMM is not in it) is timed with perf_counter, and its routing counted outside
+the whole batch are timed as the engine runs them (the layers as one C++ call where the model takes
+it), then `--steps` more on the Python layers, whose mixture-of-experts layers call the same kernel:
+each such call (layers/fused_moe.py, the experts only: the router's GEMM is not in it) is timed
+with perf_counter, and its routing counted outside
 the timing: the distinct experts its rows chose, each of which it must read once (gate/up and down
 weights as packed: an idle expert is never read). Reported per step: the step's wall time, the MoE
 layers' time, the experts' bytes read, and the rate they were read at against the machine's read
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 
 from bench_report import machine, markdown_table, read_bandwidth, write_json
+from profile_cpu_step import python_layers
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.cpu import huge_pages
@@ -112,19 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         packing = type(layers[0].packed).__name__ if layers[0].packed is not None else "dense"
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 8)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2 * args.steps + 8)
     for _ in range(args.num_seqs):
         prompt = [rng.randrange(min(engine.vocab_size, 10_000)) for _ in range(args.prompt_len)]
         engine.add_request(engine.next_request_id(), prompt, params)
     budget = engine.config.max_num_batched_tokens
     for _ in range(1 + -(-args.num_seqs * args.prompt_len // budget) + 2):  # prefill, then two decodes
         engine.step()
-    meter.on = True
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
-    step_s = (time.perf_counter() - start) / args.steps
+    step_s = (time.perf_counter() - start) / args.steps  # as the engine runs: the layers as one C++ call
+    # The meter wraps the Python MoE layer, which calls the same kernel as the stack's MoE layers.
+    python_layers(llm)
+    meter.on = True
+    for _ in range(args.steps):
+        engine.step()
     meter.on = False
+    python_layers(llm, False)
     # 1 GiB on huge pages, as the packed experts are
     bandwidth = read_bandwidth(huge_pages.empty(1 << 28, torch.float32).fill_(1.0))
     moe_s = meter.seconds / args.steps
