@@ -6,11 +6,10 @@ Speed is never asserted in tests (docs/design.md, "Performance rules"); the benc
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sched_overhead.py"
+from bench_helpers import run_benchmark
+
 SCENARIOS = {"decode", "prefill", "prefill_prefix_hit", "mixed"}
 INT_FIELDS = ("num_seqs", "block_size", "context_len")
 US_FIELDS = ("us_schedule", "us_postprocess", "us_to_torch", "us_total")
@@ -18,12 +17,8 @@ US_FIELDS = ("us_schedule", "us_postprocess", "us_to_torch", "us_total")
 
 def test_quick_run_writes_every_scenario(tmp_path: Path) -> None:
     out = tmp_path / "records.json"
-    # Run from tmp_path: the script's own directory, not the source tree, is first on sys.path,
-    # so it imports the installed package with its compiled core.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| scenario |" in proc.stdout and "## Targets" in proc.stdout
+    stdout = run_benchmark("sched_overhead.py", ["--quick", "--json", str(out)], tmp_path)
+    assert "| scenario |" in stdout and "## Targets" in stdout
 
     records = json.loads(out.read_text())
     assert isinstance(records, list) and records

@@ -12,25 +12,24 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_helpers import BENCHMARKS, run_benchmark
 from tiny_models import TINY_SPECS
 
 from nanovllm.builtin_model import create_model_dir
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-SCRIPT = BENCH / "spec_decode.py"
+SCRIPT = BENCHMARKS / "spec_decode.py"
 K, BATCHES, MAX_TOKENS, NUM_REQUESTS = 2, (1, 2), 12, 2
 LINE = "    total = total + values[index] * weights[index]\n"
 
 
 def load_script() -> ModuleType:
     """The benchmark as a module (its sibling compare_vllm on the path, as when run)."""
-    sys.path.insert(0, str(BENCH))
+    sys.path.insert(0, str(BENCHMARKS))
     try:
         spec = importlib.util.spec_from_file_location("spec_decode_bench", SCRIPT)
         assert spec is not None and spec.loader is not None
@@ -38,7 +37,7 @@ def load_script() -> ModuleType:
         spec.loader.exec_module(module)
         return module
     finally:
-        sys.path.remove(str(BENCH))
+        sys.path.remove(str(BENCHMARKS))
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +49,12 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
         files.append(tmp / f"f{i}.py")
         files[-1].write_text(f"def f{i}(values, weights):\n    total = 0\n" + LINE * 12)
     out = tmp / "spec.json"
-    cmd = [sys.executable, str(SCRIPT), "--engines", "nanovllm", "--model", str(model), "--draft-model", str(model),
-           "--files", *map(str, files), "--ks", str(K), "--batches", ",".join(map(str, BATCHES)),
-           "--max-tokens", str(MAX_TOKENS), "--num-requests", str(NUM_REQUESTS), "--min-prompt-tokens", "8",
-           "--max-prompt-tokens", "64", "--paired", "--json", str(out)]
-    # Run from tmp: the script's own directory, not the source tree, is first on sys.path, so it
-    # imports the installed package with its compiled core.
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| engine | method |" in proc.stdout, proc.stdout
+    stdout = run_benchmark("spec_decode.py", [
+        "--engines", "nanovllm", "--model", str(model), "--draft-model", str(model), "--files", *map(str, files),
+        "--ks", str(K), "--batches", ",".join(map(str, BATCHES)), "--max-tokens", str(MAX_TOKENS),
+        "--num-requests", str(NUM_REQUESTS), "--min-prompt-tokens", "8", "--max-prompt-tokens", "64", "--paired",
+        "--json", str(out)], tmp, timeout=600)
+    assert "| engine | method |" in stdout, stdout
     return json.loads(out.read_text())
 
 

@@ -7,16 +7,13 @@ is checked is that both sides counted exactly the workload's output tokens.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from bench_helpers import run_benchmark
 
 from nanovllm.builtin_model import BUILTIN_SPEC, ensure_default_model
 from nanovllm.entrypoints.bench import make_workload
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
 # Tiny: 4 sequences, both length ranges lowered from [100, ...] so the run takes seconds.
 NUM_SEQS, MIN_LEN, MAX_IN, MAX_OUT, BATCH, SEED = 4, 8, 24, 16, 3, 0
 
@@ -26,14 +23,11 @@ def record(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ensure_default_model()  # created once here rather than inside the timed subprocess
     tmp = tmp_path_factory.mktemp("throughput")
     out = tmp / "throughput.json"
-    cmd = [sys.executable, str(SCRIPT), "--num-seqs", str(NUM_SEQS), "--min-len", str(MIN_LEN),
-           "--max-input-len", str(MAX_IN), "--max-output-len", str(MAX_OUT), "--max-num-seqs", str(BATCH),
-           "--seed", str(SEED), "--device", "cpu", "--compare-hf", "--no-tqdm", "--json", str(out)]
-    # Run from tmp: the script's own directory, not the source tree, is first on sys.path, so it
-    # imports the installed package with its compiled core.
-    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| nanovllm |" in proc.stdout and "| transformers generate |" in proc.stdout, proc.stdout
+    stdout = run_benchmark("throughput.py", [
+        "--num-seqs", str(NUM_SEQS), "--min-len", str(MIN_LEN), "--max-input-len", str(MAX_IN),
+        "--max-output-len", str(MAX_OUT), "--max-num-seqs", str(BATCH), "--seed", str(SEED), "--device", "cpu",
+        "--compare-hf", "--no-tqdm", "--json", str(out)], tmp)
+    assert "| nanovllm |" in stdout and "| transformers generate |" in stdout, stdout
     return json.loads(out.read_text())
 
 
