@@ -126,9 +126,10 @@ struct Scratch {
 // sequence's blocks runs at memory latency, not bandwidth (measured ~3x below it). The portable
 // loops ask for whole blocks two ahead: 64 decodes x 230 keys (8/4 heads x 32, 2 threads) 1.1-1.9
 // ms against 2.1 ms one block ahead and 1.9 ms four ahead, Zen 4 (the tile path, whose requests
-// are spread over its loads, asks one block ahead: RowFeed). Into L2, not L1: the block in use and two ahead (16 KB each for 8
-// bf16 heads of 64) overflow a 32 KB L1, and each prefetch evicted rows still to be read; into L2
-// decode attention ran 15-30% faster (32 x 1000 keys and 8 x 2000, bf16, 1 and 2 threads, Zen 4).
+// are spread over its loads, asks one block ahead: RowFeed). Into L2, not L1: the block in use
+// and two ahead (16 KB each for 8 bf16 heads of 64) overflow a 32 KB L1, and each prefetch
+// evicted rows still to be read; into L2 decode attention ran 15-30% faster (32 x 1000 keys and
+// 8 x 2000, bf16, 1 and 2 threads, Zen 4).
 constexpr int64_t kPrefetchBlocks = 2;
 
 // Every cache line of [p, p + bytes) asked for into L2 (a range need not start on a line).
@@ -161,7 +162,6 @@ template <typename T>
 // one of 3,000 keys 1.27x (bf16, 2 threads, Zen 3).
 template <int PerStep>
 struct LineFeed {
-  static constexpr int kPerStep = PerStep;
   const char* next = nullptr;
   const char* end = nullptr;
 
@@ -189,9 +189,13 @@ struct RowFeed {
   const int32_t* table;
   int64_t head_off;
   int n, heads;
-  int64_t row_bytes = static_cast<int64_t>(a.num_kv_heads) * a.head_dim * sizeof(T);
-  int64_t slice = static_cast<int64_t>(heads) * a.head_dim * sizeof(T);
-  int64_t share = n * row_bytes / heads / 64 * 64;
+  int64_t row_bytes, slice, share;
+
+  RowFeed(const PagedAttentionArgs& args, const int32_t* block_table, int64_t head_offset, int rows, int task_heads)
+      : a(args), table(block_table), head_off(head_offset), n(rows), heads(task_heads),
+        row_bytes(static_cast<int64_t>(a.num_kv_heads) * a.head_dim * static_cast<int64_t>(sizeof(T))),
+        slice(static_cast<int64_t>(heads) * a.head_dim * static_cast<int64_t>(sizeof(T))),
+        share(n * row_bytes / heads / 64 * 64) {}
 
   // Row r's slice in `cache`, null at or past L.
   [[gnu::always_inline]] const char* rows(const void* cache, int64_t r, int64_t L) const {
@@ -201,12 +205,15 @@ struct RowFeed {
            head_off * static_cast<int64_t>(sizeof(T));
   }
 
-  template <int PerStep>
-  [[gnu::always_inline]] LineFeed<PerStep> turn(const char* p, int h) const {
+  // Turn h's share of the rows from p (rows(...)), as a Feed (a LineFeed), empty where the rows
+  // were asked for here. A share starts on a line (a cache need not be 64-byte aligned).
+  template <typename Feed>
+  [[gnu::always_inline]] Feed turn(const char* p, int h) const {
     if (p == nullptr) return {};
     if (slice == row_bytes) {
       const char* begin = p + h * share;
-      return {begin, h == heads - 1 ? p + n * row_bytes : begin + share};
+      const char* line = begin - (reinterpret_cast<uintptr_t>(begin) & 63);
+      return {line, h == heads - 1 ? p + n * row_bytes : begin + share};
     }
     for (int i = n * h / heads; i < n * (h + 1) / heads; ++i) prefetch_bytes(p + i * row_bytes, slice);
     return {};
@@ -215,9 +222,9 @@ struct RowFeed {
 
 // At the start of block `t0 / bs` of a pass over keys below L: the blocks kPrefetchBlocks ahead
 // (at the first block, also the ones before them), whole, as the portable loops walk them. The
-// tile path asks for the rows ahead a line at a time as it goes instead (asking for a whole block
-// at its start stalled the core while the burst of requests drained: 32 x 1000 keys bf16 on one
-// thread 6.6-7.4 ms against 8.5-9.3, fp32 32 x 200 20-30% faster; Zen 4).
+// tile path asks for the rows ahead as it goes instead (RowFeed; asking for a whole block at its
+// start stalled the core while the burst of requests drained: 32 x 1000 keys bf16 on one thread
+// 6.6-7.4 ms against 8.5-9.3, fp32 32 x 200 20-30% faster; Zen 4).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_ahead(const PagedAttentionArgs& a, const int32_t* table, int64_t t0,
                                                   int64_t L, int64_t head_off, int heads, const void* cache) {

@@ -23,11 +23,11 @@
 
 using V = Isa::V;
 constexpr int kLanes = Isa::kLanes;
-// Lines of the rows ahead asked for per inner step (a step loads kLanes elements of each of several
-// rows): at two query vectors a KV head, what spreads a turn's share of one block ahead over the
-// scores' steps on AVX2, and the values' (RowFeed, LineFeed).
+// Lines of the rows ahead asked for per inner step (a step of the scores loads kLanes columns of
+// four or eight keys, one of the values a key's chunks): at two query vectors a KV head, what
+// spreads a turn's share of one block ahead over the steps on AVX2 (RowFeed, LineFeed).
 template <typename T>
-using Feed = LineFeed<std::max<int>(1, kLanes * static_cast<int>(sizeof(T)) / 16)>;
+using Feed = LineFeed<kLanes * static_cast<int>(sizeof(T)) / 16>;
 
 // out[v * out_stride + j] = q_v . k_j for NV scaled query vectors (q + v * D) and the KP keys k,
 // k + kv_row, ... (D a multiple of kLanes; KP 8, or 4 where the set has a 4-key sum); a step of
@@ -134,23 +134,25 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
   // its block this pass does not take (unwritten, or the next part's): their scores land past L's
   // column and are never used.
-  // Each pass asks for the rows one block ahead as it goes, a share on each KV head's turn, fed to
-  // the kernels a line a step (RowFeed); the scores pass, once past its last keys, for the first
-  // rows of values. One block ahead, not two: 1.05-1.06x with the KV from memory or L3 (Zen 3),
-  // and the requests spread over the loads together with a share per turn instead of each head's
-  // slice of the rows (1.15-1.18x) took decode attention 1.2-1.3x faster from memory (32 sequences
-  // of 256 keys, one of 3,000; bf16, 2 threads).
+  // Each pass asks for the rows one block ahead as it goes, a share on each KV head's turn
+  // (RowFeed), fed to the kernels a line a step where the task has every KV head and the kernel
+  // takes the feed (else asked for at the turn's start or end). The scores pass's last block of
+  // steps (all of them in a pass shorter than a block) asks for the values pass's first rows
+  // instead of keys past L. Measured (Zen 3, bf16, 2 threads; RESULTS.md "Decode attention at the
+  // memory's rate"): one block ahead instead of two 1.05-1.06x, the values' first rows asked for
+  // by the scores pass 1.02-1.04x more, the lines fed from the loops 1.20-1.28x from memory.
   const int64_t ahead = bs;
   const int64_t L8 = k0 + (L - k0 + 7) / 8 * 8;  // the scores pass's end
-  const RowFeed<T> rows8{a, table, head_off, 8, heads};
+  const int64_t handoff = std::max(k0, L8 - ahead);  // its first step that asks for value rows
+  const RowFeed<T> rows8(a, table, head_off, 8, heads);
   for (int64_t r = k0; r < k0 + ahead; r += 8) prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.k_cache);
   for (int64_t t0 = k0; t0 < L; t0 += 8) {
-    const char* next = t0 + ahead < L ? rows8.rows(a.k_cache, t0 + ahead, L)
-                                      : rows8.rows(a.v_cache, k0 + (t0 + ahead - L8), L);
+    const char* next = t0 < handoff ? rows8.rows(a.k_cache, t0 + ahead, L)
+                                    : rows8.rows(a.v_cache, k0 + (t0 - handoff), L);
     const T* k = k_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
     const int first = static_cast<int>(std::max<int64_t>(0, t0 - base)) * group;  // vectors that see key t0
     for (int h = 0; h < heads; ++h) {
-      Feed<T> feed = rows8.template turn<Feed<T>::kPerStep>(next, h);
+      Feed<T> feed = rows8.template turn<Feed<T>>(next, h);
       const T* kh = k + static_cast<int64_t>(h) * D;
       const int end = (h + 1) * per_head;
       if constexpr (std::is_same_v<T, Bf16>) {
@@ -180,16 +182,13 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
   // pass. The block was asked for ahead, so walking it head by head reads from cache.
   const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
-  for (int64_t r = k0 + std::min(ahead, L8 - k0); r < k0 + ahead; r += 8) {  // rows the scores pass did not ask for
-    prefetch_rows<T>(a, table, r, 8, L, head_off, heads, a.v_cache);
-  }
-  const RowFeed<T> block{a, table, head_off, bs, heads};
+  const RowFeed<T> block(a, table, head_off, bs, heads);
   for (int64_t t0 = k0; t0 < L; t0 += bs) {
     const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
     const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
     const char* next = block.rows(a.v_cache, t0 + ahead, L);
     for (int h = 0; h < heads; ++h) {
-      Feed<T> feed = block.template turn<Feed<T>::kPerStep>(next, h);
+      Feed<T> feed = block.template turn<Feed<T>>(next, h);
       for (int v = h * per_head; v < (h + 1) * per_head; v += 4) {
         const float* pv = sc + v * stride + t0 - k0;
         const T* xh = x + static_cast<int64_t>(h) * D;
@@ -205,4 +204,3 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
     }
   }
 }
-

@@ -54,7 +54,7 @@ def assert_matches_reference(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
-                         # The AVX2 value tiles take a head's 1, 2, 3 or 4 vectors with 64, 48, 32 or 16 columns at
+                         # The AVX2 value tiles take a head's 1, 2, 3 or 4 vectors with 64, 32, 32 or 16 columns at
                          # a time, then 32, then eight at a time; the AVX-512 ones (head_dim a multiple of 16, on
                          # AVX512-BF16 CPUs) 1 or 2 vectors with 128, 3 or 4 with 64, then 64, then sixteen at a
                          # time, and score two vectors at once: groups 1 to 5, head_dims that leave columns over.
@@ -109,6 +109,29 @@ def test_a_lone_decode_row_split_by_keys(ctx: int, block_size: int, dtype: torch
         torch.set_num_threads(previous)
     torch.testing.assert_close(outs[0], ref, **TOL[dtype])
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 256])
+def test_one_sequence_reads_only_its_own_blocks(block_size: int, dtype: torch.dtype) -> None:
+    """One sequence a call, its block table exactly its blocks: decodes shorter than eight keys, than
+    a block, of several blocks and in key parts, and prefill chunks, on 1 to 3 threads (heads split
+    between threads where the row is short), against the reference. scripts/sanitize_core.sh runs
+    this under AddressSanitizer, where a read of the table past the sequence's blocks (the kernel
+    asks for rows ahead of the ones it reads) fails."""
+    cases = [(1, 1), (5, 1), (9, 1), (block_size, 1), (block_size + 3, 1), (3 * block_size + 5, 1),
+             (20 * block_size + 1, 1), (7, 7), (40, 13), (3 * block_size + 5, block_size + 2)]
+    previous = torch.get_num_threads()
+    try:
+        for ctx, q in cases:
+            query, k, v, meta = random_case(ctx, [q], [ctx], 8, 2, 64, block_size, dtype)
+            assert tuple(meta.block_tables.shape) == (1, -(-ctx // block_size))
+            ref = torch_backend.paged_attention(query, k, v, meta, 0.125)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                torch.testing.assert_close(cpu_backend.paged_attention(query, k, v, meta, 0.125), ref, **TOL[dtype])
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
