@@ -665,8 +665,9 @@ void bind_cpu_moe(py::module_& m) {
         return moe_gate_up_rows(inter);
       }, py::arg("inter"), "Rows of an expert's packed gate/up weight: 8 gate and 8 up rows per 16-row panel.");
 }
-// A projection of the decoder stack: its sizes must be the layer's, its kernel one this CPU runs.
-void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, const char* name) {
+// A projection of the decoder stack: its sizes must be the layer's, its kernel one this CPU runs
+// on the stack's activations (`dtype`).
+void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, CpuDtype dtype, const char* name) {
   const std::string what = std::string("DecoderStack: ") + name;
   if (w.n != n || w.k != k) {
     value_error(what + " is [" + std::to_string(w.n) + ", " + std::to_string(w.k) + "], the layer needs [" +
@@ -678,6 +679,7 @@ void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, const ch
       check_gemm_weights(what, w.packed_dtype, w.pairs);
       break;
     case DecoderLinear::Kind::kDenseBf16:
+      if (dtype != CpuDtype::kBFloat16) value_error(what + ": a bf16 weight for gemm_bf16 in a stack of fp32 rows");
       if (!has_avx512_bf16() || k % 2 != 0) value_error(what + ": gemm_bf16 needs AVX512-BF16 and an even k");
       break;
     case DecoderLinear::Kind::kQuant:
@@ -843,17 +845,17 @@ void bind_cpu_decoder(py::module_& m) {
              if (!final_norm) value_error("DecoderStack: null final norm weight");
              const int64_t q_row = s.heads * s.head_dim;
              for (const DecoderLayerWeights& l : layers) {
-               check_decoder_linear(l.qkv, q_row + 2 * s.kv_heads * s.head_dim, s.hidden, "qkv");
-               check_decoder_linear(l.o, s.hidden, q_row, "o");
+               check_decoder_linear(l.qkv, q_row + 2 * s.kv_heads * s.head_dim, s.hidden, s.dtype, "qkv");
+               check_decoder_linear(l.o, s.hidden, q_row, s.dtype, "o");
                if (l.moe) {
                  const MoeLayerArgs& e = l.moe->layer;
-                 check_decoder_linear(l.moe->router, e.experts, s.hidden, "router");
+                 check_decoder_linear(l.moe->router, e.experts, s.hidden, s.dtype, "router");
                  if (e.hidden != s.hidden || e.dtype != s.dtype) {
                    value_error("DecoderStack: experts of another hidden size or dtype than the layers'");
                  }
                } else {
-                 check_decoder_linear(l.gate_up, 2 * s.inter, s.hidden, "gate_up");
-                 check_decoder_linear(l.down, s.hidden, s.inter, "down");
+                 check_decoder_linear(l.gate_up, 2 * s.inter, s.hidden, s.dtype, "gate_up");
+                 check_decoder_linear(l.down, s.hidden, s.inter, s.dtype, "down");
                }
              }
              return std::make_unique<DecoderStack>(s, std::move(layers), reinterpret_cast<const void*>(final_norm),

@@ -66,14 +66,9 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
   // Dense: the product in fp32, rounded to bf16 after in a bf16 model (cpu/gemm.py's _gemm).
   float* out = bf16 ? static_cast<float*>(buffer(kY32, m * w.n * static_cast<int64_t>(sizeof(float))))
                     : static_cast<float*>(y);
-  if (w.kind == DecoderLinear::Kind::kDenseBf16) {
-    const Bf16* rows = static_cast<const Bf16*>(x);
-    if (!bf16) {  // fp32 rows rounded to bf16 (cpu/gemm.py's bf16_rows)
-      auto* r = static_cast<Bf16*>(buffer(kXBf16, m * w.k * static_cast<int64_t>(sizeof(Bf16))));
-      narrow_n(static_cast<const float*>(x), r, m * w.k);
-      rows = r;
-    }
-    gemm_bf16({rows, static_cast<const Bf16*>(w.packed), w.bias, out, m, w.n, w.k, w.k, w.n}, num_threads);
+  if (w.kind == DecoderLinear::Kind::kDenseBf16) {  // only in a bf16 stack (the binding checks)
+    gemm_bf16({static_cast<const Bf16*>(x), static_cast<const Bf16*>(w.packed), w.bias, out, m, w.n, w.k, w.k, w.n},
+              num_threads);
   } else {
     gemm({fp32_x(), w.packed, w.bias, out, m, w.n, w.k, w.k, w.n, w.packed_dtype, w.pairs}, num_threads);
   }

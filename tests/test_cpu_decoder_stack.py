@@ -15,6 +15,7 @@ from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams, _cpu
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
+from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.models import cpu_stack
 
 pytestmark = pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the stack's GEMMs need AVX2 + FMA")
@@ -134,6 +135,14 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
                                   weights.data_ptr(), weights.data_ptr(), weights.data_ptr())
         with pytest.raises(ValueError, match="qkv"):
             _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [layer], weights.data_ptr())
+        # gemm_bf16's bf16 weight takes the stack's rows as they are: only a bf16 stack's.
+        bf16_qkv = _cpu.DecoderLinear.dense_bf16(weights.data_ptr(), 16, 8, 0)
+        bf16_layer = _cpu.DecoderLayer(bf16_qkv, lin, lin, lin, weights.data_ptr(), weights.data_ptr(), 0, 0,
+                                       weights.data_ptr(), weights.data_ptr(), weights.data_ptr())
+        with pytest.raises(ValueError, match="qkv: a bf16 weight for gemm_bf16 in a stack of fp32 rows"):
+            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [bf16_layer], weights.data_ptr())
+        pair_packed = cpu_gemm.PackedWeight(torch.zeros(16 * 8, dtype=torch.bfloat16), 16, 8, pairs=True)
+        assert cpu_gemm.stack_linear(pair_packed, None, torch.float32) is None  # the Python layers run it
         with pytest.raises(ValueError, match="null norm"):
             _cpu.DecoderLayer(lin, lin, lin, lin, 0, weights.data_ptr(), 0, 0, weights.data_ptr(),
                               weights.data_ptr(), weights.data_ptr())

@@ -181,12 +181,15 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def stack_linear(packed: Packed | None,
-                 bias: torch.Tensor | None) -> tuple[_cpu.DecoderLinear, torch.Tensor | None] | None:
-    """`packed` as the C++ decoder stack multiplies by it (csrc/cpu_decoder.h: the kernel `linear`
-    here calls), with the fp32 bias it points at (the caller keeps it alive); None for oneDNN's
-    packing, which only torch can call, or no packing."""
+def stack_linear(packed: Packed | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> tuple[_cpu.DecoderLinear, torch.Tensor | None] | None:
+    """`packed` as the C++ decoder stack of `dtype` activations multiplies by it (csrc/cpu_decoder.h:
+    the kernel `linear` here calls), with the fp32 bias it points at (the caller keeps it alive);
+    None for oneDNN's packing, which only torch can call, no packing, or a bf16 weight on
+    gemm_bf16 under fp32 activations (which `linear` rounds to bf16 first: the stack does not)."""
     if not isinstance(packed, PackedWeight):
+        return None
+    if packed.pairs and packed.data.dtype == torch.bfloat16 and dtype != torch.bfloat16:
         return None
     b = None if bias is None else bias.float().contiguous()
     b_ptr = 0 if b is None else b.data_ptr()

@@ -137,7 +137,7 @@ class LinearBase(nn.Module):
             return None
         if self.quant is not None:
             return self.quant.stack_linear(self.bias, dtype)
-        return cpu_gemm.stack_linear(self.packed, self.bias)
+        return cpu_gemm.stack_linear(self.packed, self.bias, dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
