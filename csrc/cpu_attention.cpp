@@ -140,20 +140,6 @@ constexpr int64_t kPrefetchBlocks = 2;
   }
 }
 
-// Rows [r, r + n) of a pass over keys below L, within one block, their slice of the task's KV heads
-// (a task of fewer heads asks only for its own: its siblings run on other threads).
-template <typename T>
-[[gnu::always_inline]] inline void prefetch_rows(const PagedAttentionArgs& a, const int32_t* table, int64_t r, int n,
-                                                 int64_t L, int64_t head_off, int heads, const void* cache) {
-  if (r >= L) return;
-  const int64_t row_bytes = static_cast<int64_t>(a.num_kv_heads) * a.head_dim * sizeof(T);
-  const int64_t slice = static_cast<int64_t>(heads) * a.head_dim * sizeof(T);
-  const char* p = static_cast<const char*>(cache) +
-                  (static_cast<int64_t>(table[r / a.block_size]) * a.block_size + r % a.block_size) * row_bytes +
-                  head_off * sizeof(T);
-  for (int i = 0; i < n; ++i, p += row_bytes) prefetch_bytes(p, slice);
-}
-
 // Cache lines asked for from the tile kernels' inner loops, PerStep lines a step (each step's loads
 // of the rows in use next to a request for rows ahead), the rest at the end of a KV head's turn
 // (finish). Asking for a turn's share of the rows ahead at once, 16-32 requests before its loads,
@@ -205,6 +191,12 @@ struct RowFeed {
            head_off * static_cast<int64_t>(sizeof(T));
   }
 
+  // Rows [i0, i1) of those from p (rows(...); none for null), their slices asked for at once.
+  [[gnu::always_inline]] void ask(const char* p, int i0, int i1) const {
+    if (p == nullptr) return;
+    for (int i = i0; i < i1; ++i) prefetch_bytes(p + i * row_bytes, slice);
+  }
+
   // Turn h's share of the rows from p (rows(...)), as a Feed (a LineFeed), empty where the rows
   // were asked for here. A share starts on a line (a cache need not be 64-byte aligned).
   template <typename Feed>
@@ -215,10 +207,19 @@ struct RowFeed {
       const char* line = begin - (reinterpret_cast<uintptr_t>(begin) & 63);
       return {line, h == heads - 1 ? p + n * row_bytes : begin + share};
     }
-    for (int i = n * h / heads; i < n * (h + 1) / heads; ++i) prefetch_bytes(p + i * row_bytes, slice);
+    ask(p, n * h / heads, n * (h + 1) / heads);
     return {};
   }
 };
+
+// Rows [r, r + n) of a pass over keys below L, within one block, their slice of the task's KV heads
+// (a task of fewer heads asks only for its own: its siblings run on other threads), at once.
+template <typename T>
+[[gnu::always_inline]] inline void prefetch_rows(const PagedAttentionArgs& a, const int32_t* table, int64_t r, int n,
+                                                 int64_t L, int64_t head_off, int heads, const void* cache) {
+  const RowFeed<T> feed(a, table, head_off, n, heads);
+  feed.ask(feed.rows(cache, r, L), 0, n);
+}
 
 // At the start of block `t0 / bs` of a pass over keys below L: the blocks kPrefetchBlocks ahead
 // (at the first block, also the ones before them), whole, as the portable loops walk them. The
