@@ -393,6 +393,29 @@ void bind_cpu_gemm(py::module_& m) {
       "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_cpu's copy of W with pairs (AVX512-BF16), "
       "from raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells a pair-packed weight "
       "from another: PackedWeight.pairs does).");
+  m.def(
+      "gemm_logits_cpu",
+      [](uintptr_t x, int64_t x_dtype, uintptr_t packed, int64_t packed_dtype, bool pairs, uintptr_t y, int64_t m,
+         int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int64_t num_threads) {
+        const CpuDtype rows = checked_dtype(x_dtype, "x_dtype");
+        const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
+        if (pairs && weights == CpuDtype::kBFloat16) {
+          if (!has_avx512_bf16() || k % 2 != 0) value_error("gemm_logits_cpu: bf16 pairs need AVX512-BF16 and an even k");
+        } else {
+          check_gemm_weights("gemm_logits_cpu", weights, pairs);
+        }
+        if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_logits_cpu: bad sizes");
+        if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_logits_cpu");
+        const GemmLogitsArgs a{reinterpret_cast<const void*>(x), rows, reinterpret_cast<const void*>(packed), weights,
+                               pairs, reinterpret_cast<float*>(y), m, n, k, x_stride, y_stride};
+        py::gil_scoped_release release;
+        gemm_logits(a, clamp_threads(num_threads));
+      },
+      py::arg("x"), py::arg("x_dtype"), py::arg("packed"), py::arg("packed_dtype"), py::arg("pairs"), py::arg("y"),
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1,
+      "An LM head's fp32 logits y [m, n] from rows x [m, k] (fp32 0 / bf16 1) on gemm_pack_cpu's copy of its "
+      "weight (with pairs: fp32 for gemm_cpu's, bf16 for gemm_bf16_cpu's), each rounded to bf16 where x is bf16 "
+      "(cpu/gemm.py's linear, then .float()), from raw pointers (nanovllm.cpu.gemm checks the tensors).");
 }
 
 // Whether every group of input columns starts on an even column: int4 values and bf16 activations
@@ -827,7 +850,8 @@ void bind_cpu_decoder(py::module_& m) {
                            "it was built from must outlive it.")
       .def(py::init([](int64_t dtype, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
                        int64_t inter, double eps, double scale, int64_t block_size, int64_t num_blocks,
-                       std::vector<DecoderLayerWeights> layers, uintptr_t final_norm) {
+                       std::vector<DecoderLayerWeights> layers, uintptr_t final_norm, uintptr_t embedding,
+                       int64_t vocab) {
              DecoderShape s;
              s.dtype = checked_dtype(dtype, "dtype");
              s.hidden = checked_int32(hidden, "hidden", 1);
@@ -843,6 +867,7 @@ void bind_cpu_decoder(py::module_& m) {
              checked_int32(block_size, "block_size", 1, 1 << 16);
              checked_int32(num_blocks, "num_blocks", 1);
              if (!final_norm) value_error("DecoderStack: null final norm weight");
+             if (embedding ? vocab < 1 : vocab != 0) value_error("DecoderStack: an embedding needs vocab >= 1 (none: 0)");
              const int64_t q_row = s.heads * s.head_dim;
              for (const DecoderLayerWeights& l : layers) {
                check_decoder_linear(l.qkv, q_row + 2 * s.kv_heads * s.head_dim, s.hidden, s.dtype, "qkv");
@@ -859,16 +884,17 @@ void bind_cpu_decoder(py::module_& m) {
                }
              }
              return std::make_unique<DecoderStack>(s, std::move(layers), reinterpret_cast<const void*>(final_norm),
-                                                   block_size, num_blocks);
+                                                   block_size, num_blocks, reinterpret_cast<const void*>(embedding),
+                                                   vocab);
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("inter"), py::arg("eps"), py::arg("scale"), py::arg("block_size"), py::arg("num_blocks"),
-           py::arg("layers"), py::arg("final_norm"))
+           py::arg("layers"), py::arg("final_norm"), py::arg("embedding") = 0, py::arg("vocab") = 0)
       .def(
           "forward",
           [](DecoderStack& stack, uintptr_t hidden_in, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
              int64_t slot_tokens, uintptr_t block_tables, int64_t block_table_stride, uintptr_t context_lens,
-             uintptr_t cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, int64_t num_threads) {
+             uintptr_t cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, int64_t num_threads, uintptr_t input_ids) {
             const DecoderShape& s = stack.shape();
             DecoderStep step;
             step.attn = checked_attention_args(block_tables, context_lens, cu_seqlens_q, num_tokens,
@@ -876,8 +902,18 @@ void bind_cpu_decoder(py::module_& m) {
                                                stack.block_size(), stack.num_blocks(), s.scale,
                                                static_cast<int64_t>(s.dtype), "DecoderStack.forward");
             if (slot_tokens < 0 || slot_tokens > num_tokens) value_error("DecoderStack.forward: bad slot_tokens");
-            if (num_tokens > 0 && (!hidden_in || !out || !positions || (slot_tokens > 0 && !slot_mapping))) {
+            if (num_tokens > 0 && ((!hidden_in && !input_ids) || !out || !positions || (slot_tokens > 0 && !slot_mapping))) {
               value_error("null pointer passed to DecoderStack.forward");
+            }
+            if (input_ids) {
+              if (!stack.has_embedding()) value_error("DecoderStack.forward: input_ids for a stack without an embedding");
+              step.input_ids = reinterpret_cast<const int32_t*>(input_ids);
+              for (int64_t i = 0; i < num_tokens; ++i) {
+                if (step.input_ids[i] < 0 || step.input_ids[i] >= stack.vocab()) {
+                  throw py::index_error("DecoderStack.forward: token id " + std::to_string(step.input_ids[i]) +
+                                        " is outside the embedding's " + std::to_string(stack.vocab()) + " rows");
+                }
+              }
             }
             step.hidden_in = reinterpret_cast<const void*>(hidden_in);
             step.out = reinterpret_cast<void*>(out);
@@ -895,9 +931,10 @@ void bind_cpu_decoder(py::module_& m) {
           },
           py::arg("hidden_in"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"), py::arg("slot_tokens"),
           py::arg("block_tables"), py::arg("block_table_stride"), py::arg("context_lens"), py::arg("cu_seqlens_q"),
-          py::arg("num_seqs"), py::arg("num_tokens"), py::arg("num_threads") = 1,
-          "hidden_in [num_tokens, hidden] (the embeddings) -> out [num_tokens, hidden] (the final norm's output), "
-          "writing this step's K/V; the attention metadata as qkv_attention_cpu takes it.");
+          py::arg("num_seqs"), py::arg("num_tokens"), py::arg("num_threads") = 1, py::arg("input_ids") = 0,
+          "hidden_in [num_tokens, hidden] (the embeddings), or input_ids [num_tokens] int32 looked up in the stack's "
+          "embedding (hidden_in then unused) -> out [num_tokens, hidden] (the final norm's output), writing this "
+          "step's K/V; the attention metadata as qkv_attention_cpu takes it.");
 }
 
 }  // namespace

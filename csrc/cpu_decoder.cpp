@@ -20,9 +20,9 @@ void* DecoderStack::Scratch::at_least(int64_t n) {
 }
 
 DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
-                           int64_t block_size, int64_t num_blocks)
+                           int64_t block_size, int64_t num_blocks, const void* embedding, int64_t vocab)
     : shape_(shape), layers_(std::move(layers)), final_norm_(final_norm), block_size_(block_size),
-      num_blocks_(num_blocks) {}
+      num_blocks_(num_blocks), embedding_(embedding), vocab_(vocab) {}
 
 void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_t m, int num_threads) {
   const bool bf16 = shape_.dtype == CpuDtype::kBFloat16;
@@ -116,6 +116,14 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   // The layer's input and the residual stream: the embeddings alone before the first layer (whose
   // norm has no residual to add), then each layer's output and the stream its norm adds it to.
   const void* hidden = step.hidden_in;
+  if (step.input_ids != nullptr) {  // the binding checked the ids against vocab_
+    const int64_t bytes = s.hidden * item;
+    auto* embedded = static_cast<std::byte*>(buffer(kEmbedded, t * bytes));
+    for (int64_t i = 0; i < t; ++i) {
+      std::memcpy(embedded + i * bytes, static_cast<const std::byte*>(embedding_) + step.input_ids[i] * bytes, bytes);
+    }
+    hidden = embedded;
+  }
   const void* stream = nullptr;
   int next = 0;
   const auto norm = [&](const void* x, const void* weight, void* out) {

@@ -408,19 +408,69 @@ void parallel_panel_pairs(int64_t n, int64_t m, int64_t k, int num_threads, cons
     run(share.begin, share.end);
   });
 }
-}  // namespace
 
-void gemm(const GemmArgs& a, int num_threads) {
-  const auto run = [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); };
+// run(p0, p1) on each thread's panels of a GEMM of gemm_panel_range's layout.
+template <typename Run>
+void parallel_gemm_panels(const GemmArgs& a, int num_threads, const Run& run) {
   if (a.pairs) {
     parallel_panel_pairs(a.n, a.m, a.k, num_threads, run);
   } else {  // the AVX2 tiles take any panel range: a finer split
     parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, run);
   }
 }
+}  // namespace
+
+void gemm(const GemmArgs& a, int num_threads) {
+  parallel_gemm_panels(a, num_threads, [&a](int64_t p0, int64_t p1) { gemm_panel_range(a, p0, p1); });
+}
 
 void gemm_bf16(const GemmBf16Args& a, int num_threads) {
   parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a](int64_t p0, int64_t p1) { gemm_bf16_panel_range(a, p0, p1); });
+}
+
+void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
+  if (a.m == 0) return;
+  const bool bf16_rows = a.x_dtype == CpuDtype::kBFloat16;
+  // Columns [p0, p1) panels of every row, rounded as a bf16 F.linear's output.
+  const auto rounded = [&a, bf16_rows](int64_t p0, int64_t p1) {
+    if (!bf16_rows) return;
+    const int64_t c0 = p0 * kGemmPanel, c1 = std::min(a.n, p1 * kGemmPanel);
+    for (int64_t r = 0; r < a.m; ++r) {
+      float* row = a.y + r * a.y_stride;
+      for (int64_t c = c0; c < c1; ++c) row[c] = round_to<Bf16>(row[c]);
+    }
+  };
+  if (a.pairs && a.packed_dtype == CpuDtype::kBFloat16) {
+    std::vector<Bf16> narrowed;  // fp32 rows rounded to bf16, as cpu/gemm.py's bf16_rows
+    const Bf16* x = static_cast<const Bf16*>(a.x);
+    int64_t stride = a.x_stride;
+    if (!bf16_rows) {
+      narrowed.resize(a.m * a.k);
+      for (int64_t r = 0; r < a.m; ++r) narrow_n(static_cast<const float*>(a.x) + r * a.x_stride, &narrowed[r * a.k], a.k);
+      x = narrowed.data();
+      stride = a.k;
+    }
+    const GemmBf16Args g{x, static_cast<const Bf16*>(a.packed), nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride};
+    parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&](int64_t p0, int64_t p1) {
+      gemm_bf16_panel_range(g, p0, p1);
+      rounded(p0, p1);
+    });
+    return;
+  }
+  std::vector<float> widened;  // bf16 rows as fp32, exactly
+  const float* x = static_cast<const float*>(a.x);
+  int64_t stride = a.x_stride;
+  if (bf16_rows) {
+    widened.resize(a.m * a.k);
+    for (int64_t r = 0; r < a.m; ++r) widen_n(static_cast<const Bf16*>(a.x) + r * a.x_stride, &widened[r * a.k], a.k);
+    x = widened.data();
+    stride = a.k;
+  }
+  const GemmArgs g{x, a.packed, nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride, a.packed_dtype, a.pairs};
+  parallel_gemm_panels(g, num_threads, [&](int64_t p0, int64_t p1) {
+    gemm_panel_range(g, p0, p1);
+    rounded(p0, p1);
+  });
 }
 
 }  // namespace nanovllm

@@ -108,6 +108,24 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 // CPUs without AMX (nanovllm/cpu/gemm.py picks it).
 void gemm_bf16(const GemmBf16Args& a, int num_threads);
 
+struct GemmLogitsArgs {
+  const void* x;  // [m, k] of x_dtype, rows x_stride apart
+  CpuDtype x_dtype;
+  const void* packed;  // gemm_pack's output for the head's [n, k] weight, of packed_dtype, with or without pairs
+  CpuDtype packed_dtype;
+  bool pairs;
+  float* y;  // [m, n], rows y_stride apart
+  int64_t m, n, k, x_stride, y_stride;
+};
+
+// An LM head's fp32 logits in one call: what nanovllm/cpu/gemm.py's linear gives on the same rows,
+// then .float(). x W^T by gemm on x widened to fp32, or by gemm_bf16 on x as bf16 for a pair-packed
+// bf16 weight; where x is bf16 each logit is rounded to bf16 (F.linear's output dtype), by the
+// thread that wrote it while it is in that thread's cache. The Python path spent two conversion
+// passes and three allocations around the GEMM, each a torch call on caches the weights had just
+// flushed (tens of us a decode step).
+void gemm_logits(const GemmLogitsArgs& a, int num_threads);
+
 // The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling
 // thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp). With
 // pairs, p0 must be even and p1 even or the last panel (PanelShare): a pair's stream read from its

@@ -86,6 +86,12 @@ def gemm_bf16_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int
     """y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias, when not 0), W bf16 packed by gemm_pack_cpu
     with pairs (k even; AVX512-BF16)."""
 
+def gemm_logits_cpu(x: int, x_dtype: int, packed: int, packed_dtype: int, pairs: bool, y: int, m: int, n: int,
+                    k: int, x_stride: int, y_stride: int, num_threads: int = 1) -> None:
+    """An LM head's fp32 logits y [m, n] from rows x [m, k] (fp32 0 / bf16 1) on gemm_pack_cpu's copy of
+    its weight (pairs: fp32 for gemm_cpu's tiles, bf16 for gemm_bf16_cpu's), each rounded to bf16 where
+    x is bf16: cpu/gemm.py's linear on the rows, then .float()."""
+
 def quant_isa_supported(isa: int) -> bool:
     """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512)."""
 
@@ -185,9 +191,13 @@ class DecoderStack:
     built from must outlive it."""
     def __init__(self, dtype: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  scale: float, block_size: int, num_blocks: int, layers: list[DecoderLayer],
-                 final_norm: int) -> None: ...
+                 final_norm: int, embedding: int = 0, vocab: int = 0) -> None:
+        """`embedding` (or 0): the token embedding [vocab, hidden] in the model dtype, for forward's
+        input_ids."""
     def forward(self, hidden_in: int, out: int, positions: int, slot_mapping: int, slot_tokens: int,
                 block_tables: int, block_table_stride: int, context_lens: int, cu_seqlens_q: int, num_seqs: int,
-                num_tokens: int, num_threads: int = 1) -> None:
-        """hidden_in [num_tokens, hidden] (the embeddings) -> out [num_tokens, hidden] (the final
-        norm's output), writing this step's K/V; the attention metadata as qkv_attention_cpu takes it."""
+                num_tokens: int, num_threads: int = 1, input_ids: int = 0) -> None:
+        """hidden_in [num_tokens, hidden] (the embeddings), or input_ids [num_tokens] int32 looked up
+        in the stack's embedding (IndexError for an id outside it) -> out [num_tokens, hidden] (the
+        final norm's output), writing this step's K/V; the attention metadata as qkv_attention_cpu
+        takes it."""

@@ -51,7 +51,7 @@ def to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
             host.copy_(t, non_blocking=True)
             cuda = True
         else:
-            host = t.cpu()  # a view on the CPU; other devices: an ordinary copy
+            host = t if t.is_cpu else t.cpu()  # the CPU's: a view; other devices: an ordinary copy
         out.append(host.numpy())
     if cuda:
         event = torch.cuda.Event()

@@ -112,10 +112,10 @@ def test_layers_the_kernels_do_not_take_run_in_python(root: Path) -> None:
         assert model.layer_stack() is None
         llm.engine.executor.runner.model.set_attention_backend("cpu")
         layers = model._stack_layers()
-        assert cpu_stack.build(layers, model.norm) is not None
+        assert cpu_stack.build(layers, model.norm, model.embed_tokens) is not None
         packed, layers[1].down.packed = layers[1].down.packed, None  # an unpacked weight: F.linear
         try:
-            assert cpu_stack.build(layers, model.norm) is None
+            assert cpu_stack.build(layers, model.norm, model.embed_tokens) is None
         finally:
             layers[1].down.packed = packed
     finally:
@@ -148,6 +148,21 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
                               weights.data_ptr(), weights.data_ptr())
         with pytest.raises(ValueError, match="bits"):
             _cpu.DecoderLinear.quant(weights.data_ptr(), weights.data_ptr(), 0, 0, 8, 8, 8, 3, 0.0, 0, 0)
+        # Token ids the stack looks up: each must be a row of its embedding.
+        ids, pos = torch.tensor([3, 512], dtype=torch.int32), torch.arange(2, dtype=torch.int32)
+        hidden = torch.zeros(2, stack.hidden)
+        tables = torch.zeros((1, 1), dtype=torch.int32)
+        lens, cu = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+        out = torch.empty_like(hidden)
+        with pytest.raises(IndexError, match="token id 512 is outside the embedding's 512 rows"):
+            cs.forward(0, out.data_ptr(), pos.data_ptr(), pos.data_ptr(), 2, tables.data_ptr(), 1, lens.data_ptr(),
+                       cu.data_ptr(), 1, 2, 1, ids.data_ptr())
+        bare = _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [], weights.data_ptr())
+        with pytest.raises(ValueError, match="without an embedding"):
+            bare.forward(0, out.data_ptr(), pos.data_ptr(), pos.data_ptr(), 2, tables.data_ptr(), 1, lens.data_ptr(),
+                         cu.data_ptr(), 1, 2, 1, ids.data_ptr())
+        with pytest.raises(ValueError, match="vocab"):
+            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [], weights.data_ptr(), weights.data_ptr(), 0)
         # One sequence of 2 tokens whose block table points past the cache.
         hidden = torch.zeros(2, stack.hidden)
         out = torch.empty_like(hidden)

@@ -289,6 +289,55 @@ def test_lm_head_prepacked_and_a_tied_one_keeps_the_embedding() -> None:
     assert torch.equal(embedding(ids), dense[ids])  # the lookup still reads the dense rows
 
 
+PAIRS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _cpu.has_avx512f(), reason="the pair tiles need AVX-512 (bf16 pairs: AVX512-BF16)"))]
+
+
+@pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 5, 33])
+@pytest.mark.parametrize("pairs", PAIRS)
+def test_lm_head_logits_in_one_call_equal_the_linear_then_float(dtype: torch.dtype, rows: int, pairs: bool) -> None:
+    """cpu_gemm.logits (gemm_logits_cpu) is `_gemm(rows).float()` bit for bit: bf16 rows give fp32
+    logits rounded to bf16, as F.linear's bf16 output widened; rows read in place at their stride."""
+    if pairs and dtype == torch.bfloat16 and not _cpu.has_avx512_bf16():
+        pytest.skip("bf16 pairs need AVX512-BF16")
+    g = torch.Generator().manual_seed(rows + 7)
+    k, n = 72, 1000  # n cut ragged by the 16-column panels
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    packed = cpu_gemm.prepack(weight, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    if pairs != packed.pairs:
+        pytest.skip("this CPU packs the weight the other way")
+    wide = (torch.randn(rows, k + 9, generator=g) * 4).to(dtype)
+    for x in (wide[:, :k].contiguous(), wide[:, 5:5 + k], wide[:1, :k].expand(rows, k)):
+        logits = cpu_gemm.logits(x, packed)
+        assert logits.dtype == torch.float32 and logits.shape == (rows, n)
+        assert torch.equal(logits, cpu_gemm._gemm(x, packed, None).float())
+    head = ParallelLMHead(n, k).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    assert head.prepack_for_cpu()
+    x = wide[:, :k]
+    assert torch.equal(head.logits(x), head(x).float())
+
+
+@pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
+def test_lm_head_logits_reject_bad_sizes() -> None:
+    packed = cpu_gemm.prepack(torch.randn(32, 16), "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    with pytest.raises(ValueError, match="16 inputs"):
+        cpu_gemm.logits(torch.randn(2, 15), packed)
+    y = torch.empty(2, 32)
+    x = torch.randn(2, 16)
+    with pytest.raises(ValueError, match="bad sizes"):
+        _cpu.gemm_logits_cpu(x.data_ptr(), 0, packed.data.data_ptr(), 0, False, y.data_ptr(), 2, 32, 16, 15, 32)
+    with pytest.raises(ValueError, match="null pointer"):
+        _cpu.gemm_logits_cpu(x.data_ptr(), 0, 0, 0, False, y.data_ptr(), 2, 32, 16, 16, 32)
+    with pytest.raises(ValueError, match="x_dtype"):
+        _cpu.gemm_logits_cpu(x.data_ptr(), 5, packed.data.data_ptr(), 0, False, y.data_ptr(), 2, 32, 16, 16, 32)
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_a_bf16_lm_head_takes_our_gemm_unless_the_cpu_has_amx(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The head sees decode rows only: ours (even the pair tiles where linear layers take oneDNN),

@@ -167,6 +167,25 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
     return y if rows.dtype == torch.float32 else y.to(rows.dtype)
 
 
+def logits(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """An LM head's fp32 logits `[m, out_features]` of 2-D fp32 or bf16 rows: `_gemm(rows, packed, None)`
+    then `.float()` (bf16 rows give logits rounded to bf16, as F.linear's), in one call
+    (gemm_logits_cpu) without the conversions' passes and tensors."""
+    if rows.dim() != 2 or rows.shape[1] != packed.in_features:
+        raise ValueError(f"rows of shape {tuple(rows.shape)} for a weight of {packed.in_features} inputs")
+    if rows.dtype not in KERNEL_DTYPES or not rows.is_cpu:
+        return _gemm(rows, packed, None).float()
+    stride = _row_stride(rows)
+    if stride is None:
+        rows, stride = rows.contiguous(), rows.shape[1]
+    m, n = rows.shape[0], packed.out_features
+    y = torch.empty((m, n), dtype=torch.float32)
+    _cpu.gemm_logits_cpu(rows.data_ptr(), KERNEL_DTYPES[rows.dtype], packed.data.data_ptr(),
+                         KERNEL_DTYPES[packed.data.dtype], packed.pairs, y.data_ptr(), m, n, packed.in_features,
+                         stride, n, torch.get_num_threads())
+    return y
+
+
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for the weight `packed` was made from; x `[..., in]`."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x

@@ -33,11 +33,11 @@ def _array(values: np.ndarray, dtype: type, rows: int, name: str) -> np.ndarray:
     return a
 
 
-def argmax(logits: torch.Tensor) -> np.ndarray:
-    """The first maximum of each row (int64), as torch.argmax."""
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row, int64 `[rows]`, as torch.argmax(dim=-1)."""
     x = _rows(logits)
-    out = np.empty(x.shape[0], dtype=np.int64)
-    _cpu.argmax_cpu(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.ctypes.data, torch.get_num_threads())
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _cpu.argmax_cpu(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
     return out
 
 

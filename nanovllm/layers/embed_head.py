@@ -76,6 +76,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         faster (32 x 1024 x 32000 with oneDNN: 25 ms against 67 ms with F.linear)."""
         return cpu_gemm.prepack_layer(self, keep_dense=self.tied, kernel=cpu_gemm.head_kernel(self.weight))
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`forward(hidden).float()`: fp32 logits `[S, vocab]` on rank 0, None on the others; one
+        C++ call (cpu_gemm.logits) where the head is packed for our GEMM and not sharded."""
+        if self.tp is None and isinstance(self.packed, cpu_gemm.PackedWeight) and hidden.dim() == 2:
+            return cpu_gemm.logits(hidden, self.packed)
+        logits = self(hidden)
+        return None if logits is None else logits.float()
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         logits = cpu_gemm.matmul(hidden, self.weight, self.packed, None)
         if self.tp is None:

@@ -1,9 +1,9 @@
-"""A decoder's layers as one C++ call per forward on the CPU (`_cpu.DecoderStack`,
-csrc/cpu_decoder.h), where every layer runs on the kernels its Python forward would call: our
-packed GEMMs (dense or int8 / int4), the fused RMSNorm and SiLU-and-mul, the CPU backend's
-qkv_attention. The stack calls those kernels in the same order on the same inputs, so the hidden
-states are the same bits; it saves the Python around them (~0.15 ms a layer a step: most of a
-batch-1 decode step's time outside the kernels).
+"""A decoder's embedding lookup and layers as one C++ call per forward on the CPU
+(`_cpu.DecoderStack`, csrc/cpu_decoder.h), where every layer runs on the kernels its Python forward
+would call: our packed GEMMs (dense or int8 / int4), the fused RMSNorm and SiLU-and-mul, the CPU
+backend's qkv_attention. The stack calls those kernels in the same order on the same inputs, so the
+hidden states are the same bits; it saves the Python around them (~0.15 ms a layer a step: most of
+a batch-1 decode step's time outside the kernels).
 
 Mixture-of-experts layers run as the Python layer's one C++ call (the router's GEMM, then the
 experts). Where anything differs (tensor parallelism, oneDNN-packed or activation-order weights,
@@ -15,6 +15,7 @@ as they are does too (`run` returns None).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -22,6 +23,7 @@ from nanovllm import _cpu
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.cpu import KERNEL_DTYPES
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import VocabParallelEmbedding
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase
@@ -49,22 +51,33 @@ class StackLayer:
 @dataclasses.dataclass(frozen=True)
 class CpuStack:
     stack: _cpu.DecoderStack
-    cache_key: tuple[int, ...]  # the KV cache it was built on (cache_key)
     dtype: torch.dtype
     hidden: int
     keep: tuple[torch.Tensor, ...]  # tensors whose memory the stack points at besides the modules'
 
 
-def cache_key(layers: list[StackLayer]) -> tuple[int, ...]:
-    """What the stack points at of the KV cache: every layer's K and V and their shape."""
-    return (*layers[0].attn.k_cache.shape, *(c.data_ptr() for a in layers for c in (a.attn.k_cache, a.attn.v_cache)))
+def caches(layers: list[StackLayer]) -> list[torch.Tensor]:
+    """What the stack points at of the KV cache: every layer's K and V."""
+    return [c for layer in layers for c in (layer.attn.k_cache, layer.attn.v_cache)]
+
+
+def cache_refs(layers: list[StackLayer]) -> tuple[weakref.ref[torch.Tensor], ...]:
+    """Weak references to the caches a stack is built on (no hold on their memory)."""
+    return tuple(weakref.ref(c) for c in caches(layers))
+
+
+def same_caches(refs: tuple[weakref.ref[torch.Tensor], ...], layers: list[StackLayer]) -> bool:
+    """Whether the layers still hold the cache tensors `refs` were taken of: a tensor that lives keeps
+    its memory (the caches are never resized), so the stack's pointers hold. Checked every step, as
+    object identities: no torch call (each costs microseconds on a decode step's cold caches)."""
+    return all(r() is c for r, c in zip(refs, caches(layers), strict=True))
 
 
 def _is_kernel_tensor(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
     return t.is_cpu and t.dtype == dtype and tuple(t.shape) == shape and t.is_contiguous()
 
 
-def build(layers: list[StackLayer], final_norm: RMSNorm) -> CpuStack | None:
+def build(layers: list[StackLayer], final_norm: RMSNorm, embedding: VocabParallelEmbedding) -> CpuStack | None:
     """The stack for these layers, or None where any of them would not run on the kernels it calls
     (see the module's docstring)."""
     inter = {layer.down.input_size for layer in layers if layer.down is not None}
@@ -75,6 +88,9 @@ def build(layers: list[StackLayer], final_norm: RMSNorm) -> CpuStack | None:
     heads, kv_heads, dim = first.num_heads, first.num_kv_heads, first.head_dim
     hidden, eps = final_norm.weight.shape[0], final_norm.eps
     if dtype not in KERNEL_DTYPES or not final_norm.weight.is_cpu:
+        return None
+    table = embedding.weight
+    if embedding.tp is not None or not _is_kernel_tensor(table, dtype, (embedding.vocab_size, hidden)):
         return None
     k_shape = tuple(first.k_cache.shape)
     if len(k_shape) != 4 or k_shape[2:] != (kv_heads, dim) or dim % 2 or dim > 1024:
@@ -115,17 +131,18 @@ def build(layers: list[StackLayer], final_norm: RMSNorm) -> CpuStack | None:
             0 if layer.k_norm is None else layer.k_norm.weight.data_ptr(),
             inv_freq.data_ptr(), a.k_cache.data_ptr(), a.v_cache.data_ptr(), moe))
     stack = _cpu.DecoderStack(KERNEL_DTYPES[dtype], hidden, heads, kv_heads, dim, inter.pop() if inter else 1, eps,
-                              first.scale, k_shape[1], k_shape[0], out, final_norm.weight.data_ptr())
-    return CpuStack(stack, cache_key(layers), dtype, hidden, tuple(keep))
+                              first.scale, k_shape[1], k_shape[0], out, final_norm.weight.data_ptr(),
+                              table.data_ptr(), table.shape[0])
+    return CpuStack(stack, dtype, hidden, tuple(keep))
 
 
-def run(s: CpuStack, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-    """The final norm's output `[T, hidden]` from the embeddings `hidden` `[T, hidden]`, writing the
-    step's K/V; None where the step's tensors are not what the kernels take (the caller then runs
-    the layers in Python, which raise the errors for bad input)."""
-    tokens = hidden.shape[0]
+def run(s: CpuStack, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    """The final norm's output `[T, hidden]` for the tokens `input_ids` `[T]` (embedded by the stack),
+    writing the step's K/V; None where the step's tensors are not what the kernels take (the caller
+    then runs the embedding and the layers in Python, which raise the errors for bad input)."""
+    tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
     n = meta.num_seqs
-    if (n == 0 or not _is_kernel_tensor(hidden, s.dtype, (tokens, s.hidden))
+    if (n == 0 or not _is_kernel_tensor(input_ids, torch.int32, (tokens,))
             or not _is_kernel_tensor(positions, torch.int32, (tokens,)) or meta.slot_mapping.shape[0] > tokens):
         return None
     for t in (meta.slot_mapping, meta.block_tables, meta.context_lens, meta.cu_seqlens_q):
@@ -133,8 +150,9 @@ def run(s: CpuStack, hidden: torch.Tensor, positions: torch.Tensor, meta: Attent
             return None
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < n or meta.cu_seqlens_q.shape[0] < n + 1:
         return None
-    out = torch.empty_like(hidden)
-    s.stack.forward(hidden.data_ptr(), out.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
+    out = torch.empty((tokens, s.hidden), dtype=s.dtype)
+    s.stack.forward(0, out.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
                     meta.slot_mapping.shape[0], meta.block_tables.data_ptr(), meta.block_tables.shape[1],
-                    meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), n, tokens, torch.get_num_threads())
+                    meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), n, tokens, torch.get_num_threads(),
+                    input_ids.data_ptr())
     return out

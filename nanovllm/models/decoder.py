@@ -33,6 +33,8 @@ from nanovllm.model_config import ModelConfig
 from nanovllm.models import cpu_stack
 
 if TYPE_CHECKING:
+    import weakref
+
     from nanovllm.distributed.parallel_state import TPGroup
 
 
@@ -168,17 +170,18 @@ class DecoderModel(nn.Module):
         # kernels; False runs them in Python always (benchmarks that time the layers' parts).
         self.use_cpu_stack = True
         self._stack_parts: list[cpu_stack.StackLayer] | None = None  # once: the modules do not change
-        self._stack: tuple[tuple[int, ...], cpu_stack.CpuStack | None] | None = None
+        # The stack and the KV cache tensors it was built on (cpu_stack.cache_refs); None: not yet built.
+        self._stack: tuple[tuple[weakref.ref[torch.Tensor], ...], cpu_stack.CpuStack | None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        stack = self.layer_stack() if self.use_cpu_stack and hidden.is_cpu else None
+        stack = self.layer_stack() if self.use_cpu_stack and input_ids.is_cpu else None
         if stack is not None:
-            out = cpu_stack.run(stack, hidden, positions, meta)
+            out = cpu_stack.run(stack, input_ids, positions, meta)
             if out is not None:
                 return out
+        hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -215,9 +218,8 @@ class DecoderModel(nn.Module):
         layers = self._stack_parts
         if not layers or layers[0].attn.k_cache.numel() == 0:
             return None
-        key = cpu_stack.cache_key(layers)
-        if self._stack is None or self._stack[0] != key:
-            self._stack = (key, cpu_stack.build(layers, self.norm))
+        if self._stack is None or not cpu_stack.same_caches(self._stack[0], layers):
+            self._stack = (cpu_stack.cache_refs(layers), cpu_stack.build(layers, self.norm, self.embed_tokens))
         return self._stack[1]
 
 
@@ -258,8 +260,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden `[S, H]` (rows already selected at sample_indices) -> fp32 logits `[S, vocab]`
         (None on a tensor-parallel rank other than 0)."""
-        logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        return self.lm_head.logits(hidden)
 
     def set_attention_backend(self, name: str) -> None:
         for module in self.modules():

@@ -89,11 +89,14 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, batch: SamplingBatch | None) -> torch.Tensor:
         """logits `[S, V]` -> sampled token ids, int64 `[S]`. `batch` None: every row greedy."""
-        logits = logits.float()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         if self.backend == "cpu" or (self.backend is None and cpu_sampler.runs_on(logits)):
-            logits = logits.contiguous()
-            out = cpu_sampler.argmax(logits) if batch is None else _sample_cpu(logits, batch)
-            return torch.from_numpy(out)
+            if self.backend == "cpu":
+                logits = logits.contiguous()
+            # Every row greedy: the kernel's own int64 tensor, read at the rows' stride (a decode
+            # step's few calls after the forward each cost tens of us on cold caches).
+            return cpu_sampler.argmax(logits) if batch is None else torch.from_numpy(_sample_cpu(logits, batch))
         greedy = logits.argmax(dim=-1)
         if batch is None:
             return greedy
@@ -116,7 +119,7 @@ class Sampler(nn.Module):
 
 def _sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
     if not (batch.temperatures > GREEDY_EPS).any():
-        return cpu_sampler.argmax(logits)
+        return cpu_sampler.argmax(logits).numpy()
     uniform = torch.rand(batch.num_rows, dtype=torch.float64).numpy()
     for row, gen in batch.generators.items():
         uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64).item()

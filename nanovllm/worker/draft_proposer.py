@@ -36,6 +36,7 @@ from nanovllm.models.loader import load_model_from_config
 from nanovllm.sample import GREEDY_EPS, SamplingBatch, SamplingState
 from nanovllm.sample.sampler import exponential_race, filtered_probs
 from nanovllm.staging import to_device, to_host
+from nanovllm.worker.inference import inference
 from nanovllm.worker.step import RunnerOutput
 
 # A sampled row's drafts and the draft's distribution at each: tokens [d], probabilities [d, vocab].
@@ -78,12 +79,12 @@ class DraftProposer:
         assert self.kv_cache is not None
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    @torch.inference_mode()
+    @inference
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """The step's plan through the draft: its KV cache follows the target's."""
         self.model(input_ids, positions, meta)
 
-    @torch.inference_mode()
+    @inference
     def propose(self, plan: StepPlan, out: RunnerOutput, state: SamplingState) -> tuple[np.ndarray, np.ndarray,
                                                                                          DraftProbs]:
         """Each sampled row's drafts for its next step (`RunnerOutput.drafts`, `draft_offsets`), and

@@ -33,6 +33,7 @@ from nanovllm.sample import make_sampling_batch
 from nanovllm.staging import to_device
 from nanovllm.worker.cuda_graph import DecodeGraphs
 from nanovllm.worker.draft_proposer import DraftProposer
+from nanovllm.worker.inference import inference
 from nanovllm.worker.plan_tensors import PlanTensors, PlanViews
 from nanovllm.worker.step import RunnerOutput, SchedulerOutput
 from nanovllm.worker.token_sampler import TokenSampler
@@ -189,7 +190,7 @@ class ModelRunner:
         per_block = self.kv_spec.bytes_per_block + (self.drafter.bytes_per_block if self.drafter else 0)
         return max(0, budget // per_block)
 
-    @torch.inference_mode()
+    @inference
     def _dummy_forward(self, num_tokens: int) -> int:
         """A prefill of `num_tokens` that writes no KV (every slot -1), for memory profiling, with
         logits and a sampling pass for as many rows as a step can sample.
@@ -273,7 +274,7 @@ class ModelRunner:
             return
         self.graphs = graphs
 
-    @torch.inference_mode()
+    @inference
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         """Rank 0's step: the plan's sampling-state changes, the forward, the tokens."""
         assert self.token_sampler is not None, "only rank 0 samples"
@@ -305,7 +306,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.copy_blocks(src, dst)
 
-    @torch.inference_mode()
+    @inference
     def forward(self, v: PlanViews, host: HostSeqLens) -> torch.Tensor:
         """Copy-on-write block copies, then the model over the flattened batch: the hidden states.
         `host`: the lengths on the host, so a backend that needs them as ints never syncs."""
@@ -323,7 +324,7 @@ class ModelRunner:
             num_decode_tokens=v.num_decode_tokens, block_size=self.block_size, host=host,
         )
 
-    @torch.inference_mode()
+    @inference
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor, host_rows: np.ndarray | None = None) -> torch.Tensor:
         """fp32 logits of the hidden-state rows `rows`, [rows, vocab]. `host_rows`: the same on the
         host, None for the step's own sample indices (what the tensor-parallel hook needs)."""

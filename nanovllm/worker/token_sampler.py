@@ -39,6 +39,7 @@ from nanovllm.sample.logprobs import LogprobBlock, logprob_columns, unpack_logpr
 from nanovllm.sample.sampler import exponential_race, filtered_probs
 from nanovllm.sample.state import GrammarEnds
 from nanovllm.staging import to_device, to_host
+from nanovllm.worker.inference import inference
 from nanovllm.worker.step import PromptLogprobRows, RunnerOutput, SchedulerOutput
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, "np.ndarray | None"], torch.Tensor]
@@ -97,7 +98,7 @@ class TokenSampler:
             if a.params.prompt_logprobs is not None:
                 self._prompt_logprobs[a.seq_id] = _PromptLogprobs(a.params.prompt_logprobs, a.prompt_token_ids, 1)
 
-    @torch.inference_mode()
+    @inference
     def sample(self, plan: StepPlan, hidden: torch.Tensor, sample_indices: torch.Tensor) -> RunnerOutput:
         prompt_logprobs = self._prompt_rows(plan, hidden) if self._prompt_logprobs else None
         sids = plan.sampled_seq_ids.copy()
