@@ -103,6 +103,21 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
             raise ValueError(f"{where}: missing required key {key!r}")
         return raw[key]
 
+    def integer(key: str, value: Any, low: int = 1) -> int:
+        # A JSON integer (or an integral float); a string or a boolean is an error naming the key,
+        # here, before transformers' tokenizer loading parses the file with errors of its own.
+        whole = (isinstance(value, int) and not isinstance(value, bool)
+                 or isinstance(value, float) and value.is_integer())
+        if not whole or value < low:
+            raise ValueError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
+        return int(value)
+
+    def number(key: str, default: float) -> float:
+        value = raw.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+        return float(value)
+
     archs = raw.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise ValueError(f"{where}: missing 'architectures' (e.g. ['Qwen3ForCausalLM'])")
@@ -110,11 +125,11 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         raise ValueError(f"{where}: unsupported model architecture {archs[0]!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
-    hidden_size = int(need("hidden_size"))
-    num_heads = int(need("num_attention_heads"))
+    hidden_size = integer("hidden_size", need("hidden_size"))
+    num_heads = integer("num_attention_heads", need("num_attention_heads"))
     # `head_dim` is explicit in Qwen3 (and may differ from hidden/heads); older configs omit it.
-    head_dim = raw.get("head_dim") or hidden_size // num_heads
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    head_dim = integer("head_dim", raw.get("head_dim") or hidden_size // num_heads)
+    num_kv_heads = integer("num_key_value_heads", raw.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"{where}: num_attention_heads ({num_heads}) is not a multiple of "
@@ -127,15 +142,15 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         model_dir=model_dir,
         architecture=str(archs[0]),
         model_type=str(raw.get("model_type", "")),
-        vocab_size=int(need("vocab_size")),
+        vocab_size=integer("vocab_size", need("vocab_size")),
         hidden_size=hidden_size,
-        intermediate_size=int(need("intermediate_size")),
-        num_hidden_layers=int(need("num_hidden_layers")),
+        intermediate_size=integer("intermediate_size", need("intermediate_size")),
+        num_hidden_layers=integer("num_hidden_layers", need("num_hidden_layers"), low=0),
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        head_dim=head_dim,
+        rms_norm_eps=number("rms_norm_eps", 1e-6),
+        max_position_embeddings=integer("max_position_embeddings", raw.get("max_position_embeddings", 2048)),
         rope=_parse_rope(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),

@@ -76,6 +76,33 @@ def test_unexpected_tensor(model_dir: Path) -> None:
         load_model(model_dir)
 
 
+def test_zero_biases_of_unbiased_layers_are_skipped_and_others_refused(model_dir: Path) -> None:
+    """Older GPTQ writers store a bias of zeros for every linear layer (vLLM skips them); one that is
+    not zero would change the model, and a bias of a layer the model lacks is unexpected."""
+    down = "model.layers.0.mlp.down_proj"
+    reference, _ = load_model(model_dir)
+    edit_tensors(model_dir, lambda t: t.update({f"{down}.bias": torch.zeros(t[f"{down}.weight"].shape[0])}))
+    model, _ = load_model(model_dir)
+    assert model.model.layers[0].mlp.down_proj.bias is None
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    edit_tensors(model_dir, lambda t: t[f"{down}.bias"].fill_(0.5))
+    with pytest.raises(ValueError, match=rf"unexpected tensor '{down}\.bias'"):
+        load_model(model_dir)
+    edit_tensors(model_dir, lambda t: t.update({f"{down}.bias": torch.zeros(2), "model.layers.0.mystery.bias":
+                                                torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.mystery\.bias'"):
+        load_model(model_dir)
+
+
+@pytest.mark.parametrize(("key", "value"), [("hidden_size", "64"), ("num_hidden_layers", True),
+                                            ("vocab_size", 1.5), ("num_key_value_heads", "two"),
+                                            ("rms_norm_eps", "1e-6"), ("head_dim", "32")])
+def test_config_fields_of_the_wrong_type_name_the_field(model_dir: Path, key: str, value: object) -> None:
+    edit_config(model_dir, **{key: value})
+    with pytest.raises(ValueError, match=rf"config\.json: {key} must be an? (integer|number)"):
+        load_model_config(model_dir)
+
+
 def test_shape_mismatch(model_dir: Path) -> None:
     edit_tensors(model_dir, lambda t: t.update({Q_PROJ: torch.zeros(3, 64)}))
     with pytest.raises(

@@ -171,6 +171,19 @@ def test_bad_checkpoint_is_a_value_error_naming_the_field_or_expert(
         load_model(path)
 
 
+@pytest.mark.parametrize("config,message", [
+    ({"num_experts_per_tok": "2"}, "config.json: num_experts_per_tok must be an integer >= 1, got '2'"),
+    ({"quantization_config": "w4a16"}, "config.json: quantization_config must be an object"),
+])
+def test_the_engine_checks_config_json_before_the_tokenizer_reads_it(
+        models: dict[str, Path], tmp_path: Path, config: dict, message: str) -> None:
+    """Loading the tokenizer parses config.json with transformers, whose errors (a strict dataclass's
+    own type, an AttributeError) name neither the file nor the field: the engine's checks run first."""
+    path = edited_copy(models["qwen3_moe"], tmp_path / "m", config, None)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), device="cpu", num_kvcache_blocks=16, max_model_len=64)
+
+
 def test_num_experts_is_read_under_either_name(models: dict[str, Path], tmp_path: Path) -> None:
     """transformers 5 writes Qwen3-MoE's num_experts as num_local_experts; earlier writers as num_experts."""
     raw = json.loads((models["qwen3_moe"] / "config.json").read_text())

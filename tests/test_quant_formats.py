@@ -245,6 +245,23 @@ def test_configs_and_unsupported_schemes() -> None:
         with pytest.raises(ValueError, match="not supported") as e:
             resolve_quant_config(raw, None, "c.json")
         assert "c.json" in str(e.value), name
+    malformed = {  # each a ValueError naming the field, not a TypeError from int()
+        "group_size": _ct_config(group_size=None),
+        "num_bits": _ct_config(num_bits="four"),
+        "must be an object": {"quantization_config": {"quant_method": "compressed-tensors",
+                                                      "config_groups": {"group_0": "w4a16"}}},
+        "config_groups must be": {"quantization_config": {"quant_method": "compressed-tensors",
+                                                          "config_groups": ["group_0"]}},
+    }
+    for field, raw in malformed.items():
+        with pytest.raises(ValueError, match=f"c.json: .*{field}"):
+            resolve_quant_config(raw, None, "c.json")
+    for method in ("awq", "gptq"):
+        with pytest.raises(ValueError, match=f"c.json: {method.upper()}: group_size must be an integer"):
+            resolve_quant_config({"quantization_config": {"quant_method": method, "bits": 4, "group_size": "128"}},
+                                 None, "c.json")
+        with pytest.raises(ValueError, match=f"c.json: {method.upper()}: bits must be an integer"):
+            resolve_quant_config({"quantization_config": {"quant_method": method, "bits": None}}, None, "c.json")
     with pytest.raises(ValueError, match="int8"):
         resolve_quant_config({}, "int3", "c.json")
     with pytest.raises(ValueError, match="quantized with 'compressed-tensors'"):

@@ -33,6 +33,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.request_state import Completion, Request
 from nanovllm.engine.scheduler import Finished, Scheduler
 from nanovllm.executor import make_executor
+from nanovllm.models.loader import check_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.quote import quote
 from nanovllm.row_columns import RowColumns
@@ -112,6 +113,7 @@ class LLMEngine:
 
     def _build(self, options: EngineConfig) -> None:
         self.config = config = options.resolve()
+        check_model_config(config.model_config, options.quantization)
         self.tokenizer = load_tokenizer(options.tokenizer or config.model)
         torch.manual_seed(options.seed)
         model_config = config.model_config

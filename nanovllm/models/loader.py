@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from nanovllm.distributed.parallel_state import TPGroup
 from nanovllm.layers.linear import ShardId, get_weight_loader
-from nanovllm.layers.quantization.config import resolve_quant_config
+from nanovllm.layers.quantization.config import QuantConfig, resolve_quant_config
 from nanovllm.layers.quantization.linear_method import finish_model, prepare_model
 from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
 from nanovllm.models.decoder import DecoderForCausalLM
-from nanovllm.models.registry import build_model
+from nanovllm.models.registry import ARCH_CONFIGS, build_model
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
                 if name in ignored_names or name.endswith(model.ignored_checkpoint_suffixes):
                     continue
                 target = targets.get(name)
+                if target is None and _zero_bias_of_unbiased_layer(name, targets, f):
+                    continue
                 if target is None:
                     raise ValueError(
                         f"unexpected tensor {name!r} in {file} (not part of the model)"
@@ -125,6 +128,32 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
         raise ValueError(f"checkpoint in {Path(model_dir)} is missing tensors: {shown}{more}")
 
 
+def _zero_bias_of_unbiased_layer(name: str, targets: dict[str, _Target], f: Any) -> bool:
+    """Whether checkpoint tensor `name` is a bias of zeros for a layer of the model that has none:
+    older GPTQ writers (AutoGPTQ) store one for every linear layer, and vLLM skips them. A bias
+    that is not zero would change the model: the caller reports it as an unexpected tensor."""
+    if not name.endswith(".bias"):
+        return False
+    layer = name.removesuffix("bias")
+    if not any(t.startswith(layer) for t in targets):
+        return False
+    try:
+        return not f.get_tensor(name).any()
+    except Exception:  # noqa: BLE001  (an unreadable tensor: reported as unexpected, naming it)
+        return False
+
+
+def check_model_config(config: ModelConfig, quantization: str | None = None) -> QuantConfig | None:
+    """config.json's architecture-specific fields (a mixture of experts') and its quantization config
+    (returned) against the engine's `quantization` option, parsed as building and loading the model
+    will: a malformed file is a ValueError naming it and the field. The engine calls it before it
+    loads the tokenizer, which parses config.json with transformers, whose errors name neither."""
+    arch = ARCH_CONFIGS.get(config.architecture)
+    if arch is not None:
+        arch(config)
+    return resolve_quant_config(config.raw, quantization, str(Path(config.model_dir) / "config.json"))
+
+
 def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
                            attn_backend: str = "torch", tp: TPGroup | None = None,
                            quantization: str | None = None) -> DecoderForCausalLM:
@@ -132,7 +161,7 @@ def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torc
     parallelism `tp`) from the checkpoint beside its config.json. `quantization`: a load-time scheme
     ("int8", "int4") for an unquantized checkpoint, or the format a quantized one must have
     (layers/quantization)."""
-    quant = resolve_quant_config(config.raw, quantization, str(Path(config.model_dir) / "config.json"))
+    quant = check_model_config(config, quantization)
     # Every file's header is checked before the model takes any memory: a truncated shard fails
     # here, naming the file, not halfway through the load.
     validate_weight_files(find_weight_files(config.model_dir))

@@ -11,6 +11,7 @@ from nanovllm.model_config import ModelConfig
 from nanovllm.models.decoder import DecoderForCausalLM
 from nanovllm.models.llama import LlamaForCausalLM
 from nanovllm.models.mixtral import MixtralForCausalLM
+from nanovllm.models.moe import mixtral_config, qwen3_moe_config
 from nanovllm.models.qwen2 import Qwen2ForCausalLM
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -23,6 +24,13 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+}
+
+
+# Architectures with config.json fields of their own: the parser their model's construction calls.
+ARCH_CONFIGS: dict[str, Callable[[ModelConfig], object]] = {
+    "Qwen3MoeForCausalLM": qwen3_moe_config,
+    "MixtralForCausalLM": mixtral_config,
 }
 
 

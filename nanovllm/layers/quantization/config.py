@@ -129,8 +129,25 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
                      f"{', '.join(CHECKPOINT_METHODS)})")
 
 
-def _bits(value: Any, where: str, what: str) -> int:
-    bits = int(value)
+def _integer(value: Any, where: str, what: str, field: str) -> int:
+    """A JSON integer; anything else (null, a string, a boolean) a ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: {what}: {field} must be an integer, got {value!r}")
+    return value
+
+
+def _group_size(value: Any, where: str, what: str) -> int | None:
+    """A group size: >= 1, or -1 (AWQ, GPTQ: one group per output channel, returned as None)."""
+    size = _integer(value, where, what, "group_size")
+    if size == -1:
+        return None
+    if size < 1:
+        raise ValueError(f"{where}: {what}: group_size must be >= 1 (or -1), got {size}")
+    return size
+
+
+def _bits(value: Any, where: str, what: str, field: str = "bits") -> int:
+    bits = _integer(value, where, what, field)
     if bits not in BITS:
         raise ValueError(f"{where}: {what} with {bits}-bit weights is not supported (4 or 8 bits)")
     return bits
@@ -139,7 +156,12 @@ def _bits(value: Any, where: str, what: str) -> int:
 def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     top_format = qc.get("format")
     groups = []
-    for name, group in (qc.get("config_groups") or {}).items():
+    config_groups = qc.get("config_groups") or {}
+    if not isinstance(config_groups, dict):
+        raise ValueError(f"{where}: compressed-tensors config_groups must be an object, got {config_groups!r}")
+    for name, group in config_groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights") or {}, dict):
+            raise ValueError(f"{where}: compressed-tensors group {name!r} must be an object with a 'weights' object")
         fmt = group.get("format") or top_format
         what = f"compressed-tensors group {name!r} (format {fmt!r})"
         if fmt != "pack-quantized":
@@ -154,14 +176,14 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
         strategy = w.get("strategy")
         if strategy not in ("group", "channel"):
             raise ValueError(f"{where}: {what}: weight strategy {strategy!r} is not supported (group, channel)")
-        group_size = int(w["group_size"]) if strategy == "group" else None
-        if group_size is not None and group_size < 1:
-            raise ValueError(f"{where}: {what}: group_size {group_size}")
+        group_size = _group_size(w.get("group_size"), where, what) if strategy == "group" else None
+        if strategy == "group" and group_size is None:
+            raise ValueError(f"{where}: {what}: the group strategy needs a group_size >= 1, got -1")
         actorder = w.get("actorder")
         if actorder not in (None, False, "group", "weight", "static", "dynamic"):
             raise ValueError(f"{where}: {what}: actorder {actorder!r} is not supported")
-        scheme = WeightScheme(_bits(w.get("num_bits", 8), where, what), group_size, bool(w.get("symmetric", True)),
-                              actorder == "group")
+        scheme = WeightScheme(_bits(w.get("num_bits", 8), where, what, "num_bits"), group_size,
+                              bool(w.get("symmetric", True)), actorder == "group")
         groups.append((tuple(group.get("targets") or ()), scheme))
     if not groups:
         raise ValueError(f"{where}: compressed-tensors quantization_config has no config_groups")
@@ -180,8 +202,8 @@ def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     bits = _bits(qc.get("bits", qc.get("w_bit", 4)), where, "AWQ")
     if bits != 4:
         raise ValueError(f"{where}: AWQ with {bits}-bit weights is not supported (GEMM packing is 4-bit)")
-    group_size = int(qc.get("group_size", qc.get("q_group_size", 128)))
-    scheme = WeightScheme(bits, None if group_size == -1 else group_size, symmetric=False)
+    scheme = WeightScheme(bits, _group_size(qc.get("group_size", qc.get("q_group_size", 128)), where, "AWQ"),
+                          symmetric=False)
     return QuantConfig("awq", ((("Linear",), scheme),), (*(qc.get("modules_to_not_convert") or ()), *MOE_ROUTERS))
 
 
@@ -192,8 +214,7 @@ def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     bits = _bits(qc.get("bits", 4), where, "GPTQ")
     if qc.get("lm_head"):
         raise ValueError(f"{where}: a quantized LM head (GPTQ lm_head=true) is not supported")
-    group_size = int(qc.get("group_size", 128))
-    scheme = WeightScheme(bits, None if group_size == -1 else group_size, bool(qc.get("sym", True)),
+    scheme = WeightScheme(bits, _group_size(qc.get("group_size", 128), where, "GPTQ"), bool(qc.get("sym", True)),
                           bool(qc.get("desc_act", False)))
     # gptq (v1) stores every zero point minus one; gptq_v2 stores it as it is.
     return QuantConfig("gptq", ((("Linear",), scheme),), (*(qc.get("modules_to_not_convert") or ()), *MOE_ROUTERS),
