@@ -42,7 +42,7 @@ WRAPPED: dict[str, tuple[type, tuple[str, ...]]] = {
     "rotary": (rotary_embedding.RotaryEmbedding, ("forward",)),
     "activation": (activation.SiluAndMul, ("forward",)),
     "moe experts": (fused_moe.FusedMoE, ("forward",)),  # routing, experts, combine; the router's GEMM is "gemm"
-    "lm_head": (embed_head.ParallelLMHead, ("forward",)),
+    "lm_head": (embed_head.ParallelLMHead, ("logits",)),  # compute_logits' entry: one C++ call on CPU
     "sampling": (sampler.Sampler, ("__call__",)),
 }
 
