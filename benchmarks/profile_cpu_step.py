@@ -5,7 +5,7 @@ mixture-of-experts layers, logits, sampling, and the rest (Python, the scheduler
 steps of the whole batch are profiled. The layers' forwards are wrapped in
 `torch.profiler.record_function` labels here, in the benchmark (the engine's code is not touched),
 and each label's total CPU time, children included, is attributed to its category. A GEMM inside
-an attention label counts as attention: the labels do not nest except the LM head inside logits.
+an attention label counts as attention: the labels do not nest.
 The layers run in Python here (`python_layers`), not as the engine's one C++ call for all of them
 (models/cpu_stack.py, which calls the same kernels), so that their parts are seen; "other" then
 includes the Python around the layers' kernels that the stack saves.

@@ -867,7 +867,7 @@ void bind_cpu_decoder(py::module_& m) {
              checked_int32(block_size, "block_size", 1, 1 << 16);
              checked_int32(num_blocks, "num_blocks", 1);
              if (!final_norm) value_error("DecoderStack: null final norm weight");
-             if (embedding ? vocab < 1 : vocab != 0) value_error("DecoderStack: an embedding needs vocab >= 1 (none: 0)");
+             if (!embedding || vocab < 1) value_error("DecoderStack: the embedding needs a table and vocab >= 1");
              const int64_t q_row = s.heads * s.head_dim;
              for (const DecoderLayerWeights& l : layers) {
                check_decoder_linear(l.qkv, q_row + 2 * s.kv_heads * s.head_dim, s.hidden, s.dtype, "qkv");
@@ -889,12 +889,12 @@ void bind_cpu_decoder(py::module_& m) {
            }),
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("inter"), py::arg("eps"), py::arg("scale"), py::arg("block_size"), py::arg("num_blocks"),
-           py::arg("layers"), py::arg("final_norm"), py::arg("embedding") = 0, py::arg("vocab") = 0)
+           py::arg("layers"), py::arg("final_norm"), py::arg("embedding"), py::arg("vocab"))
       .def(
           "forward",
-          [](DecoderStack& stack, uintptr_t hidden_in, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
+          [](DecoderStack& stack, uintptr_t input_ids, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
              int64_t slot_tokens, uintptr_t block_tables, int64_t block_table_stride, uintptr_t context_lens,
-             uintptr_t cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, int64_t num_threads, uintptr_t input_ids) {
+             uintptr_t cu_seqlens_q, int64_t num_seqs, int64_t num_tokens, int64_t num_threads) {
             const DecoderShape& s = stack.shape();
             DecoderStep step;
             step.attn = checked_attention_args(block_tables, context_lens, cu_seqlens_q, num_tokens,
@@ -902,20 +902,16 @@ void bind_cpu_decoder(py::module_& m) {
                                                stack.block_size(), stack.num_blocks(), s.scale,
                                                static_cast<int64_t>(s.dtype), "DecoderStack.forward");
             if (slot_tokens < 0 || slot_tokens > num_tokens) value_error("DecoderStack.forward: bad slot_tokens");
-            if (num_tokens > 0 && ((!hidden_in && !input_ids) || !out || !positions || (slot_tokens > 0 && !slot_mapping))) {
+            if (num_tokens > 0 && (!input_ids || !out || !positions || (slot_tokens > 0 && !slot_mapping))) {
               value_error("null pointer passed to DecoderStack.forward");
             }
-            if (input_ids) {
-              if (!stack.has_embedding()) value_error("DecoderStack.forward: input_ids for a stack without an embedding");
-              step.input_ids = reinterpret_cast<const int32_t*>(input_ids);
-              for (int64_t i = 0; i < num_tokens; ++i) {
-                if (step.input_ids[i] < 0 || step.input_ids[i] >= stack.vocab()) {
-                  throw py::index_error("DecoderStack.forward: token id " + std::to_string(step.input_ids[i]) +
-                                        " is outside the embedding's " + std::to_string(stack.vocab()) + " rows");
-                }
+            step.input_ids = reinterpret_cast<const int32_t*>(input_ids);
+            for (int64_t i = 0; i < num_tokens; ++i) {
+              if (step.input_ids[i] < 0 || step.input_ids[i] >= stack.vocab()) {
+                throw py::index_error("DecoderStack.forward: token id " + std::to_string(step.input_ids[i]) +
+                                      " is outside the embedding's " + std::to_string(stack.vocab()) + " rows");
               }
             }
-            step.hidden_in = reinterpret_cast<const void*>(hidden_in);
             step.out = reinterpret_cast<void*>(out);
             step.positions = reinterpret_cast<const int32_t*>(positions);
             step.slot_mapping = reinterpret_cast<const int32_t*>(slot_mapping);
@@ -929,12 +925,11 @@ void bind_cpu_decoder(py::module_& m) {
             py::gil_scoped_release release;
             stack.forward(step, clamp_threads(num_threads));
           },
-          py::arg("hidden_in"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"), py::arg("slot_tokens"),
+          py::arg("input_ids"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"), py::arg("slot_tokens"),
           py::arg("block_tables"), py::arg("block_table_stride"), py::arg("context_lens"), py::arg("cu_seqlens_q"),
-          py::arg("num_seqs"), py::arg("num_tokens"), py::arg("num_threads") = 1, py::arg("input_ids") = 0,
-          "hidden_in [num_tokens, hidden] (the embeddings), or input_ids [num_tokens] int32 looked up in the stack's "
-          "embedding (hidden_in then unused) -> out [num_tokens, hidden] (the final norm's output), writing this "
-          "step's K/V; the attention metadata as qkv_attention_cpu takes it.");
+          py::arg("num_seqs"), py::arg("num_tokens"), py::arg("num_threads") = 1,
+          "input_ids [num_tokens] int32, looked up in the stack's embedding -> out [num_tokens, hidden] (the final "
+          "norm's output), writing this step's K/V; the attention metadata as qkv_attention_cpu takes it.");
 }
 
 }  // namespace

@@ -115,15 +115,14 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   void* residual[2] = {buffer(kResidual0, row * s.hidden), buffer(kResidual1, row * s.hidden)};
   // The layer's input and the residual stream: the embeddings alone before the first layer (whose
   // norm has no residual to add), then each layer's output and the stream its norm adds it to.
-  const void* hidden = step.hidden_in;
-  if (step.input_ids != nullptr) {  // the binding checked the ids against vocab_
-    const int64_t bytes = s.hidden * item;
-    auto* embedded = static_cast<std::byte*>(buffer(kEmbedded, t * bytes));
-    for (int64_t i = 0; i < t; ++i) {
-      std::memcpy(embedded + i * bytes, static_cast<const std::byte*>(embedding_) + step.input_ids[i] * bytes, bytes);
-    }
-    hidden = embedded;
+  // The embeddings: rows of the table (the binding checked the ids against vocab_).
+  const int64_t row_bytes = s.hidden * item;
+  auto* embedded = static_cast<std::byte*>(buffer(kEmbedded, t * row_bytes));
+  for (int64_t i = 0; i < t; ++i) {
+    std::memcpy(embedded + i * row_bytes, static_cast<const std::byte*>(embedding_) + step.input_ids[i] * row_bytes,
+                row_bytes);
   }
+  const void* hidden = embedded;
   const void* stream = nullptr;
   int next = 0;
   const auto norm = [&](const void* x, const void* weight, void* out) {

@@ -84,9 +84,7 @@ struct DecoderShape {
 // One forward's inputs. attn carries the step's attention metadata (block tables, lengths, sequence
 // count, cache geometry); its query, caches and output are set per layer.
 struct DecoderStep {
-  // The tokens' ids [tokens], looked up in the stack's embedding; null: hidden_in holds the embeddings.
-  const int32_t* input_ids = nullptr;
-  const void* hidden_in = nullptr;  // [tokens, hidden]
+  const int32_t* input_ids = nullptr;  // [tokens], rows of the stack's embedding
   void* out = nullptr;              // [tokens, hidden]: the final norm's output
   const int32_t* positions = nullptr;
   const int32_t* slot_mapping = nullptr;
@@ -98,11 +96,11 @@ struct DecoderStep {
 class DecoderStack {
  public:
   // The binding checks the weights' shapes against `shape` and that this CPU runs their kernels.
-  // `embedding` (nullable): the token embedding [vocab, hidden] in the model dtype, which a step's
-  // input_ids index (the lookup is a copy of rows: the Python embedding's torch calls cost tens of
-  // us a decode step on caches the weights had just flushed).
+  // `embedding`: the token embedding [vocab, hidden] in the model dtype, which a step's input_ids
+  // index (the lookup is a copy of rows: the Python embedding's torch calls cost tens of us a decode
+  // step on caches the weights had just flushed).
   DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
-               int64_t block_size, int64_t num_blocks, const void* embedding = nullptr, int64_t vocab = 0);
+               int64_t block_size, int64_t num_blocks, const void* embedding, int64_t vocab);
   // Not reentrant: a forward uses the stack's buffers (one runner thread calls it).
   void forward(const DecoderStep& step, int num_threads);
   const DecoderShape& shape() const { return shape_; }
@@ -110,7 +108,6 @@ class DecoderStack {
   // The caches' geometry, which every forward's block tables and slots are checked against.
   int64_t block_size() const { return block_size_; }
   int64_t num_blocks() const { return num_blocks_; }
-  bool has_embedding() const { return embedding_ != nullptr; }
   int64_t vocab() const { return vocab_; }
 
  private:

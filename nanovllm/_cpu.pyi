@@ -191,13 +191,11 @@ class DecoderStack:
     built from must outlive it."""
     def __init__(self, dtype: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float,
                  scale: float, block_size: int, num_blocks: int, layers: list[DecoderLayer],
-                 final_norm: int, embedding: int = 0, vocab: int = 0) -> None:
-        """`embedding` (or 0): the token embedding [vocab, hidden] in the model dtype, for forward's
-        input_ids."""
-    def forward(self, hidden_in: int, out: int, positions: int, slot_mapping: int, slot_tokens: int,
+                 final_norm: int, embedding: int, vocab: int) -> None:
+        """`embedding`: the token embedding [vocab, hidden] in the model dtype, for forward's ids."""
+    def forward(self, input_ids: int, out: int, positions: int, slot_mapping: int, slot_tokens: int,
                 block_tables: int, block_table_stride: int, context_lens: int, cu_seqlens_q: int, num_seqs: int,
-                num_tokens: int, num_threads: int = 1, input_ids: int = 0) -> None:
-        """hidden_in [num_tokens, hidden] (the embeddings), or input_ids [num_tokens] int32 looked up
-        in the stack's embedding (IndexError for an id outside it) -> out [num_tokens, hidden] (the
-        final norm's output), writing this step's K/V; the attention metadata as qkv_attention_cpu
-        takes it."""
+                num_tokens: int, num_threads: int = 1) -> None:
+        """input_ids [num_tokens] int32, looked up in the stack's embedding (IndexError for an id
+        outside it) -> out [num_tokens, hidden] (the final norm's output), writing this step's K/V;
+        the attention metadata as qkv_attention_cpu takes it."""

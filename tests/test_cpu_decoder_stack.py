@@ -51,26 +51,32 @@ def make_llm(path: Path, dtype: str, quantization: str | None = None) -> LLM:
                max_model_len=256, enable_prefix_caching=False, block_size=8, num_kvcache_blocks=96)
 
 
-def assert_stack_equals_python_layers(llm: LLM) -> None:
+def assert_stack_equals_python_layers(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = []  # each step's cpu_stack.run: None where the step fell back to the Python layers
+    run = cpu_stack.run
+    monkeypatch.setattr(cpu_stack, "run", lambda *args: ran.append(out := run(*args)) or out)
     try:
         stacked = generate(llm, True)
-        assert decoder_model(llm).layer_stack() is not None, "the stack did not run"
+        assert ran and all(out is not None for out in ran), "the stack did not run every step"
+        ran.clear()
         assert stacked == generate(llm, False)
+        assert not ran
     finally:
         llm.engine.shutdown()
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen2", "llama3_rope", "llama_tied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stack_equals_the_python_layers(name: str, dtype: str, root: Path) -> None:
-    assert_stack_equals_python_layers(make_llm(make_tiny_model(root / dtype, name), dtype))
+def test_stack_equals_the_python_layers(name: str, dtype: str, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_stack_equals_python_layers(make_llm(make_tiny_model(root / dtype, name), dtype), monkeypatch)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stack_equals_the_python_layers_quantized(quantization: str, dtype: str, root: Path) -> None:
+def test_stack_equals_the_python_layers_quantized(quantization: str, dtype: str, root: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     path = create_model_dir(root / f"q{quantization}{dtype}", spec=QUANT_SPEC)
-    assert_stack_equals_python_layers(make_llm(path, dtype, quantization))
+    assert_stack_equals_python_layers(make_llm(path, dtype, quantization), monkeypatch)
 
 
 def test_stack_follows_a_new_kv_cache(root: Path) -> None:
@@ -91,15 +97,17 @@ def test_stack_follows_a_new_kv_cache(root: Path) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3_moe_mixed", "mixtral", "qwen3_moe_ragged"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_stack_equals_the_python_layers_mixture_of_experts(name: str, dtype: str, root: Path) -> None:
+def test_stack_equals_the_python_layers_mixture_of_experts(name: str, dtype: str, root: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     # qwen3_moe_mixed mixes dense and sparse layers; in qwen3_moe_ragged one expert takes every row.
-    assert_stack_equals_python_layers(make_llm(make_moe_model(root / f"moe{dtype}", name), dtype))
+    assert_stack_equals_python_layers(make_llm(make_moe_model(root / f"moe{dtype}", name), dtype), monkeypatch)
 
 
 @pytest.mark.parametrize(("name", "quantization"), [("qwen3_moe_mixed", "int8"), ("mixtral_wide", "int4")])
-def test_stack_equals_the_python_layers_quantized_experts(name: str, quantization: str, root: Path) -> None:
+def test_stack_equals_the_python_layers_quantized_experts(name: str, quantization: str, root: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     assert_stack_equals_python_layers(make_llm(make_moe_model(root / f"qmoe{quantization}", name), "bfloat16",
-                                               quantization))
+                                               quantization), monkeypatch)
 
 
 def test_layers_the_kernels_do_not_take_run_in_python(root: Path) -> None:
@@ -134,13 +142,14 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
         layer = _cpu.DecoderLayer(lin, lin, lin, lin, weights.data_ptr(), weights.data_ptr(), 0, 0,
                                   weights.data_ptr(), weights.data_ptr(), weights.data_ptr())
         with pytest.raises(ValueError, match="qkv"):
-            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [layer], weights.data_ptr())
+            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [layer], weights.data_ptr(), weights.data_ptr(), 64)
         # gemm_bf16's bf16 weight takes the stack's rows as they are: only a bf16 stack's.
         bf16_qkv = _cpu.DecoderLinear.dense_bf16(weights.data_ptr(), 16, 8, 0)
         bf16_layer = _cpu.DecoderLayer(bf16_qkv, lin, lin, lin, weights.data_ptr(), weights.data_ptr(), 0, 0,
                                        weights.data_ptr(), weights.data_ptr(), weights.data_ptr())
         with pytest.raises(ValueError, match="qkv: a bf16 weight for gemm_bf16 in a stack of fp32 rows"):
-            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [bf16_layer], weights.data_ptr())
+            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [bf16_layer], weights.data_ptr(), weights.data_ptr(),
+                              64)
         pair_packed = cpu_gemm.PackedWeight(torch.zeros(16 * 8, dtype=torch.bfloat16), 16, 8, pairs=True)
         assert cpu_gemm.stack_linear(pair_packed, None, torch.float32) is None  # the Python layers run it
         with pytest.raises(ValueError, match="null norm"):
@@ -155,14 +164,11 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
         lens, cu = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
         out = torch.empty_like(hidden)
         with pytest.raises(IndexError, match="token id 512 is outside the embedding's 512 rows"):
-            cs.forward(0, out.data_ptr(), pos.data_ptr(), pos.data_ptr(), 2, tables.data_ptr(), 1, lens.data_ptr(),
-                       cu.data_ptr(), 1, 2, 1, ids.data_ptr())
-        bare = _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [], weights.data_ptr())
-        with pytest.raises(ValueError, match="without an embedding"):
-            bare.forward(0, out.data_ptr(), pos.data_ptr(), pos.data_ptr(), 2, tables.data_ptr(), 1, lens.data_ptr(),
-                         cu.data_ptr(), 1, 2, 1, ids.data_ptr())
-        with pytest.raises(ValueError, match="vocab"):
-            _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [], weights.data_ptr(), weights.data_ptr(), 0)
+            cs.forward(ids.data_ptr(), out.data_ptr(), pos.data_ptr(), pos.data_ptr(), 2, tables.data_ptr(), 1,
+                       lens.data_ptr(), cu.data_ptr(), 1, 2)
+        for table, vocab in ((0, 64), (weights.data_ptr(), 0)):
+            with pytest.raises(ValueError, match="the embedding needs a table and vocab >= 1"):
+                _cpu.DecoderStack(0, 8, 2, 1, 4, 16, 1e-6, 0.5, 8, 4, [], weights.data_ptr(), table, vocab)
         # One sequence of 2 tokens whose block table points past the cache.
         hidden = torch.zeros(2, stack.hidden)
         out = torch.empty_like(hidden)
@@ -170,12 +176,12 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
         tables = torch.tensor([[10_000]], dtype=torch.int32)
         lens, cu = torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
         with pytest.raises(IndexError, match="block_tables"):
-            cs.forward(hidden.data_ptr(), out.data_ptr(), ints.data_ptr(), ints.data_ptr(), 2, tables.data_ptr(), 1,
+            cs.forward(ints.data_ptr(), out.data_ptr(), ints.data_ptr(), ints.data_ptr(), 2, tables.data_ptr(), 1,
                        lens.data_ptr(), cu.data_ptr(), 1, 2)
         slots = torch.tensor([0, 10_000_000], dtype=torch.int32)
         tables = torch.tensor([[0]], dtype=torch.int32)
         with pytest.raises(IndexError, match="slot_mapping"):
-            cs.forward(hidden.data_ptr(), out.data_ptr(), ints.data_ptr(), slots.data_ptr(), 2, tables.data_ptr(), 1,
+            cs.forward(ints.data_ptr(), out.data_ptr(), ints.data_ptr(), slots.data_ptr(), 2, tables.data_ptr(), 1,
                        lens.data_ptr(), cu.data_ptr(), 1, 2)
     finally:
         llm.engine.shutdown()

@@ -295,16 +295,19 @@ PAIRS = [False, pytest.param(True, marks=pytest.mark.skipif(
 
 @pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 33])
 @pytest.mark.parametrize("pairs", PAIRS)
-def test_lm_head_logits_in_one_call_equal_the_linear_then_float(dtype: torch.dtype, rows: int, pairs: bool) -> None:
-    """cpu_gemm.logits (gemm_logits_cpu) is `_gemm(rows).float()` bit for bit: bf16 rows give fp32
-    logits rounded to bf16, as F.linear's bf16 output widened; rows read in place at their stride."""
-    if pairs and dtype == torch.bfloat16 and not _cpu.has_avx512_bf16():
+def test_lm_head_logits_in_one_call_equal_the_linear_then_float(dtype: torch.dtype, weight_dtype: torch.dtype,
+                                                                rows: int, pairs: bool) -> None:
+    """cpu_gemm.logits (gemm_logits_cpu) is `_gemm(rows).float()` bit for bit (no NaN here): bf16 rows
+    give fp32 logits rounded to bf16, as F.linear's bf16 output widened, on fp32 or bf16 weights
+    (fp32 rows on a pair-packed bf16 weight rounded to bf16 first); rows read in place at their stride."""
+    if pairs and weight_dtype == torch.bfloat16 and not _cpu.has_avx512_bf16():
         pytest.skip("bf16 pairs need AVX512-BF16")
     g = torch.Generator().manual_seed(rows + 7)
     k, n = 72, 1000  # n cut ragged by the 16-column panels
-    weight = torch.randn(n, k, generator=g).to(dtype)
+    weight = torch.randn(n, k, generator=g).to(weight_dtype)
     packed = cpu_gemm.prepack(weight, "avx2")
     assert isinstance(packed, cpu_gemm.PackedWeight)
     if pairs != packed.pairs:
@@ -314,7 +317,7 @@ def test_lm_head_logits_in_one_call_equal_the_linear_then_float(dtype: torch.dty
         logits = cpu_gemm.logits(x, packed)
         assert logits.dtype == torch.float32 and logits.shape == (rows, n)
         assert torch.equal(logits, cpu_gemm._gemm(x, packed, None).float())
-    head = ParallelLMHead(n, k).to(dtype)
+    head = ParallelLMHead(n, k).to(weight_dtype)
     with torch.no_grad():
         head.weight.copy_(weight)
     assert head.prepack_for_cpu()

@@ -256,6 +256,9 @@ def test_configs_and_unsupported_schemes() -> None:
     for field, raw in malformed.items():
         with pytest.raises(ValueError, match=f"c.json: .*{field}"):
             resolve_quant_config(raw, None, "c.json")
+    integral = resolve_quant_config({"quantization_config": {"quant_method": "gptq", "bits": 4.0, "group_size": 64.0}},
+                                    None, "c.json")  # integral floats read as integers, as model_config's
+    assert integral is not None and integral.scheme_for("x.q_proj") == WeightScheme(4, 64, True)
     for method in ("awq", "gptq"):
         with pytest.raises(ValueError, match=f"c.json: {method.upper()}: group_size must be an integer"):
             resolve_quant_config({"quantization_config": {"quant_method": method, "bits": 4, "group_size": "128"}},

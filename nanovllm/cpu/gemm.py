@@ -169,8 +169,8 @@ def _gemm(rows: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -
 
 def logits(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """An LM head's fp32 logits `[m, out_features]` of 2-D fp32 or bf16 rows: `_gemm(rows, packed, None)`
-    then `.float()` (bf16 rows give logits rounded to bf16, as F.linear's), in one call
-    (gemm_logits_cpu) without the conversions' passes and tensors."""
+    then `.float()` (bf16 rows give logits rounded to bf16, as F.linear's), the same bits but a NaN's
+    (a NaN stays a NaN), in one call (gemm_logits_cpu) without the conversions' passes and tensors."""
     if rows.dim() != 2 or rows.shape[1] != packed.in_features:
         raise ValueError(f"rows of shape {tuple(rows.shape)} for a weight of {packed.in_features} inputs")
     if rows.dtype not in KERNEL_DTYPES or not rows.is_cpu:

@@ -137,9 +137,10 @@ def build(layers: list[StackLayer], final_norm: RMSNorm, embedding: VocabParalle
 
 
 def run(s: CpuStack, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
-    """The final norm's output `[T, hidden]` for the tokens `input_ids` `[T]` (embedded by the stack),
-    writing the step's K/V; None where the step's tensors are not what the kernels take (the caller
-    then runs the embedding and the layers in Python, which raise the errors for bad input)."""
+    """The final norm's output `[T, hidden]` for the tokens `input_ids` `[T]` (int32, as the plan's;
+    embedded by the stack), writing the step's K/V; None where the step's tensors are not what the
+    kernels take (the caller then runs the embedding and the layers in Python, which raise the
+    errors for bad input)."""
     tokens = input_ids.shape[0] if input_ids.dim() == 1 else -1
     n = meta.num_seqs
     if (n == 0 or not _is_kernel_tensor(input_ids, torch.int32, (tokens,))
@@ -151,8 +152,7 @@ def run(s: CpuStack, input_ids: torch.Tensor, positions: torch.Tensor, meta: Att
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < n or meta.cu_seqlens_q.shape[0] < n + 1:
         return None
     out = torch.empty((tokens, s.hidden), dtype=s.dtype)
-    s.stack.forward(0, out.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
+    s.stack.forward(input_ids.data_ptr(), out.data_ptr(), positions.data_ptr(), meta.slot_mapping.data_ptr(),
                     meta.slot_mapping.shape[0], meta.block_tables.data_ptr(), meta.block_tables.shape[1],
-                    meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), n, tokens, torch.get_num_threads(),
-                    input_ids.data_ptr())
+                    meta.context_lens.data_ptr(), meta.cu_seqlens_q.data_ptr(), n, tokens, torch.get_num_threads())
     return out

@@ -96,7 +96,7 @@ class Sampler(nn.Module):
                 logits = logits.contiguous()
             # Every row greedy: the kernel's own int64 tensor, read at the rows' stride (a decode
             # step's few calls after the forward each cost tens of us on cold caches).
-            return cpu_sampler.argmax(logits) if batch is None else torch.from_numpy(_sample_cpu(logits, batch))
+            return cpu_sampler.argmax(logits) if batch is None else _sample_cpu(logits, batch)
         greedy = logits.argmax(dim=-1)
         if batch is None:
             return greedy
@@ -117,13 +117,14 @@ class Sampler(nn.Module):
         return out
 
 
-def _sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> np.ndarray:
+def _sample_cpu(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if not (batch.temperatures > GREEDY_EPS).any():
-        return cpu_sampler.argmax(logits).numpy()
+        return cpu_sampler.argmax(logits)
     uniform = torch.rand(batch.num_rows, dtype=torch.float64).numpy()
     for row, gen in batch.generators.items():
         uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64).item()
-    return cpu_sampler.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p, uniform)
+    return torch.from_numpy(cpu_sampler.sample(logits, batch.temperatures, batch.top_k, batch.top_p, batch.min_p,
+                                               uniform))
 
 
 def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: SamplingBatch,

@@ -22,7 +22,9 @@ R = TypeVar("R")
 def inference(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def in_inference_mode(*args: P.args, **kwargs: P.kwargs) -> R:
-        if torch.is_inference_mode_enabled():
+        # Inside inference mode grad mode is off unless a caller turned it back on: then enter it
+        # again, as torch's decorator would, which turns it off.
+        if torch.is_inference_mode_enabled() and not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         with torch.inference_mode():
             return fn(*args, **kwargs)

@@ -130,10 +130,11 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
 
 
 def _integer(value: Any, where: str, what: str, field: str) -> int:
-    """A JSON integer; anything else (null, a string, a boolean) a ValueError naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A JSON integer (or an integral float, as model_config reads them); anything else (null, a
+    string, a boolean) a ValueError naming the field."""
+    if not (isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()):
         raise ValueError(f"{where}: {what}: {field} must be an integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def _group_size(value: Any, where: str, what: str) -> int | None:
