@@ -319,6 +319,11 @@ void bind_cpu_sampler(py::module_& m) {
       "Repetition, frequency and presence penalties in place, from raw pointers (nanovllm.cpu.sampler checks them).");
 }
 
+// That this CPU runs gemm_bf16() on a pair-packed bf16 weight of depth k.
+void check_gemm_bf16_weights(const std::string& what, int64_t k) {
+  if (!has_avx512_bf16() || k % 2 != 0) value_error(what + ": gemm_bf16 needs AVX512-BF16 and an even k");
+}
+
 // That this CPU runs gemm() on a weight of `weights` packed with `pairs` or without.
 void check_gemm_weights(const std::string& what, CpuDtype weights, bool pairs) {
   if (!has_avx2_fma()) value_error(what + " needs a CPU with AVX2 and FMA");
@@ -400,7 +405,7 @@ void bind_cpu_gemm(py::module_& m) {
         const CpuDtype rows = checked_dtype(x_dtype, "x_dtype");
         const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
         if (pairs && weights == CpuDtype::kBFloat16) {
-          if (!has_avx512_bf16() || k % 2 != 0) value_error("gemm_logits_cpu: bf16 pairs need AVX512-BF16 and an even k");
+          check_gemm_bf16_weights("gemm_logits_cpu", k);
         } else {
           check_gemm_weights("gemm_logits_cpu", weights, pairs);
         }
@@ -703,7 +708,7 @@ void check_decoder_linear(const DecoderLinear& w, int64_t n, int64_t k, CpuDtype
       break;
     case DecoderLinear::Kind::kDenseBf16:
       if (dtype != CpuDtype::kBFloat16) value_error(what + ": a bf16 weight for gemm_bf16 in a stack of fp32 rows");
-      if (!has_avx512_bf16() || k % 2 != 0) value_error(what + ": gemm_bf16 needs AVX512-BF16 and an even k");
+      check_gemm_bf16_weights(what, k);
       break;
     case DecoderLinear::Kind::kQuant:
       if (!w.scales) value_error(what + ": null scales");

@@ -85,7 +85,7 @@ struct DecoderShape {
 // count, cache geometry); its query, caches and output are set per layer.
 struct DecoderStep {
   const int32_t* input_ids = nullptr;  // [tokens], rows of the stack's embedding
-  void* out = nullptr;              // [tokens, hidden]: the final norm's output
+  void* out = nullptr;                 // [tokens, hidden]: the final norm's output
   const int32_t* positions = nullptr;
   const int32_t* slot_mapping = nullptr;
   int64_t tokens = 0, slot_tokens = 0;

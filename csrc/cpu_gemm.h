@@ -119,12 +119,11 @@ struct GemmLogitsArgs {
 };
 
 // An LM head's fp32 logits in one call: what nanovllm/cpu/gemm.py's linear gives on the same rows,
-// then .float() (the same bits, but a NaN's sign and payload). x W^T by gemm on x widened to fp32, or
-// by gemm_bf16 on x as bf16 for a pair-packed bf16 weight; where x is bf16 each logit is rounded to
-// bf16 (F.linear's output dtype), by the
-// thread that wrote it while it is in that thread's cache. The Python path spent two conversion
-// passes and three allocations around the GEMM, each a torch call on caches the weights had just
-// flushed (tens of us a decode step).
+// then .float() (the same bits, but a NaN's sign and payload). x W^T by gemm on x widened to fp32,
+// or by gemm_bf16 on x as bf16 for a pair-packed bf16 weight; where x is bf16 each logit is rounded
+// to bf16 (F.linear's output dtype) by the thread that wrote it, while it is in that thread's cache.
+// The Python path spent two conversion passes and three allocations around the GEMM, each a torch
+// call on caches the weights had just flushed (tens of us a decode step).
 void gemm_logits(const GemmLogitsArgs& a, int num_threads);
 
 // The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling

@@ -74,6 +74,14 @@ class ModelConfig:
     raw: dict[str, Any] = field(repr=False, compare=False)
 
 
+def whole_number(value: Any) -> int | None:
+    """`value` as an int where config.json gives an integer (or an integral float, as some writers
+    do: 32768.0); None for anything else (a string, a boolean, null, 1.5)."""
+    if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read `<model_dir>/config.json`. Raises FileNotFoundError / ValueError naming the path."""
     path = Path(model_dir)
@@ -104,13 +112,12 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         return raw[key]
 
     def integer(key: str, value: Any, low: int = 1) -> int:
-        # A JSON integer (or an integral float); a string or a boolean is an error naming the key,
-        # here, before transformers' tokenizer loading parses the file with errors of its own.
-        whole = (isinstance(value, int) and not isinstance(value, bool)
-                 or isinstance(value, float) and value.is_integer())
-        if not whole or value < low:
+        # A string or a boolean is an error naming the key, here, before transformers' tokenizer
+        # loading parses the file with errors of its own.
+        whole = whole_number(value)
+        if whole is None or whole < low:
             raise ValueError(f"{where}: {key} must be an integer >= {low}, got {value!r}")
-        return int(value)
+        return whole
 
     def number(key: str, default: float) -> float:
         value = raw.get(key, default)

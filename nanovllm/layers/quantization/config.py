@@ -16,6 +16,7 @@ import torch
 
 from nanovllm.layers.quantization import awq, compressed_tensors, gptq
 from nanovllm.layers.quantization.weights import BITS, QuantizedWeight
+from nanovllm.model_config import whole_number
 
 # `LLM(quantization=...)` values that quantize an unquantized checkpoint while it loads
 # (round to nearest), with `nanovllm quantize`'s defaults: (bits, group size (None: per channel)).
@@ -130,11 +131,11 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
 
 
 def _integer(value: Any, where: str, what: str, field: str) -> int:
-    """A JSON integer (or an integral float, as model_config reads them); anything else (null, a
-    string, a boolean) a ValueError naming the field."""
-    if not (isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()):
+    """model_config's whole_number; anything else a ValueError naming the field."""
+    whole = whole_number(value)
+    if whole is None:
         raise ValueError(f"{where}: {what}: {field} must be an integer, got {value!r}")
-    return int(value)
+    return whole
 
 
 def _group_size(value: Any, where: str, what: str) -> int | None:
