@@ -30,9 +30,13 @@ constexpr int64_t kPrefetchSlices = 2;
 // GEMM's read rate at 1-8 rows (Zen 4, fp32 and bf16 pairs, weights from DRAM). From 12 rows it pays
 // (up to 24% at 16 rows with the weights in L3). The AVX2 tiles on bf16 weights ask at every row
 // count: on Zen 3 the Qwen3-shaped layers' one-row GEMMs ran 1.24-1.32x faster with it alone, 1.18-1.22x
-// at 4 rows, 1.08-1.14x at 8, and the engine's bf16 batch-1 step 1.07x (its MoE twin's 1.18x); on fp32
-// weights the engine's steps ran 0.89-0.95x with it, and they keep the threshold.
+// at 4 rows, 1.08-1.14x at 8, and the engine's bf16 batch-1 step 1.07x (its MoE twin's 1.18x). On fp32
+// weights they ask from kPrefetchMinRowsF32: below it (1-3 rows, as few multiply-adds a line as the
+// AVX-512 tiles do) the hardware prefetcher alone read the layers as fast or 3-6% faster; from it
+// the Qwen3-shaped layers ran 1.06-1.15x faster at 4-11 rows and a MoE decode's experts (~4 rows
+// each) 1.04-1.08x (Zen 3, weights from DRAM).
 constexpr int64_t kPrefetchMinRows = 12;
+constexpr int64_t kPrefetchMinRowsF32 = 4;
 
 // Where the kc slice starting at input column k0 of panel p begins in the packed weight.
 int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
@@ -76,7 +80,7 @@ struct WidenedTiles {
   static constexpr int kRows = 6;  // 6 x 16 outputs: 12 of the 16 ymm registers
   static constexpr int kUnit = 1;
   static constexpr int kPanels = 1;
-  static constexpr int64_t kPrefetchFromRows = std::is_same_v<TW, Bf16> ? 1 : kPrefetchMinRows;
+  static constexpr int64_t kPrefetchFromRows = std::is_same_v<TW, Bf16> ? 1 : kPrefetchMinRowsF32;
 
   template <int R, int P>
   static NANOVLLM_AVX2 void tile(const float* a, const TW* b, int64_t kc, float* c, int64_t ldc,

@@ -104,6 +104,27 @@ def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool, dtype: tor
     assert all(torch.equal(outs[0], y) for y in outs[1:])
 
 
+@pytest.mark.parametrize("pairs,dtype", [pytest.param(False, torch.float32, marks=AVX2),
+                                         pytest.param(False, torch.bfloat16, marks=AVX2),
+                                         pytest.param(True, torch.float32, marks=FP32_PAIRS),
+                                         pytest.param(True, torch.bfloat16, marks=PAIRS)])
+@pytest.mark.parametrize("few", [1, 3, 6])
+def test_a_rows_output_does_not_depend_on_the_batch(pairs: bool, dtype: torch.dtype, few: int) -> None:
+    """A few rows (a decode step: the threads take whole experts) and the same rows at the head of a
+    large batch (each expert's panels split over the threads) give the same bits."""
+    c = Case(32, 4, 300, 264, 40, True)
+    x, logits, w13, w2 = make_weights(c, seed=8, dtype=dtype)
+    packed = cpu_moe.pack_experts(w13, w2, "avx2", pairs=pairs)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_moe.fused_experts(x, logits, w13, w2, packed, c.top_k, True)
+        alone = cpu_moe.fused_experts(x[:few], logits[:few], w13, w2, packed, c.top_k, True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, batch[:few])
+
+
 BF16_PATHS = [pytest.param("avx2", marks=AVX2), pytest.param("pairs", marks=PAIRS), pytest.param("onednn", marks=ONEDNN)]
 
 
