@@ -288,6 +288,8 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
         gate_up_act(e, 0, up_panels);
         down(e, 0, down_panels);
       }
+      // Every thread wrote rows of every column of y; the combine below reads them all.
+#pragma omp barrier
     } else {
       const Share rows(assignments, t, team);
       gather(rows.begin, rows.end);
@@ -296,11 +298,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       for (const int32_t e : chosen) gate_up_act(e, ups.begin, ups.end);
 #pragma omp barrier
       const PanelShare downs(down_panels, t, team);
-      for (const int32_t e : chosen) down(e, downs.begin, downs.end);
-    }
-    // By panels the thread's columns of y are its own; by experts every thread wrote some of them.
-    if (by_experts) {
-#pragma omp barrier
+      for (const int32_t e : chosen) down(e, downs.begin, downs.end);  // the columns the combine reads
     }
     const PanelShare columns(down_panels, t, team);
     combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,

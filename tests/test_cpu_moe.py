@@ -109,15 +109,17 @@ def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool, dtype: tor
                                          pytest.param(True, torch.float32, marks=FP32_PAIRS),
                                          pytest.param(True, torch.bfloat16, marks=PAIRS)])
 @pytest.mark.parametrize("few", [1, 3, 6])
-def test_a_rows_output_does_not_depend_on_the_batch(pairs: bool, dtype: torch.dtype, few: int) -> None:
-    """A few rows (a decode step: the threads take whole experts) and the same rows at the head of a
-    large batch (each expert's panels split over the threads) give the same bits."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_rows_output_does_not_depend_on_the_batch(pairs: bool, dtype: torch.dtype, few: int, threads: int) -> None:
+    """A few rows (a decode step: the threads take whole experts, 4-13 of them here) and the same rows
+    at the head of a large batch (37 rows per expert: each expert's panels split over the threads)
+    give the same bits."""
     c = Case(32, 4, 300, 264, 40, True)
     x, logits, w13, w2 = make_weights(c, seed=8, dtype=dtype)
     packed = cpu_moe.pack_experts(w13, w2, "avx2", pairs=pairs)
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
         batch = cpu_moe.fused_experts(x, logits, w13, w2, packed, c.top_k, True)
         alone = cpu_moe.fused_experts(x[:few], logits[:few], w13, w2, packed, c.top_k, True)
     finally:
