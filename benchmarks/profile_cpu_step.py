@@ -8,7 +8,9 @@ and each label's total CPU time, children included, is attributed to its categor
 an attention label counts as attention: the labels do not nest.
 The layers run in Python here (`python_layers`), not as the engine's one C++ call for all of them
 (models/cpu_stack.py, which calls the same kernels), so that their parts are seen; "other" then
-includes the Python around the layers' kernels that the stack saves.
+includes the Python around the layers' kernels that the stack saves. The report ends with the
+engine's own step, `--steps` more decode steps run as the engine runs them (the stack, no profiler),
+so that the parts can be read against what a step costs.
 
 Usage: python benchmarks/profile_cpu_step.py [--model DIR] [--dtype bfloat16] [--json out.json]
 """
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     python_layers(llm)
     engine = llm.engine
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps + 8)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=2 * args.steps + 8)
     for _ in range(args.num_seqs):
         prompt = [rng.randrange(min(engine.vocab_size, 10_000)) for _ in range(args.prompt_len)]
         engine.add_request(engine.next_request_id(), prompt, params)
@@ -111,17 +113,31 @@ def main(argv: list[str] | None = None) -> int:
     step_ms = totals["step"] / args.steps
     parts = {name: totals.get(name, 0.0) / args.steps for name in WRAPPED}
     parts["other (python, scheduler, plumbing)"] = step_ms - sum(parts.values())
+    engine_step_ms = _engine_step_ms(llm, args.steps)
     print(f"{model}, {engine.executor.runner.dtype}, backend {engine.executor.runner.attn_backend}, batch {args.num_seqs}, "
           f"context ~{args.prompt_len}, {torch.get_num_threads()} threads, {machine()}")
     print(f"decode step: {step_ms:.2f} ms under the profiler ({1000 * wall / args.steps:.2f} ms wall)")
     print("| part | ms / step | share |\n|---|---:|---:|")
     for name, ms in parts.items():
         print(f"| {name} | {ms:.2f} | {100 * ms / step_ms:.0f}% |")
+    print(f"the engine's own decode step (the layers as one C++ call where the model takes it, no profiler): "
+          f"{engine_step_ms:.2f} ms")
     if args.json is not None:
         write_json(args.json, {"model": model, "dtype": str(engine.executor.runner.dtype), "num_seqs": args.num_seqs,
                                "prompt_len": args.prompt_len, "step_ms": step_ms, "parts_ms": parts,
-                               "machine": machine()})
+                               "engine_step_ms": engine_step_ms, "machine": machine()})
     return 0
+
+
+def _engine_step_ms(llm: LLM, steps: int) -> float:
+    """Wall ms of `steps` decode steps run as the engine runs them, after one untimed step (which
+    builds the layer stack)."""
+    python_layers(llm, on=False)
+    llm.engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return 1000 * (time.perf_counter() - start) / steps
 
 
 if __name__ == "__main__":
