@@ -5,6 +5,8 @@
 #include <bit>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace nanovllm {
 
@@ -34,6 +36,25 @@ inline void widen_n(const Bf16* x, float* out, int64_t n) {
 }
 inline void narrow_n(const float* x, Bf16* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+}
+
+// Rows x [m, k] of From, `stride` apart, as rows of To: x itself where the types agree, else
+// converted into `storage` (rows k apart). Returns the rows and their stride.
+template <typename To, typename From>
+std::pair<const To*, int64_t> rows_as(const From* x, int64_t m, int64_t k, int64_t stride, std::vector<To>& storage) {
+  if constexpr (std::is_same_v<To, From>) {
+    return {x, stride};
+  } else {
+    storage.resize(m * k);
+    for (int64_t r = 0; r < m; ++r) {
+      if constexpr (std::is_same_v<To, float>) {
+        widen_n(x + r * stride, storage.data() + r * k, k);
+      } else {
+        narrow_n(x + r * stride, storage.data() + r * k, k);
+      }
+    }
+    return {storage.data(), k};
+  }
 }
 
 // x as it would be stored in T: rounded to bf16 for T = Bf16, unchanged for float. Mirrors torch,

@@ -444,16 +444,15 @@ void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
       for (int64_t c = c0; c < c1; ++c) row[c] = round_to<Bf16>(row[c]);
     }
   };
+  // The rows as the GEMM takes them: converted where x is the other dtype (fp32 rows rounded to bf16,
+  // as cpu/gemm.py's bf16_rows; bf16 rows widened, exactly).
+  const auto rows = [&a, bf16_rows]<typename To>(std::vector<To>& storage) {
+    return bf16_rows ? rows_as<To>(static_cast<const Bf16*>(a.x), a.m, a.k, a.x_stride, storage)
+                     : rows_as<To>(static_cast<const float*>(a.x), a.m, a.k, a.x_stride, storage);
+  };
   if (a.pairs && a.packed_dtype == CpuDtype::kBFloat16) {
-    std::vector<Bf16> narrowed;  // fp32 rows rounded to bf16, as cpu/gemm.py's bf16_rows
-    const Bf16* x = static_cast<const Bf16*>(a.x);
-    int64_t stride = a.x_stride;
-    if (!bf16_rows) {
-      narrowed.resize(a.m * a.k);
-      for (int64_t r = 0; r < a.m; ++r) narrow_n(static_cast<const float*>(a.x) + r * a.x_stride, &narrowed[r * a.k], a.k);
-      x = narrowed.data();
-      stride = a.k;
-    }
+    std::vector<Bf16> narrowed;
+    const auto [x, stride] = rows(narrowed);
     const GemmBf16Args g{x, static_cast<const Bf16*>(a.packed), nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride};
     parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&](int64_t p0, int64_t p1) {
       gemm_bf16_panel_range(g, p0, p1);
@@ -461,15 +460,8 @@ void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
     });
     return;
   }
-  std::vector<float> widened;  // bf16 rows as fp32, exactly
-  const float* x = static_cast<const float*>(a.x);
-  int64_t stride = a.x_stride;
-  if (bf16_rows) {
-    widened.resize(a.m * a.k);
-    for (int64_t r = 0; r < a.m; ++r) widen_n(static_cast<const Bf16*>(a.x) + r * a.x_stride, &widened[r * a.k], a.k);
-    x = widened.data();
-    stride = a.k;
-  }
+  std::vector<float> widened;
+  const auto [x, stride] = rows(widened);
   const GemmArgs g{x, a.packed, nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride, a.packed_dtype, a.pairs};
   parallel_gemm_panels(g, num_threads, [&](int64_t p0, int64_t p1) {
     gemm_panel_range(g, p0, p1);

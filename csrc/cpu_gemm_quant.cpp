@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "cpu_dtype.h"
@@ -866,11 +867,8 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
   std::vector<float> wide;
   const bool int16 = int16_path(a, isa);
   if (a.x_bf16 != nullptr && !int16 && !bf16_dots(isa)) {
-    wide.resize(a.m * a.k);
-    for (int64_t r = 0; r < a.m; ++r) widen_n(a.x_bf16 + r * a.x_stride, wide.data() + r * a.k, a.k);
-    g.x = wide.data();
+    std::tie(g.x, g.x_stride) = rows_as<float>(a.x_bf16, a.m, a.k, a.x_stride, wide);
     g.x_bf16 = nullptr;
-    g.x_stride = a.k;
   }
   const RowPrep rows(g, segs, int16);
   // bf16 output: each thread rounds its columns once their sums are whole, while they are in cache
