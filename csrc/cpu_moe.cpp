@@ -20,8 +20,42 @@ namespace {
 // The combine sums this many columns of a row at a time in registers.
 constexpr int64_t kCombineColumns = 64;
 // Up to this many rows per chosen expert on average, a layer splits its experts over the team whole
-// rather than each expert's panels (experts_typed).
+// rather than each expert's panels whatever the balance (experts_typed).
 constexpr int64_t kMaxRowsPerExpertWhole = 8;
+// An expert's weights' stream counted as this many of its rows' multiply-adds when the experts are
+// shared out whole (Zen 3, 2 threads: ~13 for fp32 weights, ~7 for bf16).
+constexpr int64_t kWeightRows = 8;
+// Above a decode step's rows, experts go whole only if no thread's share costs more than this
+// fraction over an even split: one hot expert is better cut by panels.
+constexpr double kWholeImbalance = 0.05;
+
+// The chosen experts shared out whole: thread t of a team takes [first(t, team), first(t + 1, team)),
+// contiguous shares whose costs (rows + kWeightRows each) cut the total as evenly as the experts'
+// boundaries allow. Computed per team: the runtime may grant fewer threads than asked.
+class ExpertShares {
+ public:
+  ExpertShares(const std::vector<int32_t>& chosen, const std::vector<int32_t>& offsets) : prefix_(chosen.size() + 1, 0) {
+    for (size_t i = 0; i < chosen.size(); ++i) {
+      prefix_[i + 1] = prefix_[i] + offsets[chosen[i] + 1] - offsets[chosen[i]] + kWeightRows;
+    }
+  }
+  int64_t first(int64_t t, int64_t team) const {
+    const int64_t goal = prefix_.back() * t / team;
+    const auto at = std::lower_bound(prefix_.begin(), prefix_.end(), goal);
+    int64_t i = at - prefix_.begin();
+    if (i > 0 && goal - prefix_[i - 1] < prefix_[i] - goal) --i;  // the nearer boundary
+    return i;
+  }
+  // Whether no share of `team` costs more than kWholeImbalance over an even split.
+  bool even(int64_t team) const {
+    int64_t most = 0;
+    for (int64_t t = 0; t < team; ++t) most = std::max(most, prefix_[first(t + 1, team)] - prefix_[first(t, team)]);
+    return static_cast<double>(most * team) <= (1.0 + kWholeImbalance) * static_cast<double>(prefix_.back());
+  }
+
+ private:
+  std::vector<int64_t> prefix_;
+};
 
 void route_row(const float* logits, int64_t experts, int64_t k, bool renormalize, int32_t* ids, float* weights) {
   float max = logits[0];
@@ -119,7 +153,7 @@ struct Share {
 // the AVX512-BF16 pair tiles.
 class DenseExperts {
  public:
-  static constexpr bool kWholeForDecode = true;
+  static constexpr bool kWhole = true;
   explicit DenseExperts(const MoeExpertsArgs& a)
       : a_(a),
         w13_bytes_(gemm_packed_elements(moe_gate_up_rows(a.layer.inter), a.layer.hidden) * weight_bytes()),
@@ -159,7 +193,7 @@ class QuantExperts {
  public:
   // Split by panels at every batch: by experts, a Qwen3-MoE-shaped decode step of 32 rows ran
   // 0.90-1.00x (int8, int4) on Zen 3.
-  static constexpr bool kWholeForDecode = false;
+  static constexpr bool kWhole = false;
   explicit QuantExperts(const MoeQuantExpertsArgs& a) : a_(a) {}
 
   template <typename A>
@@ -202,18 +236,20 @@ class QuantExperts {
 };
 
 // The layer's work, in one of two splits over the team:
-//   - by panels (a prefill: many rows per expert): each thread gathers its share of the assignments'
-//     rows of x in expert order (xs, the GEMM input type A); after a barrier, its share of the
-//     gate/up panels of every chosen expert (h), then SiLU(gate) * up of those panels' columns (act):
-//     the packing interleaves 8 gate and 8 up rows per panel; after a barrier, its share of the
-//     output panels of every chosen expert (y), then the combine of those columns for every row;
-//   - by experts (a decode step on fp32 / bf16 experts: a few rows per expert): each thread takes a
-//     share of the chosen experts whole (gather, gate/up, SiLU-and-mul, down), so that it streams
-//     each expert's weights end to end and the layer has one barrier, before the combine of its
-//     share of the columns.
-// A decode step reads each chosen expert's weights once either way; by experts, the Qwen3-MoE-shaped
-// model's 8 layers of fp32 experts (from DRAM, Zen 3) ran 1.01-1.03x faster at 32 rows, 1.00-1.09x
-// at one row (medians; the engine's steps 0.98-1.01x at one row).
+//   - by experts (fp32 / bf16 experts, at least two chosen per thread): each thread takes a share of
+//     the chosen experts whole (gather, gate/up, SiLU-and-mul, down; ExpertShares), so that it streams
+//     each expert's weights end to end, packs only its own experts' rows, and the layer has one
+//     barrier, before the combine of its share of the columns. Taken on a decode step's few rows per
+//     expert (at most kMaxRowsPerExpertWhole on average) whatever the shares' balance, on more rows
+//     when the shares are even within kWholeImbalance;
+//   - by panels (quantized experts, few experts, one hot expert): each thread gathers its share of the
+//     assignments' rows of x in expert order (xs, the GEMM input type A); after a barrier, its share
+//     of the gate/up panels of every chosen expert (h), then SiLU(gate) * up of those panels' columns
+//     (act): the packing interleaves 8 gate and 8 up rows per panel; after a barrier, its share of the
+//     output panels of every chosen expert (y), then the combine of those columns for every row.
+// By experts, the Qwen3-MoE-shaped model's 8 layers of fp32 experts (from DRAM, Zen 3, medians of
+// pairs) ran 1.01-1.03x faster at 32 rows, 1.00-1.09x at one row, 1.00-1.05x at 512 (a prefill step:
+// ~64 rows per expert; seven runs, none slower); the engine's steps 0.98-1.01x at one row.
 // T is the activations' dtype; A the GEMMs' input: fp32 or bf16 rows (per kind of Experts).
 template <typename T, typename A, typename Experts>
 void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_threads) {
@@ -277,12 +313,13 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   };
   const int64_t up_panels = gemm_panels(gate_up), down_panels = gemm_panels(hidden);
   const int64_t experts_hit = static_cast<int64_t>(chosen.size());
-  const bool by_experts = Experts::kWholeForDecode && experts_hit >= 2 * threads &&
-                          assignments <= kMaxRowsPerExpertWhole * experts_hit;
+  const ExpertShares shares(chosen, offsets);
+  const bool by_experts = Experts::kWhole && experts_hit >= 2 * threads &&
+                          (assignments <= kMaxRowsPerExpertWhole * experts_hit || shares.even(threads));
   const auto thread_part = [&](int64_t t, int64_t team) __attribute__((always_inline)) {
     if (by_experts) {
-      const Share mine(experts_hit, t, team);
-      for (int64_t i = mine.begin; i < mine.end; ++i) {
+      const int64_t end = shares.first(t + 1, team);
+      for (int64_t i = shares.first(t, team); i < end; ++i) {
         const int32_t e = chosen[i];
         gather(offsets[e], offsets[e + 1]);
         gate_up_act(e, 0, up_panels);

@@ -110,12 +110,17 @@ def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool, dtype: tor
                                          pytest.param(True, torch.bfloat16, marks=PAIRS)])
 @pytest.mark.parametrize("few", [1, 3, 6])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_rows_output_does_not_depend_on_the_batch(pairs: bool, dtype: torch.dtype, few: int, threads: int) -> None:
-    """A few rows (a decode step: the threads take whole experts, 4-13 of them here) and the same rows
-    at the head of a large batch (37 rows per expert: each expert's panels split over the threads)
-    give the same bits."""
-    c = Case(32, 4, 300, 264, 40, True)
+@pytest.mark.parametrize("top_k,hot", [(4, False), (1, True)], ids=["even", "hot"])
+def test_a_rows_output_does_not_depend_on_the_batch(pairs: bool, dtype: torch.dtype, few: int, threads: int,
+                                                     top_k: int, hot: bool) -> None:
+    """A few rows (a decode step: the threads take whole experts, up to 13 of them here) and the same
+    rows at the head of a large batch give the same bits. The batch's 37 rows per expert go whole to
+    the threads too, which splits them evenly; with one hot expert (every row past the few choosing
+    expert 5 alone) no split of whole experts is even, and each expert's panels are split instead."""
+    c = Case(32, top_k, 300, 264, 40, True)
     x, logits, w13, w2 = make_weights(c, seed=8, dtype=dtype)
+    if hot:
+        logits[few:, 5] += 100.0
     packed = cpu_moe.pack_experts(w13, w2, "avx2", pairs=pairs)
     before = torch.get_num_threads()
     try:

@@ -152,6 +152,7 @@ def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: str | No
 @pytest.mark.parametrize("name,config,drop,message", [
     ("qwen3_moe", {"num_experts_per_tok": 9}, None, r"num_experts_per_tok \(9\) exceeds the number of experts \(8\)"),
     ("mixtral", {"num_experts_per_tok": 0}, None, "num_experts_per_tok must be an integer >= 1, got 0"),
+    ("mixtral", {"num_experts_per_tok": 1.5}, None, "num_experts_per_tok must be an integer >= 1, got 1.5"),
     ("qwen3_moe", {"moe_intermediate_size": None}, None, "missing required key 'moe_intermediate_size'"),
     ("qwen3_moe", {"num_local_experts": None}, None, "missing required key 'num_experts' or 'num_local_experts'"),
     ("qwen3_moe", {"mlp_only_layers": "0"}, None, "mlp_only_layers must be a list of layer indices"),
@@ -182,6 +183,14 @@ def test_the_engine_checks_config_json_before_the_tokenizer_reads_it(
     path = edited_copy(models["qwen3_moe"], tmp_path / "m", config, None)
     with pytest.raises(ValueError, match=message):
         LLM(str(path), device="cpu", num_kvcache_blocks=16, max_model_len=64)
+
+
+def test_integral_floats_are_integers(models: dict[str, Path], tmp_path: Path) -> None:
+    """Some writers give integer fields as floats (32768.0); the dense fields are read that way too."""
+    path = edited_copy(models["qwen3_moe"], tmp_path / "m", {"num_experts_per_tok": 2.0, "decoder_sparse_step": 1.0})
+    model, _ = load_model(path)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.top_k == 2 and isinstance(experts.top_k, int)
 
 
 def test_num_experts_is_read_under_either_name(models: dict[str, Path], tmp_path: Path) -> None:

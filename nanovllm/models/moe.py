@@ -18,7 +18,7 @@ from torch import nn
 
 from nanovllm.layers.fused_moe import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, FusedMoE
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.model_config import ModelConfig
+from nanovllm.model_config import ModelConfig, whole_number
 from nanovllm.models.decoder import ArchFlags, MlpFactory, dense_mlp
 
 if TYPE_CHECKING:
@@ -70,10 +70,12 @@ def _field(config: ModelConfig, *keys: str, default: Any = None) -> Any:
 
 
 def _int_field(config: ModelConfig, *keys: str, low: int, default: int | None = None) -> int:
+    """An integer field (an integral float too, as model_config's whole_number takes it) >= low."""
     value = _field(config, *keys, default=default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    whole = whole_number(value)
+    if whole is None or whole < low:
         raise ValueError(f"{config.model_dir / 'config.json'}: {keys[0]} must be an integer >= {low}, got {value!r}")
-    return value
+    return whole
 
 
 def _moe_config(config: ModelConfig, num_experts: int, intermediate_size: int, renormalize: bool,
