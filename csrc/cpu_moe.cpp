@@ -153,7 +153,6 @@ struct Share {
 // the AVX512-BF16 pair tiles.
 class DenseExperts {
  public:
-  static constexpr bool kWholeForDecode = true;
   explicit DenseExperts(const MoeExpertsArgs& a)
       : a_(a),
         w13_bytes_(gemm_packed_elements(moe_gate_up_rows(a.layer.inter), a.layer.hidden) * weight_bytes()),
@@ -191,10 +190,6 @@ class DenseExperts {
 // int8 / int4 experts (quant_gemm_panels): fp32 rows, or bf16 rows on the AVX512-BF16 path.
 class QuantExperts {
  public:
-  // A decode step split by panels: by experts, a Qwen3-MoE-shaped decode step of 32 rows ran
-  // 0.90-1.00x (int8, int4) on Zen 3. A prefill's experts go whole as the dense ones do (its batch
-  // prefill 1.05-1.09x int4, 1.02x int8).
-  static constexpr bool kWholeForDecode = false;
   explicit QuantExperts(const MoeQuantExpertsArgs& a) : a_(a) {}
 
   template <typename A>
@@ -241,17 +236,18 @@ class QuantExperts {
 //     whole (gather, gate/up, SiLU-and-mul, down; ExpertShares), so that it streams each expert's
 //     weights end to end, packs only its own experts' rows, and the layer has one barrier, before the
 //     combine of its share of the columns. Taken on a decode step's few rows per expert (at most
-//     kMaxRowsPerExpertWhole on average) by fp32 / bf16 experts whatever the shares' balance, on
-//     more rows by every kind when the shares are even within kWholeImbalance;
-//   - by panels (otherwise: quantized experts' decode steps, few experts, one hot expert): each
-//     thread gathers its share of the assignments' rows of x in expert order (xs, the GEMM input
-//     type A); after a barrier, its share of the gate/up panels of every chosen expert (h), then
-//     SiLU(gate) * up of those panels' columns (act): the packing interleaves 8 gate and 8 up rows
-//     per panel; after a barrier, its share of the output panels of every chosen expert (y), then
-//     the combine of those columns for every row.
+//     kMaxRowsPerExpertWhole on average) whatever the shares' balance, on more rows when the shares
+//     are even within kWholeImbalance;
+//   - by panels (otherwise: few experts, one hot expert): each thread gathers its share of the
+//     assignments' rows of x in expert order (xs, the GEMM input type A); after a barrier, its share
+//     of the gate/up panels of every chosen expert (h), then SiLU(gate) * up of those panels' columns
+//     (act): the packing interleaves 8 gate and 8 up rows per panel; after a barrier, its share of the
+//     output panels of every chosen expert (y), then the combine of those columns for every row.
 // By experts, the Qwen3-MoE-shaped model's 8 layers of fp32 experts (from DRAM, Zen 3, medians of
 // pairs) ran 1.01-1.03x faster at 32 rows, 1.00-1.09x at one row, 1.00-1.05x at 512 (a prefill step:
-// ~64 rows per expert; seven runs, none slower); the engine's steps 0.98-1.01x at one row.
+// ~64 rows per expert; seven runs, none slower); the engine's fp32 / int4 / int8 batch prefill
+// 1.05x / 1.05-1.09x / 1.02x, its int4 / int8 decode steps of 32 rows 1.00-1.06x / 1.03-1.06x (with
+// the shares cut by count instead of cost, 0.88-1.00x / 0.90x).
 // T is the activations' dtype; A the GEMMs' input: fp32 or bf16 rows (per kind of Experts).
 template <typename T, typename A, typename Experts>
 void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_threads) {
@@ -316,8 +312,8 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   const int64_t up_panels = gemm_panels(gate_up), down_panels = gemm_panels(hidden);
   const int64_t experts_hit = static_cast<int64_t>(chosen.size());
   const ExpertShares shares(chosen, offsets);
-  const bool decode = assignments <= kMaxRowsPerExpertWhole * experts_hit;
-  const bool by_experts = experts_hit >= 2 * threads && (decode ? Experts::kWholeForDecode : shares.even(threads));
+  const bool by_experts = experts_hit >= 2 * threads &&
+                          (assignments <= kMaxRowsPerExpertWhole * experts_hit || shares.even(threads));
   const auto thread_part = [&](int64_t t, int64_t team) __attribute__((always_inline)) {
     if (by_experts) {
       const int64_t end = shares.first(t + 1, team);

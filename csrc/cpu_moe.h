@@ -50,10 +50,9 @@ void moe_combine(const MoeCombineArgs& a, int num_threads);
 // a thread that computed a panel can apply SiLU-and-mul to it at once; it lies at w13 + e *
 // gemm_packed_elements(moe_gate_up_rows(inter), hidden) elements. Expert e's down weight [hidden,
 // moe_down_depth(inter, bf16 pairs)] (zero columns past inter) at w2 + e * gemm_packed_elements(hidden,
-// moe_down_depth(...)). Threads take whole experts each (where that splits the work evenly, and on
-// fp32 / bf16 weights at a decode step's few rows per expert), synchronizing once, or split each
-// GEMM's output panels evenly (every chosen expert's), synchronizing twice (cpu_moe.cpp); an expert
-// no row chose is never read. With pairs the weights are packed for
+// moe_down_depth(...)). Threads take whole experts each (at a decode step's few rows per expert, or
+// where that splits the work evenly), synchronizing once, or split each GEMM's output panels evenly
+// (every chosen expert's), synchronizing twice (cpu_moe.cpp); an expert no row chose is never read. With pairs the weights are packed for
 // the AVX-512 pair tiles (gemm_pack's pairs): bf16 ones (bf16 activations, hidden even, an
 // AVX512-BF16 CPU) take bf16 rows, fp32 ones (an AVX-512F CPU) fp32 rows; otherwise activations are
 // widened to fp32 for our AVX2 tiles. With bf16 activations every product is rounded to bf16 where

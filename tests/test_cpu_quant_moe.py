@@ -108,13 +108,15 @@ def test_experts_nobody_chose_are_never_read() -> None:
 
 
 @pytest.mark.parametrize("bf16_rows", [False, pytest.param(True, marks=BF16_ROWS)])
-@pytest.mark.parametrize("case,hot", [(Case(16, 4, 37, 136, 40, True), False), (Case(32, 4, 300, 264, 40, True), False),
-                                      (Case(32, 1, 300, 264, 40, True), True)], ids=["small", "even", "hot"])
+@pytest.mark.parametrize("case,hot", [(Case(32, 4, 8, 264, 40, True), False), (Case(16, 4, 37, 136, 40, True), False),
+                                      (Case(32, 4, 300, 264, 40, True), False), (Case(32, 1, 300, 264, 40, True), True)],
+                         ids=["decode", "small", "even", "hot"])
 def test_the_same_on_any_number_of_threads(bf16_rows: bool, case: Case, hot: bool) -> None:
-    """A prefill's experts go whole to the threads (one thread takes them all; two and three get even
-    shares); with one hot expert (every row past the first three choosing expert 5 alone) two and
-    three threads split each expert's panels instead: the same bits every way. (A row's bits may
-    differ with how many rows its experts take in the call: one row has its own kernel.)"""
+    """A decode step's or an evenly routed prefill's experts go whole to the threads (one thread takes
+    them all; two and three get shares of even cost); with one hot expert (every row past the first
+    three choosing expert 5 alone) two and three threads split each expert's panels instead: the same
+    bits every way. (A row's bits may differ with how many rows its experts take in the call: one row
+    has its own kernel.)"""
     c = case
     x, logits, _, _ = make_weights(c, seed=9)
     x = x.bfloat16() if bf16_rows else x
