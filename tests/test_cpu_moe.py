@@ -113,8 +113,8 @@ def test_fused_call_is_the_same_on_any_number_of_threads(pairs: bool, dtype: tor
 @pytest.mark.parametrize("top_k,hot", [(4, False), (1, True)], ids=["even", "hot"])
 def test_a_rows_output_does_not_depend_on_the_batch(pairs: bool, dtype: torch.dtype, few: int, threads: int,
                                                      top_k: int, hot: bool) -> None:
-    """A few rows (a decode step: the threads take whole experts, up to 13 of them here) and the same
-    rows at the head of a large batch give the same bits. The batch's 37 rows per expert go whole to
+    """A few rows (a decode step: the threads take whole experts where at least two per thread are
+    chosen, else each expert's panels) and the same rows at the head of a large batch give the same bits. The batch's 37 rows per expert go whole to
     the threads too, which splits them evenly; with one hot expert (every row past the few choosing
     expert 5 alone) no split of whole experts is even, and each expert's panels are split instead."""
     c = Case(32, top_k, 300, 264, 40, True)
