@@ -343,6 +343,8 @@ void bind_cpu_gemm(py::module_& m) {
       }, py::arg("n"), py::arg("k"), "Elements of gemm_pack_cpu's copy of an [n, k] weight.");
   m.def("has_avx512f", &has_avx512f, "Whether this CPU runs the AVX-512 fp32 pair tiles (gemm_cpu with pairs).");
   m.def("has_avx512_bf16", &has_avx512_bf16, "Whether this CPU runs the AVX512-BF16 pair tiles (bf16 linear layers and MoE experts).");
+  m.def("has_amx_bf16", &has_amx_bf16,
+        "Whether this process runs gemm_bf16_cpu on AMX tiles (a CPU with AMX-BF16, the tiles granted by the OS).");
   m.def(
       "gemm_pack_cpu",
       [](uintptr_t w, int64_t dtype, int64_t n, int64_t k, int64_t w_stride, uintptr_t packed, bool pairs) {
@@ -381,7 +383,7 @@ void bind_cpu_gemm(py::module_& m) {
   m.def(
       "gemm_bf16_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-         int64_t y_stride, int64_t num_threads) {
+         int64_t y_stride, int64_t num_threads, bool amx) {
         if (!has_avx512_bf16()) value_error("gemm_bf16_cpu needs a CPU with AVX512-BF16");
         if (m < 0 || n < 1 || k < 2 || k % 2 != 0 || x_stride < k || y_stride < n) {
           value_error("gemm_bf16_cpu: bad sizes (k even)");
@@ -389,13 +391,14 @@ void bind_cpu_gemm(py::module_& m) {
         if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_bf16_cpu");
         const GemmBf16Args a{reinterpret_cast<const Bf16*>(x), reinterpret_cast<const Bf16*>(packed),
                              reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                             y_stride};
+                             y_stride, amx};
         py::gil_scoped_release release;
         gemm_bf16(a, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1,
-      "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_cpu's copy of W with pairs (AVX512-BF16), "
+      py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1, py::arg("amx") = true,
+      "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_cpu's copy of W with pairs (AVX512-BF16; "
+      "on AMX tiles where has_amx_bf16() and k is a multiple of 32, unless amx is false), "
       "from raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells a pair-packed weight "
       "from another: PackedWeight.pairs does).");
   m.def(

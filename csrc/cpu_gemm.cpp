@@ -15,10 +15,10 @@
 namespace nanovllm {
 namespace {
 
-// Cache blocking (BLIS's kc and mc): a tile's slice of one weight panel, kKc x 16 weights (16 KB
-// in fp32), stays in L1 while the tile walks the kMc rows of x below it; those rows' kKc columns
-// (kMc x kKc floats, 144 KB) stay in L2 for every panel of the thread.
-constexpr int64_t kKc = 256;
+// Cache blocking (BLIS's kc and mc): a tile's slice of one weight panel (kKc deep) stays in L1
+// while the tile walks the kMc rows of x below it; those rows' kKc columns (kMc x kKc floats,
+// 144 KB) stay in L2 for every panel of the thread.
+constexpr int64_t kKc = kGemmSliceDepth;
 constexpr int64_t kMc = 144;
 // A slice is prefetched this many slices ahead of its use in the thread's walk (within a pass the
 // next panel's slice follows this one in memory): at decode batches the weights stream from DRAM, and one
@@ -38,11 +38,6 @@ constexpr int64_t kPrefetchSlices = 2;
 constexpr int64_t kPrefetchMinRows = 12;
 constexpr int64_t kPrefetchMinRowsF32 = 4;
 
-// Where the kc slice starting at input column k0 of panel p begins in the packed weight.
-int64_t slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
-  return (k0 * panels + p * std::min(kKc, k - k0)) * kGemmPanel;
-}
-
 // pairs: the slices of panels 2j and 2j + 1 interleaved unit by unit (cpu_gemm.h), a unit being
 // one fp32 weight per column ([depth][2][16]) or a bf16 k pair ([depth / 2][2][16][2], k even); a
 // last odd panel alone ([depth][16], [depth / 2][16][2]).
@@ -60,7 +55,7 @@ void pack_typed(const T* w, int64_t n, int64_t k, int64_t w_stride, T* packed, b
         const int64_t at =
             pairs ? ((d / unit * group + p - first) * kGemmPanel + c) * unit + d % unit : d * kGemmPanel + c;
         // Rows past n pad the last panel with zeros.
-        packed[slice_offset(panels, k, first, k0) + at] = row < n ? w[row * w_stride + i] : T{0};
+        packed[gemm_slice_offset(panels, k, first, k0) + at] = row < n ? w[row * w_stride + i] : T{0};
       }
     }
   }
@@ -328,7 +323,7 @@ void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
       if (m0 + kMc >= a.m) k0 += kKc;
       if (k0 >= a.k) return {a.packed, 0};
     }
-    return {a.packed + slice_offset(panels, a.k, q, k0), std::min(kKc, a.k - k0)};
+    return {a.packed + gemm_slice_offset(panels, a.k, q, k0), std::min(kKc, a.k - k0)};
   };
   thread_local std::vector<typename Tiles::X> rows;
   rows.resize(kMc * kKc);
@@ -346,7 +341,7 @@ void gemm_panels_range(const Operands<Tiles>& a, int64_t p0, int64_t p1) {
         const int64_t col0 = p * kGemmPanel;
         const int cols = static_cast<int>(std::min(np * kGemmPanel, a.n - col0));
         const auto [next, next_rows] = ahead(k0, m0, p + np - 1);
-        const auto* b = a.packed + slice_offset(panels, a.k, p, k0);
+        const auto* b = a.packed + gemm_slice_offset(panels, a.k, p, k0);
         float* c = a.y + m0 * a.y_stride + col0;
         const float* bias = a.bias == nullptr ? nullptr : a.bias + col0;
         // The prefetch covers the next tile's np slices, as far as the packed weight goes.
@@ -393,6 +388,10 @@ void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
+  if (a.amx && a.k % 32 == 0 && has_amx_bf16()) {
+    gemm_bf16_amx_panel_range(a, p0, p1);
+    return;
+  }
   gemm_panels_range<Bf16PairTiles>({a.x, a.packed, a.bias, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
 #else
   (void)a;

@@ -22,7 +22,17 @@ namespace nanovllm {
 
 inline constexpr int64_t kGemmPanel = 16;
 
+// The packed layout's slices: K cut this deep. A slice of one panel, 256 x 16 weights (16 KB in
+// fp32), stays in L1 while a tile walks the rows of x below it (BLIS's kc).
+inline constexpr int64_t kGemmSliceDepth = 256;
+
 inline int64_t gemm_panels(int64_t n) { return (n + kGemmPanel - 1) / kGemmPanel; }
+
+// Where the slice starting at input column k0 of panel p begins in the packed weight of `panels`
+// panels, k deep.
+inline int64_t gemm_slice_offset(int64_t panels, int64_t k, int64_t p, int64_t k0) {
+  return (k0 * panels + p * std::min(kGemmSliceDepth, k - k0)) * kGemmPanel;
+}
 
 // Tile t of `rows` rows cut into `tiles`: rows [tile_first(t), tile_first(t + 1)), the tiles' sizes
 // within one of each other. Full tiles and a remainder (8 rows as 6 + 2 on AVX2) left a small tile
@@ -97,12 +107,19 @@ struct GemmBf16Args {
   const float* bias;   // nullable, [n]
   float* y;            // [m, n], rows y_stride apart
   int64_t m, n, k, x_stride, y_stride;
+  // On AMX tiles where the process has them (has_amx_bf16()) and k is a multiple of 32; else (or
+  // when false) on the AVX512-BF16 pair tiles.
+  bool amx = true;
 };
 
-// gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32 (two
-// per vdpbf16ps lane: twice an FMA's throughput); p0 even (PanelShare). Needs AVX512-BF16
-// (has_avx512_bf16()).
+// gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32: on AMX
+// tiles (gemm_bf16_amx_panel_range), or the pair tiles (two products per vdpbf16ps lane: twice an
+// FMA's throughput); p0 even (PanelShare). Needs AVX512-BF16 (has_avx512_bf16()).
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
+
+// The same on AMX tiles (cpu_gemm_amx.cpp): the same products, summed in fp32 in the tiles' order.
+// Needs has_amx_bf16() and k a multiple of 32.
+void gemm_bf16_amx_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 
 // y = x W^T + bias on the pair tiles, split over the team: the bf16 linear layers on AVX512-BF16
 // CPUs without AMX (nanovllm/cpu/gemm.py picks it).

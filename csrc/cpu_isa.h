@@ -1,6 +1,11 @@
 // Which x86 vector extensions the CPU has, for the kernels that pick a path at run time.
 #pragma once
 
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 // Code for AVX2 + FMA CPUs (has_avx2_fma), compiled for them whatever the build's baseline.
 #define NANOVLLM_AVX2 __attribute__((target("avx2,fma")))
 
@@ -10,7 +15,18 @@ struct CpuIsa {
   bool avx2_fma = false;     // the AVX2 GEMM tiles and attention score tiles
   bool avx512f = false;      // the AVX-512 fp32 GEMM tiles
   bool avx512_bf16 = false;  // AVX512-F + AVX512-BF16: the bf16 pair tiles (Zen 4, Cooper Lake, SPR)
+  bool amx_bf16 = false;     // AMX tiles with bf16 products, granted to the process (Sapphire Rapids on)
 };
+
+// Linux hands the tile registers' state (8 KB a thread) only to a process that asks for it, once.
+inline bool amx_granted() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 // Asked at the first call, not in a static initializer: those may run before libgcc has read the
 // CPU's features (then every answer is "no").
@@ -22,6 +38,8 @@ inline const CpuIsa& cpu_isa() {
     found.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     found.avx512f = __builtin_cpu_supports("avx512f");
     found.avx512_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    found.amx_bf16 = found.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                     amx_granted();
 #endif
     return found;
   }();
@@ -31,5 +49,6 @@ inline const CpuIsa& cpu_isa() {
 inline bool has_avx2_fma() { return cpu_isa().avx2_fma; }
 inline bool has_avx512f() { return cpu_isa().avx512f; }
 inline bool has_avx512_bf16() { return cpu_isa().avx512_bf16; }
+inline bool has_amx_bf16() { return cpu_isa().amx_bf16; }
 
 }  // namespace nanovllm

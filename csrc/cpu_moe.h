@@ -54,7 +54,7 @@ void moe_combine(const MoeCombineArgs& a, int num_threads);
 // where that splits the work evenly), synchronizing once, or split each GEMM's output panels evenly
 // (every chosen expert's), synchronizing twice (cpu_moe.cpp); an expert no row chose is never read. With pairs the weights are packed for
 // the AVX-512 pair tiles (gemm_pack's pairs): bf16 ones (bf16 activations, hidden even, an
-// AVX512-BF16 CPU) take bf16 rows, fp32 ones (an AVX-512F CPU) fp32 rows; otherwise activations are
+// AVX512-BF16 CPU; AMX tiles where the process has them) take bf16 rows, fp32 ones (an AVX-512F CPU) fp32 rows; otherwise activations are
 // widened to fp32 for our AVX2 tiles. With bf16 activations every product is rounded to bf16 where
 // the torch layers round it (the gate/up output, SiLU-and-mul, each expert's down output). Needs
 // AVX2 + FMA (the binding checks).

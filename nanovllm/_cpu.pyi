@@ -71,6 +71,10 @@ def has_avx512f() -> bool:
 def has_avx512_bf16() -> bool:
     """Whether this CPU runs the AVX512-BF16 pair tiles (bf16 linear layers and MoE experts)."""
 
+def has_amx_bf16() -> bool:
+    """Whether this process runs gemm_bf16_cpu on AMX tiles (a CPU with AMX-BF16, the tiles granted
+    by the OS)."""
+
 def gemm_pack_cpu(w: int, dtype: int, n: int, k: int, w_stride: int, packed: int, pairs: bool = False) -> None:
     """Pack an [n, k] weight (rows `w_stride` apart) into gemm_packed_elements(n, k) elements of
     its dtype at `packed`: for the AVX2 tiles, or with `pairs` for the AVX-512 pair tiles (panels 2j
@@ -82,9 +86,10 @@ def gemm_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_s
     `pairs`: the AVX2 tiles, or with pairs (fp32 W, AVX-512F) the AVX-512 pair tiles."""
 
 def gemm_bf16_cpu(x: int, packed: int, bias: int, y: int, m: int, n: int, k: int, x_stride: int, y_stride: int,
-                  num_threads: int = 1) -> None:
+                  num_threads: int = 1, amx: bool = True) -> None:
     """y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias, when not 0), W bf16 packed by gemm_pack_cpu
-    with pairs (k even; AVX512-BF16)."""
+    with pairs (k even; AVX512-BF16); on AMX tiles where has_amx_bf16() and k is a multiple of 32,
+    unless `amx` is false."""
 
 def gemm_logits_cpu(x: int, x_dtype: int, packed: int, packed_dtype: int, pairs: bool, y: int, m: int, n: int,
                     k: int, x_stride: int, y_stride: int, num_threads: int = 1) -> None:

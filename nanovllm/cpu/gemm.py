@@ -7,7 +7,8 @@ Two packed forms; `prepack` picks one per weight (`layer_kernel`):
   fp32 weights: AVX-512 tiles (12 x 32) on weights packed in panel pairs where the CPU has AVX-512,
   else AVX2 ones (6 x 16). bf16 weights: AVX512-BF16 dot products on weights packed in k pairs
   (12 x 32 tiles) where the CPU has them, else the bf16 weight widened in registers (half the
-  memory and bandwidth of an fp32 copy).
+  memory and bandwidth of an fp32 copy). Where the process has AMX tiles, the pair-packed bf16
+  weights are multiplied on them instead (csrc/cpu_gemm_amx.cpp), for depths that 32 divides.
   On the AVX2 machine it ran the bench models' shapes at 130-175 GF/s of the two cores' ~185
   (oneDNN's prepacked matmul: 85-140). On an AVX-512 Zen 4 (benchmarks/RESULTS.md, "Our GEMM on
   AVX-512 CPUs"): fp32 decode at one row 1.5-1.7x oneDNN's tokens/s, at 32 rows and in prefill

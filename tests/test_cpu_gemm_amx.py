@@ -1,0 +1,73 @@
+"""gemm_bf16 on AMX tiles (csrc/cpu_gemm_amx.cpp) against the same products in fp32 and against the
+AVX512-BF16 pair tiles on the same pair-packed weight: row blocks of 16 with a zero-padded tail, two
+blocks by two panels at a time, a lone last panel, columns past n, bias, strides, thread splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm import _cpu
+from nanovllm.cpu import gemm as cpu_gemm
+
+pytestmark = pytest.mark.skipif(not _cpu.has_amx_bf16(), reason="this process has no AMX tiles")
+
+# rows: 0, below one block, a block, blocks and a tail, two-block groups and a lone block; k: one tile
+# deep, a slice and a part, several slices (multiples of 32, AMX's condition); n: one panel, an odd
+# number of panels (a lone last one), columns past n in the last pair or panel.
+SHAPES = [(1, 32, 16), (5, 64, 40), (16, 256, 32), (17, 288, 48), (33, 1024, 200), (150, 512, 33), (0, 64, 16),
+          (300, 96, 1000)]
+
+
+def _gemm(x: torch.Tensor, packed: cpu_gemm.PackedWeight, bias: torch.Tensor | None, y_stride: int, threads: int,
+          amx: bool) -> torch.Tensor:
+    rows, k = x.shape
+    y = torch.full((rows, y_stride), 7.0)
+    _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                       rows, packed.out_features, k, x.stride(0), y_stride, threads, amx)
+    return y
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_tiles_are_the_fp32_products_of_bf16_values(rows: int, k: int, n: int, bias: bool) -> None:
+    """Exact bf16 products summed in fp32, in the tiles' order: the fp32 product of the bf16 values
+    to fp32 rounding, and the pair tiles' result as closely; nothing written past n."""
+    g = torch.Generator().manual_seed(rows * 31 + k + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    wide = torch.randn(rows, k + 40, generator=g).bfloat16()
+    x = wide[:, 8:8 + k]  # rows read in place, k + 40 apart, not 64-byte aligned
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight) and packed.pairs
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    amx = _gemm(x, packed, b, n + 3, 2, amx=True)
+    pairs = _gemm(x, packed, b, n + 3, 2, amx=False)
+    torch.testing.assert_close(amx[:, :n], expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(amx[:, :n], pairs[:, :n], rtol=1e-5, atol=1e-4)
+    assert torch.equal(amx[:, n:], torch.full((rows, 3), 7.0))
+
+
+@pytest.mark.parametrize("rows", [3, 16, 70])
+def test_amx_gemm_is_the_same_on_any_number_of_threads(rows: int) -> None:
+    """Threads split the panels at even ones (13 panels: the last alone), never a sum: the same bits
+    on any team, and each row's bits whatever rows share its call."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(200, 320, generator=g).bfloat16(), torch.randn(rows, 320, generator=g).bfloat16()
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    outs = [_gemm(x, packed, None, 200, threads, amx=True) for threads in (1, 2, 3, 5)]
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+    alone = _gemm(x[rows // 2:rows // 2 + 1].contiguous(), packed, None, 200, 1, amx=True)
+    assert torch.equal(alone[0], outs[0][rows // 2])
+
+
+def test_a_depth_that_32_does_not_divide_takes_the_pair_tiles() -> None:
+    """AMX tiles take 32 values of k at a time: a depth of 2 mod 32 runs on the pair tiles, the same
+    bits as asking for them."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(48, 98, generator=g).bfloat16(), torch.randn(20, 98, generator=g).bfloat16()
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    assert torch.equal(_gemm(x, packed, None, 48, 2, amx=True), _gemm(x, packed, None, 48, 2, amx=False))
