@@ -431,8 +431,9 @@ void bind_cpu_gemm(py::module_& m) {
 bool groups_pair(int64_t group_size, int64_t k) { return group_size % 2 == 0 || group_size >= k; }
 
 void bind_cpu_gemm_quant(py::module_& m) {
-  m.def("quant_isa_supported", [](int64_t isa) { return quant_isa_supported(static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3))); },
-        py::arg("isa"), "Whether this CPU runs quant_gemm_cpu with isa (0 auto, 1 portable, 2 AVX2, 3 AVX-512).");
+  m.def("quant_isa_supported", [](int64_t isa) { return quant_isa_supported(static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 4))); },
+        py::arg("isa"), "Whether this CPU runs quant_gemm_cpu with isa (0 auto, 1 portable, 2 AVX2, 3 AVX-512, 4 AVX-512 with "
+        "bf16 activations on AMX tiles).");
   m.def("quant_isa_best", [] { return static_cast<int>(quant_isa_best()); }, "The isa quant_gemm_cpu picks by default.");
   m.def("quant_has_bf16", &quant_has_bf16, "Whether quant_gemm_cpu takes bf16 activations (AVX512-BF16).");
   m.def("quant_gemm_packed_bytes", [](int64_t n, int64_t k, int64_t bits) {
@@ -447,7 +448,7 @@ void bind_cpu_gemm_quant(py::module_& m) {
       [](uintptr_t x, uintptr_t packed, uintptr_t scales, uintptr_t zeros, uintptr_t bias, uintptr_t y, int64_t m,
          int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int64_t group_size, int64_t bits, double zero_offset,
          int64_t isa, int64_t num_threads, uintptr_t x_bf16, bool y_bf16) {
-        const auto which = static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 3));
+        const auto which = static_cast<QuantIsa>(checked_int32(isa, "isa", 0, 4));
         if (!quant_isa_supported(which)) value_error("quant_gemm_cpu: this CPU does not run isa " + std::to_string(isa));
         if (bits != 4 && bits != 8) value_error("quant_gemm_cpu: bits must be 4 or 8, got " + std::to_string(bits));
         if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n || group_size < 1 || group_size > k) {

@@ -4,9 +4,8 @@
 // The pair layout is already what a tile multiply reads for its second operand: a panel's k pairs
 // lie 128 bytes apart (64 for a lone last panel), each a row of 16 columns x 2 weights, so a B tile
 // (16 k pairs of one panel) loads straight from the packed weight with that stride; the rows of x
-// load as A tiles (16 rows x 32 columns) from x itself. Tiles: C0..C3 the products of two 16-row
-// blocks by two panels, A4/A5 the blocks, B6/B7 the panels; one configuration, loaded per call
-// (oneDNN's kernels, on the same threads, load their own) and released after.
+// are copied into A tiles (amx::pack_rows). Tiles: C0..C3 the products of two 16-row blocks by two
+// panels, A4/A5 the blocks, B6/B7 the panels (amx::kConfig).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_gemm.h"
 
 namespace nanovllm {
@@ -21,104 +21,28 @@ namespace nanovllm {
 #if defined(__x86_64__)
 namespace {
 
-constexpr int64_t kTileRows = 16;
-constexpr int64_t kTileDepth = 32;  // bf16 values in an A tile's row, k pairs x 2 in a B tile's rows
+using amx::kTileDepth;
+using amx::kTileRows;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight tiles of 16 rows x 64 bytes: C0..C3 fp32 16 x 16, A4/A5 and B6/B7 bf16 16 x 32.
-constexpr TileConfig kConfig = [] {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.bytes_per_row[t] = 64;
-    c.rows[t] = kTileRows;
-  }
-  return c;
-}();
-
-// GCC's tile intrinsics are asm statements that do not tell the compiler which memory they read or
-// write: a fence around those that touch our own scratch keeps its stores and loads in order.
-inline void compiler_fence() { asm volatile("" ::: "memory"); }
-
-// count T of a thread's scratch `storage`, 64-byte aligned: a tile row split over two cache lines
-// loads several times slower (3-6x, B tiles from L1 to L3).
-template <typename T>
-T* aligned(std::vector<T>& storage, int64_t count) {
-  storage.resize(count + 64 / sizeof(T));
-  const auto at = reinterpret_cast<uintptr_t>(storage.data());
-  return reinterpret_cast<T*>((at + 63) / 64 * 64);
-}
-
-// A block of 16 rows of x, packed (pack_blocks), and where its products go: y itself, or spill.
+// A block of 16 rows of x, packed (amx::pack_rows), and where its products go: y itself, or spill.
 struct RowBlock {
   const Bf16* tiles;  // [k / 32][16 rows][32], one A tile after another
   float* y;
   int64_t y_stride;  // elements
 };
 
-// Rows of x in blocks of 16 (the last zero-padded), each block's tiles contiguous: an A tile read
-// from x itself would take 16 rows a power-of-two stride apart, a few L1 sets for all of them.
-void pack_blocks(const GemmBf16Args& a, Bf16* out) {
-  const int64_t steps = a.k / kTileDepth;
-  for (int64_t r = 0; r < a.m + (kTileRows - a.m % kTileRows) % kTileRows; ++r) {
-    Bf16* dst = out + (r / kTileRows * steps * kTileRows + r % kTileRows) * kTileDepth;
-    for (int64_t s = 0; s < steps; ++s, dst += kTileRows * kTileDepth) {
-      if (r < a.m) {
-        std::copy_n(a.x + r * a.x_stride + s * kTileDepth, kTileDepth, dst);
-      } else {
-        std::fill_n(dst, kTileDepth, Bf16{0});
-      }
-    }
-  }
-}
-
 // C[2 * b + q] = block b's rows x panel q's columns over the whole depth, B blocks (1 or 2) by P
-// panels (1 or 2); the panels' packed slices from `packed`. Tile numbers are immediates: every
-// (B, P) its own instance.
+// panels (1 or 2), from the panels' packed slices, into the blocks' y.
 template <int B, int P>
-[[gnu::target("amx-tile,amx-bf16")]] void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels,
-                                                  int64_t k, int64_t p) {
-  _tile_zero(0);
-  if constexpr (P == 2) _tile_zero(1);
-  if constexpr (B == 2) {
-    _tile_zero(2);
-    if constexpr (P == 2) _tile_zero(3);
-  }
-  // Two panels' slices interleave k pair by k pair (the pair layout), a lone panel's are its own:
-  // a panel's k pairs (rows of 16 columns x 2 weights, 64 bytes) lie `stride` bytes apart.
-  constexpr int64_t kPairRow = kGemmPanel * 2, stride = P * kPairRow * static_cast<int64_t>(sizeof(Bf16));
-  constexpr int64_t kATile = kTileRows * kTileDepth;
-  const Bf16* a0 = blocks[0].tiles;
-  const Bf16* a1 = blocks[1].tiles;
+NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p) {
+  amx::zero_sums<B, P>();
+  const Bf16* a[2] = {blocks[0].tiles, blocks[1].tiles};
   for (int64_t k0 = 0; k0 < k; k0 += kGemmSliceDepth) {
-    const int64_t kc = std::min(kGemmSliceDepth, k - k0);
-    const Bf16* slice = packed + gemm_slice_offset(panels, k, p, k0);
-    for (int64_t d = 0; d < kc; d += kTileDepth, a0 += kATile, a1 += kATile) {
-      const Bf16* b = slice + d / 2 * P * kPairRow;
-      _tile_loadd(6, b, stride);
-      _tile_loadd(4, a0, kTileDepth * 2);
-      _tile_dpbf16ps(0, 4, 6);
-      if constexpr (P == 2) _tile_loadd(7, b + kPairRow, stride);
-      if constexpr (P == 2) _tile_dpbf16ps(1, 4, 7);
-      if constexpr (B == 2) {
-        _tile_loadd(5, a1, kTileDepth * 2);
-        _tile_dpbf16ps(2, 5, 6);
-        if constexpr (P == 2) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
+    amx::multiply<B, P>(a, packed + gemm_slice_offset(panels, k, p, k0), std::min(kGemmSliceDepth, k - k0) / kTileDepth);
   }
-  _tile_stored(0, blocks[0].y, blocks[0].y_stride * 4);
-  if constexpr (P == 2) _tile_stored(1, blocks[0].y + kGemmPanel, blocks[0].y_stride * 4);
-  if constexpr (B == 2) {
-    _tile_stored(2, blocks[1].y, blocks[1].y_stride * 4);
-    if constexpr (P == 2) _tile_stored(3, blocks[1].y + kGemmPanel, blocks[1].y_stride * 4);
-  }
+  float* const y[2] = {blocks[0].y, blocks[1].y};
+  const int64_t stride[2] = {blocks[0].y_stride, blocks[1].y_stride};
+  amx::store_sums<B, P>(y, stride);
 }
 
 template <int B>
@@ -137,11 +61,11 @@ void multiply_panels(int np, const RowBlock (&blocks)[2], const Bf16* packed, in
   const int64_t panels = gemm_panels(a.n), blocks = (a.m + kTileRows - 1) / kTileRows;
   thread_local std::vector<Bf16> tiles_storage;
   thread_local std::vector<float> spill_storage;
-  Bf16* const tiles = aligned(tiles_storage, blocks * kTileRows * a.k);
-  float* const spill = aligned(spill_storage, 2 * kTileRows * 2 * kGemmPanel);  // products that do not fit in y
-  pack_blocks(a, tiles);
-  compiler_fence();
-  _tile_loadconfig(&kConfig);
+  Bf16* const tiles = amx::aligned(tiles_storage, blocks * kTileRows * a.k);
+  float* const spill = amx::aligned(spill_storage, 2 * kTileRows * 2 * kGemmPanel);  // products that do not fit in y
+  amx::pack_rows(a.x, a.x_stride, a.m, a.k, tiles);
+  amx::fence();
+  _tile_loadconfig(&amx::kConfig);
   for (int64_t p = p0; p < p1; p += 2) {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
     const int64_t col0 = p * kGemmPanel, cols = std::min(np * kGemmPanel, a.n - col0);
@@ -156,7 +80,7 @@ void multiply_panels(int np, const RowBlock (&blocks)[2], const Bf16* packed, in
     };
     // The spilled products of blocks [b, b + count) into y: their rows, `cols` columns.
     const auto land = [&](int64_t b, int count) {
-      compiler_fence();
+      amx::fence();
       for (int s = 0; s < count; ++s) {
         const int64_t first = (b + s) * kTileRows, rows = std::min(kTileRows, a.m - first);
         if (rows == kTileRows && cols == np * kGemmPanel) continue;

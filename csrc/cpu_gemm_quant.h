@@ -27,7 +27,9 @@
 
 namespace nanovllm {
 
-enum class QuantIsa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+// kAmx: AVX-512 with bf16 activations on AMX tiles (k and the groups multiples of 32); kAuto takes
+// those from a few rows where the process has them.
+enum class QuantIsa : int32_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 
 // Bytes of the packed int`bits` weight of an [n, k] matrix.
 int64_t quant_gemm_packed_bytes(int64_t n, int64_t k, int bits);

@@ -98,7 +98,8 @@ def gemm_logits_cpu(x: int, x_dtype: int, packed: int, packed_dtype: int, pairs:
     x is bf16: cpu/gemm.py's linear on the rows, then .float()."""
 
 def quant_isa_supported(isa: int) -> bool:
-    """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512)."""
+    """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512, 4 AVX-512
+    with bf16 activations on AMX tiles)."""
 
 def quant_isa_best() -> int:
     """The isa quant_gemm_cpu takes by default here."""

@@ -1,6 +1,7 @@
-"""gemm_bf16 on AMX tiles (csrc/cpu_gemm_amx.cpp) against the same products in fp32 and against the
-AVX512-BF16 pair tiles on the same pair-packed weight: row blocks of 16 with a zero-padded tail, two
-blocks by two panels at a time, a lone last panel, columns past n, bias, strides, thread splits."""
+"""GEMMs on AMX tiles against the same products in fp32 and against the AVX512-BF16 paths on the same
+packed weights: gemm_bf16 (csrc/cpu_gemm_amx.cpp) and the quantized GEMM's bf16 activations
+(csrc/cpu_gemm_quant.cpp). Row blocks of 16 with a zero-padded tail, two blocks by two panels at a
+time, a lone last panel, columns past n, bias, strides, groups, thread splits."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 
 from nanovllm import _cpu
 from nanovllm.cpu import gemm as cpu_gemm
+from nanovllm.layers.quantization import cpu_kernel
+from quant_helpers import random_quantized
 
 pytestmark = pytest.mark.skipif(not _cpu.has_amx_bf16(), reason="this process has no AMX tiles")
 
@@ -71,3 +74,51 @@ def test_a_depth_that_32_does_not_divide_takes_the_pair_tiles() -> None:
     packed = cpu_gemm.prepack(w, "avx2")
     assert isinstance(packed, cpu_gemm.PackedWeight)
     assert torch.equal(_gemm(x, packed, None, 48, 2, amx=True), _gemm(x, packed, None, 48, 2, amx=False))
+
+
+# Quantized weights, bf16 activations (csrc/cpu_gemm_quant.cpp's panels_amx): (rows, k, n, group
+# size). Groups of 32, 64, 128 and one per row; rows below a block, a block and one, two-block groups
+# and a tail; n past the last full panel, an odd number of panels.
+QUANT_SHAPES = [(1, 256, 16, 32), (15, 512, 40, 128), (16, 96, 17, 96), (17, 320, 48, 64), (33, 1024, 100, 128),
+                (150, 288, 33, 32), (64, 768, 1000, 768)]
+
+
+def _quant_fp32_out(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, bias: torch.Tensor | None, isa: str,
+                    threads: int = 2) -> torch.Tensor:
+    rows, k = x.shape
+    y = torch.empty(rows, p.out_features)
+    _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
+                        0 if bias is None else bias.data_ptr(), y.data_ptr(), rows, p.out_features, k, x.stride(0),
+                        p.out_features, p.group_size, p.bits, p.zero_offset, cpu_kernel.ISA_CODES[isa], threads,
+                        x.data_ptr(), False)
+    return y
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantized_weights_on_amx_tiles_match_the_dequantized_product(bits: int, symmetric: bool) -> None:
+    """The weights' integers are exact in bf16 and the tiles sum exact products in fp32, the scales and
+    zero points applied per segment as on the vdpbf16ps path: both within fp32 rounding of the product
+    of the bf16 activations with the dequantized weight, and of each other."""
+    for i, (rows, k, n, group) in enumerate(QUANT_SHAPES):
+        w = random_quantized(n, k, bits, group, symmetric, seed=i)
+        g = torch.Generator().manual_seed(50 + i)
+        x = torch.randn(rows, k + 24, generator=g).bfloat16()[:, 8:8 + k]  # rows k + 24 apart
+        bias = torch.randn(n, generator=g) if i % 2 else None
+        p = cpu_kernel.pack(w)
+        expected = F.linear(x.double(), w.dequantize(torch.float64), None if bias is None else bias.double()).float()
+        amx = _quant_fp32_out(x, p, bias, "amx")
+        dots = _quant_fp32_out(x, p, bias, "avx512")
+        scale = max(expected.abs().max().item(), 1.0)
+        torch.testing.assert_close(amx, expected, rtol=1e-4, atol=1e-5 * scale)
+        torch.testing.assert_close(amx, dots, rtol=1e-4, atol=1e-5 * scale)
+        if rows >= 2:  # what "auto" takes from 2 rows
+            assert torch.equal(_quant_fp32_out(x, p, bias, "auto"), amx)
+
+
+def test_quantized_amx_path_is_the_same_on_any_number_of_threads() -> None:
+    w = random_quantized(200, 512, 4, 128, False, seed=3)
+    p = cpu_kernel.pack(w)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    outs = [_quant_fp32_out(x, p, None, "amx", threads) for threads in (1, 2, 3)]
+    assert all(torch.equal(outs[0], y) for y in outs[1:])

@@ -21,7 +21,7 @@ from nanovllm.layers.quantization import cpu_kernel
 from nanovllm.layers.quantization.weights import QuantizedWeight
 
 ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_kernel.isa_supported(isa), reason=f"the CPU lacks {isa}"))
-        for isa in ("portable", "avx2", "avx512")]
+        for isa in ("portable", "avx2", "avx512", "amx")]
 # (rows, k, n, group size): k = group size means one group per output channel
 SHAPES = [
     (1, 256, 16, 32), (1, 300, 40, 64), (3, 333, 33, 333), (7, 1000, 48, 128), (12, 520, 100, 520),
@@ -278,7 +278,7 @@ def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
     packed = cpu_kernel.pack(w)
     for rows in (2, 40):
         x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows))
-        for isa in ("portable", "avx2", "avx512"):
+        for isa in ("portable", "avx2", "avx512", "amx"):
             if not cpu_kernel.isa_supported(isa):  # type: ignore[arg-type]
                 continue
             outs = [cpu_kernel.linear(x, packed, None, isa=isa, num_threads=t) for t in (1, 2, 3)]  # type: ignore[arg-type]

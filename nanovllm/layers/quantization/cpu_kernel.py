@@ -22,8 +22,10 @@ SLICE = 256  # csrc/cpu_gemm_quant.cpp kQuantKc
 # (one Zen 4 core, 6144 x 1024: 202 us at 1 row against 245 for the fp32 path, 1.0 ms at 12 against
 # 2.2); int8 from 2 (its values need a conversion per row of weights: 332 us at 1 row against 263).
 BF16_MIN_ROWS = {4: 1, 8: 2}
-Isa = Literal["auto", "portable", "avx2", "avx512"]
-ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}
+# "amx": AVX-512 with bf16 activations on AMX tiles (k and the groups multiples of 32), which "auto"
+# takes from 2 rows where the process has them.
+Isa = Literal["auto", "portable", "avx2", "avx512", "amx"]
+ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "amx": 4}
 HAS_BF16 = _cpu.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
 AVX2_BEST = _cpu.quant_isa_best() == ISA_CODES["avx2"]  # AVX2 without AVX-512
 
@@ -36,7 +38,7 @@ def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
     128, 64 or 32 columns). (0, 0): never (groups of an odd size)."""
     if not groups_pair(p.group_size, p.in_features):
         return 0, 0
-    if HAS_BF16 and isa in ("auto", "avx512"):
+    if HAS_BF16 and isa in ("auto", "avx512", "amx"):
         return BF16_MIN_ROWS[p.bits], 0
     if isa in ("auto", "avx2") and AVX2_BEST:
         return 1, 1

@@ -1,0 +1,114 @@
+// What the GEMMs on AMX tiles share (csrc/cpu_gemm_amx.cpp on bf16 weights, the quantized GEMM's
+// path on int8 / int4 ones): the tile configuration and the rows of x as A tiles. A tile multiply
+// C (16 x 16 fp32) += A (16 rows x 32 bf16) B (16 k pairs x 16 columns x 2 bf16) takes its B in the
+// bf16 pair layout of csrc/cpu_gemm.h: a panel's k pairs, 64 bytes each.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_dtype.h"
+
+namespace nanovllm::amx {
+
+inline constexpr int64_t kTileRows = 16;
+inline constexpr int64_t kTileDepth = 32;  // bf16 values in an A tile's row; k pairs x 2 in a B tile's
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes: C0..C3 fp32 16 x 16, A4/A5 and B6/B7 bf16 16 x 32. Loaded per
+// call (oneDNN's kernels, on the same threads, load their own) and released after.
+inline constexpr TileConfig kConfig = [] {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.bytes_per_row[t] = 64;
+    c.rows[t] = kTileRows;
+  }
+  return c;
+}();
+
+// GCC's tile intrinsics are asm statements that do not tell the compiler which memory they read or
+// write: a fence between them and the plain loads and stores of the same scratch keeps those in order.
+inline void fence() { asm volatile("" ::: "memory"); }
+
+// count T of a thread's scratch `storage`, 64-byte aligned: a tile row split over two cache lines
+// loads several times slower (3-6x, B tiles from L1 to L3).
+template <typename T>
+T* aligned(std::vector<T>& storage, int64_t count) {
+  storage.resize(count + 64 / sizeof(T));
+  const auto at = reinterpret_cast<uintptr_t>(storage.data());
+  return reinterpret_cast<T*>((at + 63) / 64 * 64);
+}
+
+// Rows [0, m) of x (k a multiple of 32) in blocks of 16, the last zero-padded, each block [k / 32][16
+// rows][32]: one contiguous 1 KB A tile after another. Read from x itself a tile would take 16 rows
+// a power-of-two stride apart, a few L1 sets for all of them.
+inline void pack_rows(const Bf16* x, int64_t x_stride, int64_t m, int64_t k, Bf16* out) {
+  const int64_t steps = k / kTileDepth;
+  for (int64_t r = 0; r < (m + kTileRows - 1) / kTileRows * kTileRows; ++r) {
+    Bf16* dst = out + (r / kTileRows * steps * kTileRows + r % kTileRows) * kTileDepth;
+    for (int64_t s = 0; s < steps; ++s, dst += kTileRows * kTileDepth) {
+      if (r < m) {
+        std::copy_n(x + r * x_stride + s * kTileDepth, kTileDepth, dst);
+      } else {
+        std::fill_n(dst, kTileDepth, Bf16{0});
+      }
+    }
+  }
+}
+
+#define NANOVLLM_AMX_TILES [[gnu::target("amx-tile,amx-bf16")]]
+
+// The C tiles of B row blocks (1 or 2) by P panels (1 or 2) zeroed: C[2 * b + q].
+template <int B, int P>
+NANOVLLM_AMX_TILES inline void zero_sums() {
+  _tile_zero(0);
+  if constexpr (P == 2) _tile_zero(1);
+  if constexpr (B == 2) {
+    _tile_zero(2);
+    if constexpr (P == 2) _tile_zero(3);
+  }
+}
+
+// C[2 * b + q] += block b's A tiles (a[b], `steps` in a row, 1 KB each; advanced past them) times
+// panel q's B tiles from `w`: P panels in the pair layout, k pairs of the P panels interleaved (a
+// panel's 64-byte k pairs P * 64 bytes apart). Tile numbers are immediates: each (B, P) its own code.
+template <int B, int P>
+NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int64_t steps) {
+  constexpr int64_t kPairRow = 16 * 2, kStride = P * kPairRow * 2, kATile = kTileRows * kTileDepth;
+  for (int64_t d = 0; d < steps; ++d, a[0] += kATile, a[1] += kATile) {
+    const Bf16* b = w + d * kTileDepth / 2 * P * kPairRow;
+    _tile_loadd(6, b, kStride);
+    _tile_loadd(4, a[0], kTileDepth * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (P == 2) _tile_loadd(7, b + kPairRow, kStride);
+    if constexpr (P == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (B == 2) {
+      _tile_loadd(5, a[1], kTileDepth * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (P == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// C[2 * b + q] stored at y[b] + q * 16, rows stride[b] floats apart.
+template <int B, int P>
+NANOVLLM_AMX_TILES inline void store_sums(float* const (&y)[2], const int64_t (&stride)[2]) {
+  _tile_stored(0, y[0], stride[0] * 4);
+  if constexpr (P == 2) _tile_stored(1, y[0] + 16, stride[0] * 4);
+  if constexpr (B == 2) {
+    _tile_stored(2, y[1], stride[1] * 4);
+    if constexpr (P == 2) _tile_stored(3, y[1] + 16, stride[1] * 4);
+  }
+}
+
+}  // namespace nanovllm::amx
