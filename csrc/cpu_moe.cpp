@@ -14,6 +14,8 @@
 #include "cpu_math.h"
 #include "cpu_parallel.h"
 
+#define NANOVLLM_AVX512_LOOPS __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
 namespace nanovllm {
 namespace {
 
@@ -345,9 +347,13 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
                            columns.begin * kGemmPanel, std::min(hidden, columns.end * kGemmPanel));
   };
   // The gather, SiLU-and-mul and combine loops in AVX2's eight lanes where the CPU has them: in the
-  // baseline's four, with bf16's rounding emulated, they were a fifth of a bf16 prefill's layer. The
-  // quantized experts also run on CPUs without AVX2 (their portable kernel), hence the choice.
-  if (has_avx2_fma()) {
+  // baseline's four, with bf16's rounding emulated, they were a fifth of a bf16 prefill's layer. On
+  // AVX-512 CPUs in its registers (a bf16 batch prefill 1.04x faster on the Intel Xeon with AMX, where
+  // the experts' GEMMs are fast). The quantized experts also run on CPUs without AVX2 (their portable
+  // kernel), hence the choice.
+  if (has_avx512f()) {
+    parallel_team(threads, [&](int64_t t, int64_t team) NANOVLLM_AVX512_LOOPS { thread_part(t, team); });
+  } else if (has_avx2_fma()) {
     parallel_team(threads, [&](int64_t t, int64_t team) NANOVLLM_AVX2 { thread_part(t, team); });
   } else {
     parallel_team(threads, thread_part);
