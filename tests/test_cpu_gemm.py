@@ -150,8 +150,8 @@ def test_layer_kernel_gives_large_native_bf16_weights_to_onednn() -> None:
     ours = "avx2" if _cpu.has_avx2_fma() else "onednn"
     assert cpu_gemm.layer_kernel(torch.empty(big // 256, 256)) == ours
     assert cpu_gemm.layer_kernel(torch.empty(small // 256, 256, dtype=torch.bfloat16)) == ours
-    native = cpu_features.native_bf16() and torch.backends.mkldnn.is_available()
-    assert cpu_gemm.layer_kernel(torch.empty(big // 256, 256, dtype=torch.bfloat16)) == ("onednn" if native else ours)
+    vector_bf16 = cpu_features.native_bf16() and torch.backends.mkldnn.is_available() and not _cpu.has_amx_bf16()
+    assert cpu_gemm.layer_kernel(torch.empty(big // 256, 256, dtype=torch.bfloat16)) == ("onednn" if vector_bf16 else ours)
 
 
 @pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the CPU lacks AVX2 + FMA")
@@ -341,15 +341,12 @@ def test_lm_head_logits_reject_bad_sizes() -> None:
         _cpu.gemm_logits_cpu(x.data_ptr(), 5, packed.data.data_ptr(), 0, False, y.data_ptr(), 2, 32, 16, 16, 32)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_a_bf16_lm_head_takes_our_gemm_unless_the_cpu_has_amx(amx: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The head sees decode rows only: ours (even the pair tiles where linear layers take oneDNN),
-    but AMX keeps the dense layers' choice."""
-    monkeypatch.setattr(cpu_gemm, "amx_tiles", lambda: amx)
+def test_a_bf16_lm_head_takes_our_gemm_wherever_it_runs() -> None:
+    """The head sees decode rows only: ours (even the pair tiles where linear layers take oneDNN)."""
     head = _filled(ParallelLMHead(4096, 256), seed=6).to(torch.bfloat16)
     weight = head.weight.detach().clone()
     ours = cpu_features.gemm_kernel() == "avx2"
-    expected_kernel = "avx2" if ours and not amx else cpu_gemm.layer_kernel(weight)
+    expected_kernel = "avx2" if ours else cpu_gemm.layer_kernel(weight)
     assert cpu_gemm.head_kernel(weight) == expected_kernel
     assert head.prepack_for_cpu()
     assert isinstance(head.packed, cpu_gemm.PackedWeight) == (expected_kernel == "avx2")

@@ -14,11 +14,14 @@ Two packed forms; `prepack` picks one per weight (`layer_kernel`):
   AVX-512 CPUs"): fp32 decode at one row 1.5-1.7x oneDNN's tokens/s, at 32 rows and in prefill
   within the machine's noise of it.
 - oneDNN (`mkldnn._reorder_linear_weight` for a batch of ~64 rows, then `_linear_pointwise`) for
-  bf16 weights of PREPACK_MIN_WEIGHTS and more where the CPU computes bf16 natively (AVX512-BF16,
-  AMX), but the LM head's without AMX (`head_kernel`: it sees decode rows only): on Zen 4 our
-  pair tiles ran the bench model's layers 1.7-2.3x faster at one row, even at 32-64 rows, but
-  10-30% slower from 256 rows up (a prefill), and AMX tiles multiply bf16 several times faster
-  than vector units; and for every layer on CPUs without AVX2.
+  bf16 weights of PREPACK_MIN_WEIGHTS and more where the CPU computes bf16 natively with vector
+  units only (AVX512-BF16 without AMX tiles), but the LM head's (`head_kernel`: it sees decode
+  rows only): on Zen 4 our pair tiles ran the bench model's layers 1.7-2.3x faster at one row,
+  even at 32-64 rows, but 10-30% slower from 256 rows up (a prefill); and for every layer on CPUs
+  without AVX2. Where the process has AMX tiles the bf16 layers take ours on them: on the Intel
+  Xeon with AMX the Qwen3-shaped model decoded 1.5x faster at one sequence and 1.13x at 32 than on
+  oneDNN's (AMX too), mostly because the layers then run as one C++ call (cpu_stack; their GEMMs
+  took about as long), while its batch prefill took 1.3x as long (benchmarks/RESULTS.md).
 
 Either way the results differ from `F.linear`'s only in summation order (and, on pair-packed bf16
 weights, fp32 activations are rounded to bf16 first, and vdpbf16ps treats denormal inputs and
@@ -35,7 +38,7 @@ from torch import nn
 
 from nanovllm import _cpu
 from nanovllm.cpu import KERNEL_DTYPES, huge_pages
-from nanovllm.cpu.features import GemmKernel, amx_tiles, gemm_kernel, native_bf16
+from nanovllm.cpu.features import GemmKernel, gemm_kernel, native_bf16
 
 PREPACK_MIN_WEIGHTS = 1 << 17
 BATCH_HINT = 64  # the row count oneDNN's reorder optimizes for: a decode batch
@@ -73,20 +76,17 @@ def emulated_bf16(weight: torch.Tensor) -> bool:
 def layer_kernel(weight: torch.Tensor) -> GemmKernel:
     """The packing a weight takes on this CPU (see the module's docstring)."""
     if (weight.dtype == torch.bfloat16 and native_bf16() and weight.numel() >= PREPACK_MIN_WEIGHTS
-            and torch.backends.mkldnn.is_available()):
+            and torch.backends.mkldnn.is_available() and not _cpu.has_amx_bf16()):
         return "onednn"
     return gemm_kernel()
 
 
 def head_kernel(weight: torch.Tensor) -> GemmKernel:
-    """The LM head's packing: ours wherever it runs, but on AMX CPUs. The head sees only the rows
-    being sampled (a decode batch, the last token of each prefilled prompt), and on the AVX512-BF16
-    Zen 4 our pair tiles read its bf16 weight at 30-33 GB/s up to 8 rows, 1.2-1.55x oneDNN's speed,
-    and were even with it at 32 (benchmarks/RESULTS.md, "The LM head on our GEMM"); AMX tiles
-    multiply a batch's rows several times faster than either."""
-    if gemm_kernel() == "avx2" and not (weight.dtype == torch.bfloat16 and amx_tiles()):
-        return "avx2"
-    return layer_kernel(weight)
+    """The LM head's packing: ours wherever it runs. The head sees only the rows being sampled (a
+    decode batch, the last token of each prefilled prompt), and on the AVX512-BF16 Zen 4 our pair
+    tiles read its bf16 weight at 30-33 GB/s up to 8 rows, 1.2-1.55x oneDNN's speed, and were even
+    with it at 32 (benchmarks/RESULTS.md, "The LM head on our GEMM")."""
+    return "avx2" if gemm_kernel() == "avx2" else layer_kernel(weight)
 
 
 def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
