@@ -95,8 +95,9 @@ inline void dot_segment(const float* x, int64_t ldx, const uint8_t* w, const uin
   int64_t i = 0;
   for (; i + S <= steps; i += S) {
     // One row reads a line of weights per 4 steps: the line as far ahead in the pass (panel_ahead).
-    // Measured on AVX2 (two vectors a panel row, Zen 3); the AVX-512 set's one row, not yet.
-    if constexpr (R == 1 && S == 4 && kVecs == 2) __builtin_prefetch(ahead + i * kGemmPanel, 0, 2);
+    // Measured on AVX2 (two vectors a panel row, Zen 3) and on AVX-512 (the Intel Xeon with AMX: a
+    // 6144 x 1024 int8 weight at one row 2.2-2.5x faster, 16 -> 35-44 GB/s; int4 1.16x).
+    if constexpr (R == 1 && S == 4) __builtin_prefetch(ahead + i * kGemmPanel, 0, 2);
 #pragma GCC unroll 4
     for (int t = 0; t < S; ++t) step(i + t, part[t]);
   }
