@@ -736,80 +736,87 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   using amx::kTileRows;
   const int64_t panels = gemm_panels(a.n), kp = padded_depth(a.k, Bits), blocks = (a.m + kTileRows - 1) / kTileRows;
   const float magic = Bits == 4 ? 128.0f : 0.0f;
-  thread_local std::vector<Bf16> tiles_storage, slice_storage;
+  thread_local std::vector<Bf16> tiles_storage, pair_storage;
   thread_local std::vector<float> sums_storage;
   Bf16* const tiles = amx::aligned(tiles_storage, blocks * kTileRows * a.k);
-  // Two decoded slices and two segments' sums: the next pair's decode and the last segment's scaling
-  // run on the vector units while the tiles multiply (each waited on the other: 1.3x slower).
-  constexpr int64_t kSliceValues = kQuantKc * 2 * kGemmPanel, kSums = 2 * kTileRows * 2 * kGemmPanel;
-  Bf16* const decoded = amx::aligned(slice_storage, 2 * kSliceValues);
+  // Two decoded panel pairs (the whole depth) and two groups' sums: the next pair's decode and the
+  // last group's scaling run on the vector units while the tiles multiply (each waited on the other:
+  // 1.3x slower). A group's products sum in the tiles across slices: one group per output column
+  // (int8's default) is scaled once, not once per 256-deep slice.
+  const int64_t pair_values = a.k * 2 * kGemmPanel, kSums = 2 * kTileRows * 2 * kGemmPanel;
+  Bf16* const decoded = amx::aligned(pair_storage, 2 * pair_values);
   float* const sums = amx::aligned(sums_storage, 2 * kSums);
   amx::pack_rows(a.x_bf16, a.x_stride, a.m, a.k, tiles);
-  // The walk: the thread's panel pairs at each slice depth in turn.
-  const int64_t pairs = (p1 - p0 + 1) / 2, slices = (a.k + kQuantKc - 1) / kQuantKc;
-  const auto decode = [&](int64_t i) NANOVLLM_AMX {
-    const int64_t slice = i / pairs, k0 = slice * kQuantKc, p = p0 + i % pairs * 2, kc = std::min(kQuantKc, a.k - k0);
+  // Each row's sum of x per group, of its segments' (RowPrep::xsum).
+  const int64_t group_size = std::min(a.group_size, a.k), groups = (a.k + group_size - 1) / group_size;
+  std::vector<float> gsum(a.m * groups, 0.0f);
+  for (int64_t r = 0; r < a.m; ++r) {
+    for (int64_t sg = 0; sg < segs.count(); ++sg) gsum[r * groups + segs.group[sg]] += rows.xsum[r * segs.count() + sg];
+  }
+  const auto decode = [&](int64_t p) NANOVLLM_AMX {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    Bf16* w = decoded + i % 2 * kSliceValues;
-    for (int q = 0; q < np; ++q) {
-      const uint8_t* ws = a.packed + slice_bytes(panels, kp, p + q, k0, Bits);
-      for (int64_t j = 0; j < kc / 2; ++j) {
-        _mm512_store_si512(w + (j * np + q) * 2 * kGemmPanel,
-                           reinterpret_cast<__m512i>(weight_pairs<Bits>(ws + 2 * j * kGemmPanel * Bits / 8, false)));
+    Bf16* w = decoded + (p - p0) / 2 % 2 * pair_values;
+    for (int64_t k0 = 0; k0 < a.k; k0 += kQuantKc) {
+      const int64_t kc = std::min(kQuantKc, a.k - k0);
+      for (int q = 0; q < np; ++q) {
+        const uint8_t* ws = a.packed + slice_bytes(panels, kp, p + q, k0, Bits);
+        for (int64_t j = 0; j < kc / 2; ++j) {
+          _mm512_store_si512(w + ((k0 / 2 + j) * np + q) * 2 * kGemmPanel,
+                             reinterpret_cast<__m512i>(weight_pairs<Bits>(ws + 2 * j * kGemmPanel * Bits / 8, false)));
+        }
       }
     }
   };
-  // Segment sg's sums of blocks [b, b + 2) by panels [p, p + np) into y, scaled.
-  const auto scale = [&](const float* c, int64_t b, int64_t sg, int64_t p, int np) NANOVLLM_AMX {
-    const bool first = segs.start[sg] == 0;
+  // Group g's sums of blocks [b, b + 2) by panels [p, p + np) into y, scaled.
+  const auto scale = [&](const float* c, int64_t b, int64_t g, int64_t p, int np) NANOVLLM_AMX {
+    const bool first = g == 0;
     for (int q = 0; q < np; ++q) {
       const int64_t col0 = (p + q) * kGemmPanel;
       const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
       __m512 s[1], z[1], bias[1];
-      group_params(a, p + q, segs.group[sg], s, z);
+      group_params(a, p + q, g, s, z);
       load_bias(a, col0, cols, first, bias);
       const __m512 zero = _mm512_add_ps(z[0], _mm512_set1_ps(magic));
       for (int64_t r = b * kTileRows; r < std::min(a.m, (b + 2) * kTileRows); ++r) {
         const __m512 acc = _mm512_load_ps(c + (r - b * kTileRows) * 2 * kGemmPanel + q * kGemmPanel);
-        __m512 out = _mm512_mul_ps(s[0], _mm512_fnmadd_ps(zero, _mm512_set1_ps(rows.xsum[r * segs.count() + sg]), acc));
+        __m512 out = _mm512_mul_ps(s[0], _mm512_fnmadd_ps(zero, _mm512_set1_ps(gsum[r * groups + g]), acc));
         if (first) out = _mm512_add_ps(out, bias[0]);
         put(a.y + r * a.y_stride + col0, &out, cols, !first);
       }
     }
   };
-  decode(0);
+  decode(p0);
   amx::fence();
   _tile_loadconfig(&amx::kConfig);
-  int64_t done = 0;  // segments multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
+  int64_t done = 0;  // groups multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
   struct Pending {
-    int64_t b, sg, p;
+    int64_t b, g, p;
     int np;
   } pending{};
-  for (int64_t i = 0; i < slices * pairs; ++i) {
-    const int64_t slice = i / pairs, k0 = slice * kQuantKc, p = p0 + i % pairs * 2;
+  for (int64_t p = p0; p < p1; p += 2) {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    const Bf16* w = decoded + i % 2 * kSliceValues;
+    const Bf16* w = decoded + (p - p0) / 2 % 2 * pair_values;
     for (int64_t b = 0; b < blocks; b += 2) {
       const bool two = b + 1 < blocks;
-      for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg, ++done) {
-        const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
-        const Bf16* a0 = tiles + (b * a.k + s0) * kTileRows;
+      for (int64_t g = 0; g < groups; ++g, ++done) {
+        const int64_t g0 = g * group_size, len = std::min(a.k, g0 + group_size) - g0;
+        const Bf16* a0 = tiles + (b * a.k + g0) * kTileRows;
         const Bf16* a1 = a0 + kTileRows * a.k;
-        const Bf16* ws = w + (s0 - k0) * np * kGemmPanel;
+        const Bf16* ws = w + g0 * np * kGemmPanel;
         float* c = sums + done % 2 * kSums;
         if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, c);
         if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, c);
         if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, c);
         if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, c);
-        if (b == 0 && sg == segs.first[slice] && i + 1 < slices * pairs) decode(i + 1);
+        if (b == 0 && g == 0 && p + 2 < p1) decode(p + 2);
         amx::fence();
-        if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.sg, pending.p, pending.np);
-        pending = {b, sg, p, np};
+        if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.g, pending.p, pending.np);
+        pending = {b, g, p, np};
       }
     }
   }
   amx::fence();
-  if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.sg, pending.p, pending.np);
+  if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.g, pending.p, pending.np);
   _tile_release();
 }
 
