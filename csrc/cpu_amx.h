@@ -4,7 +4,9 @@
 // bf16 pair layout of csrc/cpu_gemm.h: a panel's k pairs, 64 bytes each.
 #pragma once
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -66,6 +68,7 @@ inline void pack_rows(const Bf16* x, int64_t x_stride, int64_t m, int64_t k, Bf1
   }
 }
 
+#if defined(__x86_64__)
 #define NANOVLLM_AMX_TILES [[gnu::target("amx-tile,amx-bf16")]]
 
 // The C tiles of B row blocks (1 or 2) by P panels (1 or 2) zeroed: C[2 * b + q].
@@ -110,5 +113,7 @@ NANOVLLM_AMX_TILES inline void store_sums(float* const (&y)[2], const int64_t (&
     if constexpr (P == 2) _tile_stored(3, y[1] + 16, stride[1] * 4);
   }
 }
+
+#endif
 
 }  // namespace nanovllm::amx

@@ -6,11 +6,8 @@
 // (16 k pairs of one panel) loads straight from the packed weight with that stride; the rows of x
 // are copied into A tiles (amx::pack_rows). Tiles: C0..C3 the products of two 16-row blocks by two
 // panels, A4/A5 the blocks, B6/B7 the panels (amx::kConfig).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "cpu_amx.h"
