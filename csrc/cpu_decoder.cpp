@@ -63,16 +63,22 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
     quant_gemm(a, QuantIsa::kAuto, num_threads);
     return;
   }
-  // Dense: the product in fp32, rounded to bf16 after in a bf16 model (cpu/gemm.py's _gemm).
+  // Dense: the product in fp32, rounded to bf16 in a bf16 model (cpu/gemm.py's _gemm) by each thread
+  // on its columns.
   float* out = bf16 ? static_cast<float*>(buffer(kY32, m * w.n * static_cast<int64_t>(sizeof(float))))
                     : static_cast<float*>(y);
   if (w.kind == DecoderLinear::Kind::kDenseBf16) {  // only in a bf16 stack (the binding checks)
-    gemm_bf16({static_cast<const Bf16*>(x), static_cast<const Bf16*>(w.packed), w.bias, out, m, w.n, w.k, w.k, w.n},
-              num_threads);
-  } else {
-    gemm({fp32_x(), w.packed, w.bias, out, m, w.n, w.k, w.k, w.n, w.packed_dtype, w.pairs}, num_threads);
+    const GemmBf16Args g{static_cast<const Bf16*>(x), static_cast<const Bf16*>(w.packed), w.bias, out, m, w.n, w.k,
+                         w.k, w.n};
+    gemm_bf16_narrowed(g, static_cast<Bf16*>(y), num_threads);
+    return;
   }
-  if (bf16) narrow_n(out, static_cast<Bf16*>(y), m * w.n);
+  const GemmArgs g{fp32_x(), w.packed, w.bias, out, m, w.n, w.k, w.k, w.n, w.packed_dtype, w.pairs};
+  if (bf16) {
+    gemm_narrowed(g, static_cast<Bf16*>(y), num_threads);
+  } else {
+    gemm(g, num_threads);
+  }
 }
 
 void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_t m, int num_threads) {

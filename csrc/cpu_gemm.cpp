@@ -431,6 +431,29 @@ void gemm_bf16(const GemmBf16Args& a, int num_threads) {
   parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a](int64_t p0, int64_t p1) { gemm_bf16_panel_range(a, p0, p1); });
 }
 
+namespace {
+// Columns [p0, p1) panels of the fp32 product y (m rows y_stride apart, n columns) rounded into out.
+void narrow_panels(const float* y, int64_t y_stride, Bf16* out, int64_t m, int64_t n, int64_t p0, int64_t p1) {
+  const int64_t c0 = p0 * kGemmPanel, c1 = std::min(n, p1 * kGemmPanel);
+  if (c0 >= c1) return;
+  for (int64_t r = 0; r < m; ++r) narrow_n(y + r * y_stride + c0, out + r * n + c0, c1 - c0);
+}
+}  // namespace
+
+void gemm_narrowed(const GemmArgs& a, Bf16* y_bf16, int num_threads) {
+  parallel_gemm_panels(a, num_threads, [&a, y_bf16](int64_t p0, int64_t p1) {
+    gemm_panel_range(a, p0, p1);
+    narrow_panels(a.y, a.y_stride, y_bf16, a.m, a.n, p0, p1);
+  });
+}
+
+void gemm_bf16_narrowed(const GemmBf16Args& a, Bf16* y_bf16, int num_threads) {
+  parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a, y_bf16](int64_t p0, int64_t p1) {
+    gemm_bf16_panel_range(a, p0, p1);
+    narrow_panels(a.y, a.y_stride, y_bf16, a.m, a.n, p0, p1);
+  });
+}
+
 void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
   if (a.m == 0) return;
   const bool bf16_rows = a.x_dtype == CpuDtype::kBFloat16;
