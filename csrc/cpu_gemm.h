@@ -121,8 +121,9 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 // Needs has_amx_bf16() and k a multiple of 32.
 void gemm_bf16_amx_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 
-// y = x W^T + bias on the pair tiles, split over the team: the bf16 linear layers on AVX512-BF16
-// CPUs without AMX (nanovllm/cpu/gemm.py picks it).
+// y = x W^T + bias on gemm_bf16_panel_range's tiles, split over the team: the bf16 linear layers
+// where nanovllm/cpu/gemm.py gives them our kernel (AVX512-BF16 CPUs for small layers, every bf16
+// layer where the process has AMX tiles).
 void gemm_bf16(const GemmBf16Args& a, int num_threads);
 
 // gemm / gemm_bf16 for a bf16 model's layer: the fp32 product in a.y, rounded to bf16 into y_bf16

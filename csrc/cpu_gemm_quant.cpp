@@ -725,12 +725,12 @@ NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int
   amx::store_sums<B, P>(y, stride);
 }
 
-// bf16 rows on AMX tiles (amx_path): each pair of panels' slice is decoded once into the bf16 pair
-// layout (csrc/cpu_amx.h's B), its values those weight_pairs gives the vdpbf16ps path (the integers,
-// plus 128 for int4: exact in bf16); for each 32 rows the tiles sum each segment's products in fp32
-// and the segment's scale and zero point apply to the sums as on that path (s * (sum - z * xsum)).
-// At 32 rows the vdpbf16ps path is bound by its dot products (half an FMA's rate on Sapphire
-// Rapids), the tiles by the weights' stream.
+// bf16 rows on AMX tiles (amx_path): each pair of panels is decoded once, over the whole depth, into
+// the bf16 pair layout (csrc/cpu_amx.h's B), its values those weight_pairs gives the vdpbf16ps path
+// (the integers, plus 128 for int4: exact in bf16); for each 32 rows the tiles sum each group's
+// products in fp32 and the group's scale and zero point apply to the sums as on that path
+// (s * (sum - z * xsum)). At 32 rows the vdpbf16ps path is bound by its dot products (half an FMA's
+// rate on Sapphire Rapids), the tiles by the decode and the scaling.
 template <int Bits>
 NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1) {
   using amx::kTileRows;
@@ -951,7 +951,7 @@ bool bf16_dots(QuantIsa isa) {
 }
 
 // bf16 activations on AMX tiles: asked for (kAmx) or, by default, from kAmxMinRows rows, where the
-// shape takes whole tiles: k and every segment multiples of 32.
+// shape takes whole tiles: k and every group multiples of 32.
 bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
   return a.x_bf16 != nullptr && (isa == QuantIsa::kAmx || (isa == QuantIsa::kAuto && a.m >= kAmxMinRows)) &&
          has_amx_bf16() && a.k % 32 == 0 && (a.group_size % 32 == 0 || a.group_size >= a.k);

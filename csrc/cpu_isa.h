@@ -14,6 +14,7 @@ namespace nanovllm {
 struct CpuIsa {
   bool avx2_fma = false;     // the AVX2 GEMM tiles and attention score tiles
   bool avx512f = false;      // the AVX-512 fp32 GEMM tiles
+  bool avx512 = false;       // AVX-512 F + BW + VL + DQ (Skylake-SP on): the MoE layer's own loops
   bool avx512_bf16 = false;  // AVX512-F + AVX512-BF16: the bf16 pair tiles (Zen 4, Cooper Lake, SPR)
   bool amx_bf16 = false;     // AMX tiles with bf16 products, granted to the process (Sapphire Rapids on)
 };
@@ -37,6 +38,8 @@ inline const CpuIsa& cpu_isa() {
     __builtin_cpu_init();
     found.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     found.avx512f = __builtin_cpu_supports("avx512f");
+    found.avx512 = found.avx512f && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512dq");
     found.avx512_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
     found.amx_bf16 = found.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
                      amx_granted();
@@ -48,6 +51,7 @@ inline const CpuIsa& cpu_isa() {
 
 inline bool has_avx2_fma() { return cpu_isa().avx2_fma; }
 inline bool has_avx512f() { return cpu_isa().avx512f; }
+inline bool has_avx512() { return cpu_isa().avx512; }
 inline bool has_avx512_bf16() { return cpu_isa().avx512_bf16; }
 inline bool has_amx_bf16() { return cpu_isa().amx_bf16; }
 

@@ -81,12 +81,13 @@ def layer_kernel(weight: torch.Tensor) -> GemmKernel:
     return gemm_kernel()
 
 
-def head_kernel(weight: torch.Tensor) -> GemmKernel:
-    """The LM head's packing: ours wherever it runs. The head sees only the rows being sampled (a
-    decode batch, the last token of each prefilled prompt), and on the AVX512-BF16 Zen 4 our pair
-    tiles read its bf16 weight at 30-33 GB/s up to 8 rows, 1.2-1.55x oneDNN's speed, and were even
-    with it at 32 (benchmarks/RESULTS.md, "The LM head on our GEMM")."""
-    return "avx2" if gemm_kernel() == "avx2" else layer_kernel(weight)
+def head_kernel() -> GemmKernel:
+    """The LM head's packing: ours wherever it runs, whatever `layer_kernel` gives a linear layer of
+    its dtype. The head sees only the rows being sampled (a decode batch, the last token of each
+    prefilled prompt), and on the AVX512-BF16 Zen 4 our pair tiles read its bf16 weight at 30-33
+    GB/s up to 8 rows, 1.2-1.55x oneDNN's speed, and were even with it at 32 (benchmarks/RESULTS.md,
+    "The LM head on our GEMM")."""
+    return gemm_kernel()
 
 
 def can_prepack(weight: torch.Tensor, kernel: GemmKernel | None = None) -> bool:
