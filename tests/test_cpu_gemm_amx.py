@@ -18,9 +18,10 @@ pytestmark = pytest.mark.skipif(not _cpu.has_amx_bf16(), reason="this process ha
 
 # rows: 0, below one block, a block, blocks and a tail, two-block groups and a lone block; k: one tile
 # deep, a slice and a part, several slices (multiples of 32, AMX's condition); n: one panel, an odd
-# number of panels (a lone last one), columns past n in the last pair or panel.
+# number of panels (a lone last one), columns past n in the last pair or panel; a depth at which the
+# rows go in chunks of 32 (768 KB of A tiles: 32, 32, then 6 rows).
 SHAPES = [(1, 32, 16), (5, 64, 40), (16, 256, 32), (17, 288, 48), (33, 1024, 200), (150, 512, 33), (0, 64, 16),
-          (300, 96, 1000)]
+          (300, 96, 1000), (70, 8192, 40)]
 
 
 def _gemm(x: torch.Tensor, packed: cpu_gemm.PackedWeight, bias: torch.Tensor | None, y_stride: int, threads: int,
