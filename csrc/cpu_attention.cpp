@@ -1,4 +1,5 @@
 #include "cpu_attention.h"
+#include "cpu_attention_amx.h"
 
 #include "cpu_attention_avx2.h"
 #include "cpu_attention_bf16.h"
@@ -21,6 +22,12 @@ namespace {
 // Rows of query vectors per task: enough that one K/V row, once loaded, serves many queries
 // (a prefill tile), few enough that the task's scores stay in cache.
 constexpr int kQueryVectorsPerTask = 64;
+// A task of at least this many query vectors a KV head (a prefill tile, a tile of 16) goes to AMX
+// tiles where attention_amx_takes the call.
+constexpr int kAmxMinVectors = 16;
+// Query vectors per prefill task on AMX tiles: each task gathers its keys and values into tiles,
+// which more vectors share.
+constexpr int kAmxVectorsPerTask = 256;
 // Below this many multiply-adds a step is not worth waking a second thread for.
 constexpr int64_t kMinWorkPerThread = 1 << 16;
 
@@ -431,6 +438,10 @@ template <typename T>
   const int per_head = rows * group;
   const int V = heads * per_head;
   const int64_t L = task.part >= 0 ? task.key_end : base + rows;  // keys the last row sees (or the part's end)
+  if (std::is_same_v<T, Bf16> && task.part < 0 && per_head >= kAmxMinVectors && attention_amx_takes(a)) {
+    attend_rows_amx(a, task.seq, task.head_begin, task.head_end, task.row_begin, task.row_end);
+    return;
+  }
   const int32_t* table = a.block_tables + static_cast<int64_t>(task.seq) * a.block_table_stride;
   const int64_t kv_row = static_cast<int64_t>(a.num_kv_heads) * D;
   const int64_t head_off = static_cast<int64_t>(task.head_begin) * D;
@@ -545,7 +556,7 @@ int32_t key_parts(int32_t blocks) {
 // tiles go first: handing out the long tasks first balances the threads. `parts`: the key parts.
 std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64_t& work, int32_t& parts) {
   const int group = a.num_heads / a.num_kv_heads;
-  const int tile = std::max(1, kQueryVectorsPerTask / group);
+  const int tile = std::max(1, (attention_amx_takes(a) ? kAmxVectorsPerTask : kQueryVectorsPerTask) / group);
   int32_t decodes = 0;
   for (int32_t seq = 0; seq < a.num_seqs; ++seq) decodes += a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] == 1;
   const int32_t heads_split = decodes > 0 && decodes == a.num_seqs && decodes < num_threads
