@@ -739,37 +739,42 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   thread_local std::vector<Bf16> tiles_storage, pair_storage;
   thread_local std::vector<float> sums_storage;
   Bf16* const tiles = amx::aligned(tiles_storage, blocks * kTileRows * a.k);
-  // Two decoded panel pairs (the whole depth) and two groups' sums: the next pair's decode and the
-  // last group's scaling run on the vector units while the tiles multiply (each waited on the other:
-  // 1.3x slower). A group's products sum in the tiles across slices: one group per output column
-  // (int8's default) is scaled once, not once per 256-deep slice.
-  const int64_t pair_values = a.k * 2 * kGemmPanel, kSums = 2 * kTileRows * 2 * kGemmPanel;
-  Bf16* const decoded = amx::aligned(pair_storage, 2 * pair_values);
-  float* const sums = amx::aligned(sums_storage, 3 * kSums);
-  float* const total = sums + 2 * kSums;
+  // Two decoded groups of a panel pair and two groups' sums: the next group's decode and the last
+  // group's scaling run on the vector units while the tiles multiply (each waited on the other: 1.3x
+  // slower). A group's products sum in the tiles across slices: one group per output column (int8's
+  // default) is scaled once, not once per 256-deep slice. Decoded a group at a time (8 KB at int4's
+  // 128), the weights stay in L1 for the tiles; a whole pair's decode (64 KB at k = 1024) went to L2
+  // and back, and held the tiles idle while it ran: int4 at 32 rows 1.24-1.27x faster, at 64 rows
+  // 1.14-1.17x (Intel Xeon with AMX).
+  const int64_t group_size = std::min(a.group_size, a.k), groups = (a.k + group_size - 1) / group_size;
+  const int64_t group_values = group_size * 2 * kGemmPanel, kSums = 2 * kTileRows * 2 * kGemmPanel;
+  Bf16* const decoded = amx::aligned(pair_storage, 2 * group_values);
+  float* const sums = amx::aligned(sums_storage, (2 + (blocks + 1) / 2) * kSums);
+  float* const totals = sums + 2 * kSums;  // each block pair's
   amx::pack_rows(a.x_bf16, a.x_stride, a.m, a.k, tiles);
   // Each row's sum of x per group, of its segments' (RowPrep::xsum).
-  const int64_t group_size = std::min(a.group_size, a.k), groups = (a.k + group_size - 1) / group_size;
   std::vector<float> gsum(a.m * groups, 0.0f);
   for (int64_t r = 0; r < a.m; ++r) {
     for (int64_t sg = 0; sg < segs.count(); ++sg) gsum[r * groups + segs.group[sg]] += rows.xsum[r * segs.count() + sg];
   }
-  const auto decode = [&](int64_t p) NANOVLLM_AMX {
+  // Group g of the pair at panel p into w: depth pairs of the group in order, the pair's panels
+  // interleaved (csrc/cpu_amx.h's B layout).
+  const auto decode = [&](int64_t p, int64_t g, Bf16* w) NANOVLLM_AMX {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    Bf16* w = decoded + (p - p0) / 2 % 2 * pair_values;
-    for (int64_t k0 = 0; k0 < a.k; k0 += kQuantKc) {
-      const int64_t kc = std::min(kQuantKc, a.k - k0);
+    const int64_t g0 = g * group_size, g1 = std::min(a.k, g0 + group_size);
+    for (int64_t k0 = g0 / kQuantKc * kQuantKc; k0 < g1; k0 += kQuantKc) {
+      const int64_t kc = std::min(kQuantKc, a.k - k0), lo = std::max(g0, k0), hi = std::min(g1, k0 + kc);
       for (int q = 0; q < np; ++q) {
         const uint8_t* ws = a.packed + slice_bytes(panels, kp, p + q, k0, Bits);
-        // int8: the next pair's slice asked for into L2, a pair's tiles and scaling ahead of its
-        // decode (at 32 rows ~1.1-1.3x faster from memory, Intel Xeon with AMX; int4, which reads
-        // half the bytes, 0.93-0.97x).
-        if (Bits == 8 && p + 2 + q < p1) {
+        // int8: the next pair's slice asked for into L2 with the group its start lies in, a pair's
+        // tiles and scaling ahead of its decode (at 32 rows ~1.1-1.3x faster from memory, Intel
+        // Xeon with AMX; int4, which reads half the bytes, 0.93-0.97x).
+        if (Bits == 8 && lo == k0 && p + 2 + q < p1) {
           const uint8_t* next = a.packed + slice_bytes(panels, kp, p + 2 + q, k0, Bits);
           prefetch_l2(next, next + kc * kGemmPanel * Bits / 8);
         }
-        for (int64_t j = 0; j < kc / 2; ++j) {
-          _mm512_store_si512(w + ((k0 / 2 + j) * np + q) * 2 * kGemmPanel,
+        for (int64_t j = (lo - k0) / 2; j < (hi - k0) / 2; ++j) {
+          _mm512_store_si512(w + (((k0 - g0) / 2 + j) * np + q) * 2 * kGemmPanel,
                              reinterpret_cast<__m512i>(weight_pairs<Bits>(ws + 2 * j * kGemmPanel * Bits / 8, false)));
         }
       }
@@ -793,6 +798,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
         const int64_t at = (r - b * kTileRows) * 2 * kGemmPanel + q * kGemmPanel;
         const __m512 sum = _mm512_load_ps(c + at);
         __m512 out = _mm512_mul_ps(s[0], _mm512_fnmadd_ps(zero, _mm512_set1_ps(gsum[r * groups + g]), sum));
+        float* total = totals + b / 2 * kSums;
         out = _mm512_add_ps(out, first ? bias[0] : _mm512_load_ps(total + at));
         if (last) {
           put(a.y + r * a.y_stride + col0, &out, cols, false);
@@ -802,34 +808,36 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       }
     }
   };
-  decode(p0);
+  decode(p0, 0, decoded);
   amx::fence();
   _tile_loadconfig(&amx::kConfig);
-  int64_t done = 0;  // groups multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
+  int64_t done = 0;  // segments multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
   struct Pending {
     int64_t b, g, p;
     int np;
   } pending{};
-  for (int64_t p = p0; p < p1; p += 2) {
+  // Step i: group i % groups of the pair at p0 + 2 (i / groups), against every block pair.
+  const int64_t steps = (p1 - p0 + 1) / 2 * groups;
+  for (int64_t i = 0; i < steps; ++i) {
+    const int64_t p = p0 + 2 * (i / groups), g = i % groups;
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    const Bf16* w = decoded + (p - p0) / 2 % 2 * pair_values;
-    for (int64_t b = 0; b < blocks; b += 2) {
+    const int64_t g0 = g * group_size, len = std::min(a.k, g0 + group_size) - g0;
+    const Bf16* ws = decoded + i % 2 * group_values;
+    for (int64_t b = 0; b < blocks; b += 2, ++done) {
       const bool two = b + 1 < blocks;
-      for (int64_t g = 0; g < groups; ++g, ++done) {
-        const int64_t g0 = g * group_size, len = std::min(a.k, g0 + group_size) - g0;
-        const Bf16* a0 = tiles + (b * a.k + g0) * kTileRows;
-        const Bf16* a1 = a0 + kTileRows * a.k;
-        const Bf16* ws = w + g0 * np * kGemmPanel;
-        float* c = sums + done % 2 * kSums;
-        if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, c);
-        if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, c);
-        if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, c);
-        if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, c);
-        if (b == 0 && g == 0 && p + 2 < p1) decode(p + 2);
-        amx::fence();
-        if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.g, pending.p, pending.np);
-        pending = {b, g, p, np};
+      const Bf16* a0 = tiles + (b * a.k + g0) * kTileRows;
+      const Bf16* a1 = a0 + kTileRows * a.k;
+      float* c = sums + done % 2 * kSums;
+      if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, c);
+      if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, c);
+      if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, c);
+      if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, c);
+      if (b == 0 && i + 1 < steps) {
+        decode(p0 + 2 * ((i + 1) / groups), (i + 1) % groups, decoded + (i + 1) % 2 * group_values);
       }
+      amx::fence();
+      if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.g, pending.p, pending.np);
+      pending = {b, g, p, np};
     }
   }
   amx::fence();
