@@ -297,7 +297,27 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     const int64_t first = offsets[e], m = offsets[e + 1] - first;
     experts.gate_up(e, xs + first * hidden, hidden, h + first * gate_up, gate_up, m, p0, p1);
     for (int64_t r = first; r < first + m; ++r) {
-      for (int64_t p = p0; p < p1; ++p) {
+      int64_t p = p0;
+      // Two panels at a time: their 16 gate and 16 up columns gathered, then the math in 16 lanes
+      // (AVX-512's registers; a panel's 8 filled half of one).
+      for (; p + 2 <= p1; p += 2) {
+        const float* __restrict pair = h + r * gate_up + p * kGemmPanel;
+        A* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
+        float g[kGemmPanel], u[kGemmPanel], v[kGemmPanel];
+        for (int64_t c = 0; c < kGemmPanel / 2; ++c) {
+          g[c] = pair[c];
+          u[c] = pair[kGemmPanel / 2 + c];
+          g[kGemmPanel / 2 + c] = pair[kGemmPanel + c];
+          u[kGemmPanel / 2 + c] = pair[3 * kGemmPanel / 2 + c];
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < kGemmPanel; ++c) {
+          v[c] = round_to<T>(round_to<T>(silu(round_to<T>(g[c]))) * round_to<T>(u[c]));
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < kGemmPanel; ++c) narrow(v[c], dst + c);
+      }
+      for (; p < p1; ++p) {
         const float* __restrict gate = h + r * gate_up + p * kGemmPanel;
         const float* __restrict up = gate + kGemmPanel / 2;
         A* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
