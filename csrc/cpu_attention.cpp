@@ -22,8 +22,9 @@ namespace {
 // Rows of query vectors per task: enough that one K/V row, once loaded, serves many queries
 // (a prefill tile), few enough that the task's scores stay in cache.
 constexpr int kQueryVectorsPerTask = 64;
-// A task of at least this many query vectors a KV head (a prefill tile, a tile of 16) goes to AMX
-// tiles where attention_amx_takes the call.
+// A prefill task (rows past one) of at least this many query vectors a KV head (a tile of 16) goes
+// to AMX tiles where attention_amx_takes the call. A decode row stays on the vector path whatever
+// its GQA group: it reads each key once, and the tiles would gather every key for one row.
 constexpr int kAmxMinVectors = 16;
 // Query vectors per prefill task on AMX tiles: each task gathers its keys and values into tiles,
 // which more vectors share.
@@ -438,7 +439,7 @@ template <typename T>
   const int per_head = rows * group;
   const int V = heads * per_head;
   const int64_t L = task.part >= 0 ? task.key_end : base + rows;  // keys the last row sees (or the part's end)
-  if (std::is_same_v<T, Bf16> && task.part < 0 && per_head >= kAmxMinVectors && attention_amx_takes(a)) {
+  if (std::is_same_v<T, Bf16> && task.part < 0 && rows > 1 && per_head >= kAmxMinVectors && attention_amx_takes(a)) {
     attend_rows_amx(a, task.seq, task.head_begin, task.head_end, task.row_begin, task.row_end);
     return;
   }

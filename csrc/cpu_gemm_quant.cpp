@@ -725,7 +725,7 @@ NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int
   amx::store_sums<B, P>(y, stride);
 }
 
-// bf16 rows on AMX tiles (amx_path): each pair of panels is decoded once, over the whole depth, into
+// bf16 rows on AMX tiles (amx_path): each pair of panels is decoded once, a group at a time, into
 // the bf16 pair layout (csrc/cpu_amx.h's B), its values those weight_pairs gives the vdpbf16ps path
 // (the integers, plus 128 for int4: exact in bf16); for each 32 rows the tiles sum each group's
 // products in fp32 and the group's scale and zero point apply to the sums as on that path
