@@ -19,12 +19,12 @@
 #include "cpu_attention_amx.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
 #include "cpu_amx.h"
 #include "cpu_isa.h"
+#include "cpu_math.h"
 
 namespace nanovllm {
 
@@ -134,22 +134,25 @@ NANOVLLM_ATTN_AMX inline void four_products(const Bf16* a, int64_t a_step, const
 }
 
 // exp(x) for x <= 0, vec_exp's polynomial (csrc/cpu_math.h) in AVX-512 registers, 2^k applied by
-// vscalefps; below -87.3 clamped (1e-38 for 0). The auto-vectorized vec_exp loop, with the max and
-// the bf16 conversion around it, was half of a long prompt's attention on AMX tiles.
+// vscalefps; below kExpMin clamped (1e-38 for 0). The auto-vectorized vec_exp loop, with the max
+// and the bf16 conversion around it, was half of a long prompt's attention on AMX tiles.
 NANOVLLM_ATTN_AMX inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r =
-      _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, k);
+}
+
+// C0..C3 stored at c, c + step, c + 2 step, c + 3 step, rows `stride` floats apart.
+NANOVLLM_ATTN_AMX inline void store_four(float* c, int64_t step, int64_t stride) {
+  _tile_stored(0, c, stride * 4);
+  _tile_stored(1, c + step, stride * 4);
+  _tile_stored(2, c + 2 * step, stride * 4);
+  _tile_stored(3, c + 3 * step, stride * 4);
 }
 
 // The exponentials of one vector's scores s[0, n) (unscaled dot products) less their max, in bf16
@@ -246,11 +249,7 @@ NANOVLLM_ATTN_AMX void attend_rows_amx(const PagedAttentionArgs& a, int32_t seq,
         four_products(q + b * depth_tiles * kTileValues, kTileValues,
                       kt + st * kScoreTiles * depth_tiles * kTileValues, depth_tiles * kTileValues, kTileValues,
                       depth_tiles);
-        float* c = sc + st * kKeyStep;
-        _tile_stored(0, c, keys * 4);
-        _tile_stored(1, c + kKeyTile, keys * 4);
-        _tile_stored(2, c + 2 * kKeyTile, keys * 4);
-        _tile_stored(3, c + 3 * kKeyTile, keys * 4);
+        store_four(sc + st * kKeyStep, kKeyTile, keys);
       }
       amx::fence();
       float inv[kTileRows];  // 1 / each vector's sum of exponentials
@@ -265,10 +264,7 @@ NANOVLLM_ATTN_AMX void attend_rows_amx(const PagedAttentionArgs& a, int32_t seq,
         amx::zero_sums<2, 2>();
         four_products(pb, kTileValues, v + d0 / kTileRows * kTileValues, kTileValues, D / kTileRows * kTileValues,
                       value_tiles);
-        _tile_stored(0, o + d0, D * 4);
-        _tile_stored(1, o + d0 + kTileRows, D * 4);
-        _tile_stored(2, o + d0 + 2 * kTileRows, D * 4);
-        _tile_stored(3, o + d0 + 3 * kTileRows, D * 4);
+        store_four(o + d0, kTileRows, D);
       }
       amx::fence();
       for (int64_t i = 0; i <= last - b * kTileRows; ++i) {

@@ -736,7 +736,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   using amx::kTileRows;
   const int64_t panels = gemm_panels(a.n), kp = padded_depth(a.k, Bits), blocks = (a.m + kTileRows - 1) / kTileRows;
   const float magic = Bits == 4 ? 128.0f : 0.0f;
-  thread_local std::vector<Bf16> tiles_storage, pair_storage;
+  thread_local std::vector<Bf16> tiles_storage, group_storage;
   thread_local std::vector<float> sums_storage;
   Bf16* const tiles = amx::aligned(tiles_storage, blocks * kTileRows * a.k);
   // Two decoded groups of a panel pair and two groups' sums: the next group's decode and the last
@@ -748,7 +748,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   // 1.14-1.17x (Intel Xeon with AMX).
   const int64_t group_size = std::min(a.group_size, a.k), groups = (a.k + group_size - 1) / group_size;
   const int64_t group_values = group_size * 2 * kGemmPanel, kSums = 2 * kTileRows * 2 * kGemmPanel;
-  Bf16* const decoded = amx::aligned(pair_storage, 2 * group_values);
+  Bf16* const decoded = amx::aligned(group_storage, 2 * group_values);
   float* const sums = amx::aligned(sums_storage, (2 + (blocks + 1) / 2) * kSums);
   float* const totals = sums + 2 * kSums;  // each block pair's
   amx::pack_rows(a.x_bf16, a.x_stride, a.m, a.k, tiles);

@@ -15,18 +15,26 @@
 
 namespace nanovllm {
 
+// exp(x) = 2^k (1 + r + r^2 p(r)), k = x log2(e) rounded, r = x - k ln2 with ln2 in two parts (r
+// exact enough), p of degree 5 (kExpPoly, highest first): vec_exp, and the AMX attention's softmax
+// in AVX-512 registers (csrc/cpu_attention_amx.cpp).
+inline constexpr float kExpMin = -87.3f, kExpMax = 88.7f, kLog2e = 1.44269504088896341f;
+inline constexpr float kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;  // ln2 = kLn2High - kLn2Low
+inline constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float vec_exp(float x) {
   // Below -87.3 the result would be denormal; callers (softmax, sigmoid) lose nothing by 1e-38.
-  x = std::max(-87.3f, std::min(x, 88.7f));
+  x = std::max(kExpMin, std::min(x, kExpMax));
   // Round to nearest by the 1.5 * 2^23 trick: plain adds, where floor() kept the loop scalar.
-  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;  // ln2 in two parts: r exact enough
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float k = (x * kLog2e + 12582912.0f) - 12582912.0f;
+  const float r = x - k * kLn2High + k * kLn2Low;
+  float p = kExpPoly[0];
+  p = p * r + kExpPoly[1];
+  p = p * r + kExpPoly[2];
+  p = p * r + kExpPoly[3];
+  p = p * r + kExpPoly[4];
+  p = p * r + kExpPoly[5];
   p = p * r * r + r + 1.0f;
   return p * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
 }
