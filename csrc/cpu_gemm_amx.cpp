@@ -29,13 +29,16 @@ struct RowBlock {
 };
 
 // C[2 * b + q] = block b's rows x panel q's columns over the whole depth, B blocks (1 or 2) by P
-// panels (1 or 2), from the panels' packed slices, into the blocks' y.
+// panels (1 or 2), from the panels' packed slices, into the blocks' y. `stream`: the first blocks
+// of a chunk to meet these panels, whose slices come from memory (amx::multiply).
 template <int B, int P>
-NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p) {
+NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p,
+                                 bool stream) {
   amx::zero_sums<B, P>();
   const Bf16* a[2] = {blocks[0].tiles, blocks[1].tiles};
   for (int64_t k0 = 0; k0 < k; k0 += kGemmSliceDepth) {
-    amx::multiply<B, P>(a, packed + gemm_slice_offset(panels, k, p, k0), std::min(kGemmSliceDepth, k - k0) / kTileDepth);
+    amx::multiply<B, P>(a, packed + gemm_slice_offset(panels, k, p, k0), std::min(kGemmSliceDepth, k - k0) / kTileDepth,
+                        stream);
   }
   float* const y[2] = {blocks[0].y, blocks[1].y};
   const int64_t stride[2] = {blocks[0].y_stride, blocks[1].y_stride};
@@ -43,11 +46,12 @@ NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed
 }
 
 template <int B>
-void multiply_panels(int np, const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p) {
+void multiply_panels(int np, const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p,
+                     bool stream) {
   if (np == 2) {
-    multiply<B, 2>(blocks, packed, panels, k, p);
+    multiply<B, 2>(blocks, packed, panels, k, p, stream);
   } else {
-    multiply<B, 1>(blocks, packed, panels, k, p);
+    multiply<B, 1>(blocks, packed, panels, k, p, stream);
   }
 }
 
@@ -92,12 +96,12 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, int64_t m
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
       const RowBlock pair[2] = {block(b, 0), block(b + 1, 1)};
-      multiply_panels<2>(np, pair, a.packed, panels, a.k, p);
+      multiply_panels<2>(np, pair, a.packed, panels, a.k, p, b == 0);
       land(b, 2);
     }
     if (b < blocks) {
       const RowBlock one[2] = {block(b, 0), block(b, 0)};
-      multiply_panels<1>(np, one, a.packed, panels, a.k, p);
+      multiply_panels<1>(np, one, a.packed, panels, a.k, p, b == 0);
       land(b, 1);
     }
     if (a.bias != nullptr) {
