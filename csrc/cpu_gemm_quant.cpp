@@ -712,14 +712,22 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
 
 #define NANOVLLM_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
+// Depth a group's tiles multiply between two pieces of the next group's decode.
+constexpr int64_t kAmxPiece = 128;
+
 // C[2 * b + q] = block b's rows x panel q's columns over `len` input columns of a slice decoded into
 // `w` (the pair layout of P panels), B blocks (1 or 2) by P panels (1 or 2); into c, block b's rows
-// at c + b * 16 * 32, rows 32 apart.
-template <int B, int P>
-NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int64_t len, float* c) {
+// at c + b * 16 * 32, rows 32 apart. After each kAmxPiece of depth, between(piece).
+template <int B, int P, typename Between>
+NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int64_t len, float* c,
+                              const Between& between) {
   amx::zero_sums<B, P>();
   const Bf16* a[2] = {a0, a1};
-  amx::multiply<B, P>(a, w, len / amx::kTileDepth);
+  constexpr int64_t kStepValues = amx::kTileDepth * P * kGemmPanel;  // one step's B, in bf16
+  for (int64_t d = 0, piece = 0; d < len; d += kAmxPiece, ++piece) {
+    amx::multiply<B, P>(a, w + d / amx::kTileDepth * kStepValues, std::min(kAmxPiece, len - d) / amx::kTileDepth);
+    between(piece);
+  }
   float* const y[2] = {c, c + amx::kTileRows * 2 * kGemmPanel};
   const int64_t stride[2] = {2 * kGemmPanel, 2 * kGemmPanel};
   amx::store_sums<B, P>(y, stride);
@@ -757,27 +765,28 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   for (int64_t r = 0; r < a.m; ++r) {
     for (int64_t sg = 0; sg < segs.count(); ++sg) gsum[r * groups + segs.group[sg]] += rows.xsum[r * segs.count() + sg];
   }
-  // Group g of the pair at panel p into w: depth pairs of the group in order, the pair's panels
-  // interleaved (csrc/cpu_amx.h's B layout).
-  const auto decode = [&](int64_t p, int64_t g, Bf16* w) NANOVLLM_AMX {
+  // Depths [g0 + d0, g0 + d1) of group g of the pair at panel p into w, which holds the group: its
+  // depth pairs in order, the pair's panels interleaved (csrc/cpu_amx.h's B layout).
+  const auto decode = [&](int64_t p, int64_t g, Bf16* w, int64_t d0, int64_t d1) NANOVLLM_AMX {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    const int64_t g0 = g * group_size, g1 = std::min(a.k, g0 + group_size);
-    for (int64_t k0 = g0 / kQuantKc * kQuantKc; k0 < g1; k0 += kQuantKc) {
-      const int64_t kc = std::min(kQuantKc, a.k - k0), lo = std::max(g0, k0), hi = std::min(g1, k0 + kc);
+    const int64_t g0 = g * group_size, g1 = std::min(a.k, g0 + d1);
+    for (int64_t k0 = (g0 + d0) / kQuantKc * kQuantKc; k0 < g1; k0 += kQuantKc) {
+      const int64_t kc = std::min(kQuantKc, a.k - k0), lo = std::max(g0 + d0, k0), hi = std::min(g1, k0 + kc);
       for (int q = 0; q < np; ++q) {
         const uint8_t* ws = a.packed + slice_bytes(panels, kp, p + q, k0, Bits);
-        // The next pair's same depths asked for into L2 as this group decodes: a pair's slice of a
-        // panel is 2 KB of int4 (4 KB of int8), so the hardware prefetcher, which stops at each 4 KB
-        // page, met every pair's weights with a miss in each slice; the tiles and the scaling then
-        // waited on the decode's loads (at 32 rows from memory: int4 1.1x faster, int8 ~1.1-1.3x,
-        // Intel Xeon with AMX).
-        if (p + 2 + q < p1) {
-          const uint8_t* next = a.packed + slice_bytes(panels, kp, p + 2 + q, k0, Bits);
-          prefetch_l2(next + (lo - k0) * kGemmPanel * Bits / 8, next + (hi - k0) * kGemmPanel * Bits / 8);
-        }
+        // The next pair's same depths asked for into L2 as this group decodes, a line every 64
+        // bytes decoded: a pair's slice of a panel is 2 KB of int4 (4 KB of int8), so the hardware
+        // prefetcher, which stops at each 4 KB page, met every pair's weights with a miss in each
+        // slice and the tiles waited on the decode's loads; asked for all at once, the requests
+        // filled the core's line buffers and stalled it (int8's one group: half its time). At 32
+        // rows from memory the layers' int4 GEMMs 1.1-1.45x faster, int8 1.0-1.15x (Intel Xeon with
+        // AMX).
+        const uint8_t* next = p + 2 + q < p1 ? a.packed + slice_bytes(panels, kp, p + 2 + q, k0, Bits) : nullptr;
+        constexpr int64_t kStepBytes = 2 * kGemmPanel * Bits / 8;
         for (int64_t j = (lo - k0) / 2; j < (hi - k0) / 2; ++j) {
+          if (next != nullptr && j * kStepBytes % 64 == 0) _mm_prefetch(next + j * kStepBytes, _MM_HINT_T1);
           _mm512_store_si512(w + (((k0 - g0) / 2 + j) * np + q) * 2 * kGemmPanel,
-                             reinterpret_cast<__m512i>(weight_pairs<Bits>(ws + 2 * j * kGemmPanel * Bits / 8, false)));
+                             reinterpret_cast<__m512i>(weight_pairs<Bits>(ws + j * kStepBytes, false)));
         }
       }
     }
@@ -810,7 +819,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       }
     }
   };
-  decode(p0, 0, decoded);
+  decode(p0, 0, decoded, 0, group_size);
   amx::fence();
   _tile_loadconfig(&amx::kConfig);
   int64_t done = 0;  // segments multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
@@ -830,13 +839,22 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       const Bf16* a0 = tiles + (b * a.k + g0) * kTileRows;
       const Bf16* a1 = a0 + kTileRows * a.k;
       float* c = sums + done % 2 * kSums;
-      if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, c);
-      if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, c);
-      if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, c);
-      if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, c);
-      if (b == 0 && i + 1 < steps) {
-        decode(p0 + 2 * ((i + 1) / groups), (i + 1) % groups, decoded + (i + 1) % 2 * group_values);
-      }
+      // The first block pair decodes the next group a piece at a time between its tiles' pieces: a
+      // whole group decoded after them (int8's one group a column: a pair, 64 KB of bf16) waited
+      // for all of its multiplies to retire, so the two ran in turn (int8's 6144 x 1024 GEMM at 32
+      // rows 1.07-1.15x faster).
+      const auto between = [&](int64_t piece) NANOVLLM_AMX {
+        if (b > 0 || i + 1 == steps) return;
+        const int64_t next = i + 1, pieces = (len + kAmxPiece - 1) / kAmxPiece;
+        const int64_t next_len = std::min(a.k, (next % groups + 1) * group_size) - next % groups * group_size;
+        const int64_t d0 = piece * next_len / pieces, d1 = (piece + 1) * next_len / pieces;
+        decode(p0 + 2 * (next / groups), next % groups, decoded + next % 2 * group_values, d0 / 2 * 2,
+               piece + 1 == pieces ? next_len : d1 / 2 * 2);
+      };
+      if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, c, between);
+      if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, c, between);
+      if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, c, between);
+      if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, c, between);
       amx::fence();
       if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.g, pending.p, pending.np);
       pending = {b, g, p, np};
