@@ -771,6 +771,15 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   const auto decode = [&](int64_t p, int64_t g, Bf16* w, int64_t d0, int64_t d1) NANOVLLM_AMX {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
     const int64_t g0 = g * group_size, g1 = std::min(a.k, g0 + d1);
+    // The next pair's scales and zero points of this group, with its weights below: a group's lie
+    // a row of all panels apart, each pair's on pages of their own, and the scaling waited on them
+    // (int4 gate/up GEMM at 32 rows 1.1x faster, Intel Xeon with AMX).
+    if (d0 == 0 && p + 2 < p1) {
+      const int64_t at = (g * panels + p + 2) * kGemmPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(a.scales + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.scales + at + kGemmPanel * 2 - 1), _MM_HINT_T0);
+      if (a.zeros != nullptr) _mm_prefetch(reinterpret_cast<const char*>(a.zeros + at), _MM_HINT_T0);
+    }
     for (int64_t k0 = (g0 + d0) / kQuantKc * kQuantKc; k0 < g1; k0 += kQuantKc) {
       const int64_t kc = std::min(kQuantKc, a.k - k0), lo = std::max(g0 + d0, k0), hi = std::min(g1, k0 + kc);
       for (int q = 0; q < np; ++q) {
