@@ -713,20 +713,23 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
 
 #define NANOVLLM_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
-// Depth a group's tiles multiply between two pieces of the next group's decode.
-constexpr int64_t kAmxPiece = 128;
+// Depth a group's tiles multiply between two pieces of the next group's decode: int8's group of a
+// column decoded 32 deep at a time (int8 at 32 rows from memory 1.15x faster than 128 deep); int4's
+// 128-deep group whole (at 32 or 64 deep, 0.9x hot: each piece's call costs more than it hides).
+template <int Bits>
+constexpr int64_t kAmxPiece = Bits == 8 ? 32 : 128;
 
 // C[2 * b + q] = block b's rows x panel q's columns over `len` input columns of a slice decoded into
 // `w` (the pair layout of P panels), B blocks (1 or 2) by P panels (1 or 2); into c, block b's rows
-// at c + b * 16 * 32, rows 32 apart. After each kAmxPiece of depth, between(piece).
+// at c + b * 16 * 32, rows 32 apart. After each `piece` of depth, between(its index).
 template <int B, int P, typename Between>
-NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int64_t len, float* c,
-                              const Between& between) {
+NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int64_t len, int64_t piece_depth,
+                              float* c, const Between& between) {
   amx::zero_sums<B, P>();
   const Bf16* a[2] = {a0, a1};
   constexpr int64_t kStepValues = amx::kTileDepth * P * kGemmPanel;  // one step's B, in bf16
-  for (int64_t d = 0, piece = 0; d < len; d += kAmxPiece, ++piece) {
-    amx::multiply<B, P>(a, w + d / amx::kTileDepth * kStepValues, std::min(kAmxPiece, len - d) / amx::kTileDepth);
+  for (int64_t d = 0, piece = 0; d < len; d += piece_depth, ++piece) {
+    amx::multiply<B, P>(a, w + d / amx::kTileDepth * kStepValues, std::min(piece_depth, len - d) / amx::kTileDepth);
     between(piece);
   }
   float* const y[2] = {c, c + amx::kTileRows * 2 * kGemmPanel};
@@ -855,16 +858,16 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       // rows 1.07-1.15x faster).
       const auto between = [&](int64_t piece) NANOVLLM_AMX {
         if (b > 0 || i + 1 == steps) return;
-        const int64_t next = i + 1, pieces = (len + kAmxPiece - 1) / kAmxPiece;
+        const int64_t next = i + 1, pieces = (len + kAmxPiece<Bits> - 1) / kAmxPiece<Bits>;
         const int64_t next_len = std::min(a.k, (next % groups + 1) * group_size) - next % groups * group_size;
         const int64_t d0 = piece * next_len / pieces, d1 = (piece + 1) * next_len / pieces;
         decode(p0 + 2 * (next / groups), next % groups, decoded + next % 2 * group_values, d0 / 2 * 2,
                piece + 1 == pieces ? next_len : d1 / 2 * 2);
       };
-      if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, c, between);
-      if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, c, between);
-      if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, c, between);
-      if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, c, between);
+      if (two && np == 2) amx_segment<2, 2>(a0, a1, ws, len, kAmxPiece<Bits>, c, between);
+      if (two && np == 1) amx_segment<2, 1>(a0, a1, ws, len, kAmxPiece<Bits>, c, between);
+      if (!two && np == 2) amx_segment<1, 2>(a0, a1, ws, len, kAmxPiece<Bits>, c, between);
+      if (!two && np == 1) amx_segment<1, 1>(a0, a1, ws, len, kAmxPiece<Bits>, c, between);
       amx::fence();
       if (done > 0) scale(sums + (done - 1) % 2 * kSums, pending.b, pending.g, pending.p, pending.np);
       pending = {b, g, p, np};
