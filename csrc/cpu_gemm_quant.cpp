@@ -824,7 +824,10 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
         __m512 out = _mm512_mul_ps(s[0], _mm512_fnmadd_ps(zero, _mm512_set1_ps(gsum[r * groups + g]), sum));
         float* total = totals + b / 2 * kSums;
         out = _mm512_add_ps(out, first ? bias[0] : _mm512_load_ps(total + at));
-        if (last) {
+        if (last && a.y_bf16 != nullptr) {
+          _mm256_mask_storeu_epi16(a.y_bf16 + r * a.y_stride + col0, static_cast<__mmask16>((1u << cols) - 1),
+                                   reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+        } else if (last) {
           put(a.y + r * a.y_stride + col0, &out, cols, false);
         } else {
           _mm512_store_ps(total + at, out);
@@ -1070,18 +1073,20 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
     std::tie(g.x, g.x_stride) = rows_as<float>(a.x_bf16, a.m, a.k, a.x_stride, wide);
     g.x_bf16 = nullptr;
   }
-  const RowPrep rows(g, segs, int16, amx_path(g, isa));
-  // bf16 output: each thread rounds its columns once their sums are whole, while they are in cache
-  // (a separate conversion was a pass and ~9 us of dispatch per call at one row).
+  const bool amx = amx_path(g, isa);
+  const RowPrep rows(g, segs, int16, amx);
+  // bf16 output: the AMX path rounds each sum as it finishes it; on the others each thread rounds its
+  // columns once their sums are whole, while they are in cache (a separate conversion was a pass and
+  // ~9 us of dispatch per call at one row).
   std::unique_ptr<float[]> sums;
-  if (a.y_bf16 != nullptr) {
+  if (a.y_bf16 != nullptr && !amx) {
     sums = std::make_unique_for_overwrite<float[]>(a.m * a.n);
     g.y = sums.get();
     g.y_stride = a.n;
   }
   parallel_rows(gemm_panels(a.n), a.m * a.k * kGemmPanel, num_threads, [&](int64_t p0, int64_t p1) {
     run_isa(g, isa, segs, rows, p0, p1);
-    if (a.y_bf16 == nullptr) return;
+    if (a.y_bf16 == nullptr || amx) return;
     const int64_t c0 = p0 * kGemmPanel, c1 = std::min(a.n, p1 * kGemmPanel);
     for (int64_t r = 0; r < a.m; ++r) {
       for (int64_t c = c0; c < c1; ++c) a.y_bf16[r * a.y_stride + c] = to_bf16(g.y[r * a.n + c]);

@@ -272,6 +272,31 @@ def test_bf16_output_is_the_fp32_output_rounded(isa: str) -> None:
             assert torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16)), (i, threads)
 
 
+@pytest.mark.skipif(not _cpu.quant_has_bf16(), reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("isa", ["avx512", "amx"])
+def test_bf16_output_of_bf16_rows_is_the_fp32_output_rounded(isa: str) -> None:
+    """y_bf16 from bf16 rows: the AMX path rounds each sum as it finishes it (a last panel of fewer
+    than 16 columns stored under a mask), the vdpbf16ps path after; both as torch's .to(bfloat16)."""
+    if not cpu_kernel.isa_supported(isa):  # type: ignore[arg-type]
+        pytest.skip(f"the CPU does not run {isa}")
+    for i, (rows, k, n, group, bits) in enumerate([(40, 256, 33, 64, 4), (33, 512, 100, 512, 8), (64, 384, 48, 128, 4)]):
+        w = random_quantized(n, k, bits, group, symmetric=bool(i % 2), seed=40 + i)
+        p = cpu_kernel.pack(w)
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(i)).bfloat16()
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(60 + i))
+        for threads in (1, 3):
+            outs = {}
+            for dtype in (torch.float32, torch.bfloat16):
+                y = torch.full((rows, n + 3), -1.0, dtype=dtype)
+                _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(),
+                                  0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n,
+                                  k, k, n + 3, group, p.bits, p.zero_offset, cpu_kernel.ISA_CODES[isa], threads,
+                                  x.data_ptr(), dtype == torch.bfloat16)
+                assert y[:, n:].eq(-1).all()
+                outs[dtype] = y[:, :n]
+            assert torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16)), (i, threads)
+
+
 def test_every_isa_gives_the_same_result_on_any_number_of_threads() -> None:
     """Threads split the output panels, never a sum: every thread count gives the same bits."""
     w = random_quantized(200, 300, 4, 64, symmetric=False, seed=3)
