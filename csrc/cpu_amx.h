@@ -86,20 +86,22 @@ NANOVLLM_AMX_TILES inline void zero_sums() {
 // panel q's B tiles from `w`: P panels in the pair layout, k pairs of the P panels interleaved (a
 // panel's 64-byte k pairs P * 64 bytes apart). Tile numbers are immediates: each (B, P) its own code.
 //
-// With `stream`, B comes from memory: each step first asks for the next step's B lines into L2. A
-// tile load waits for its lines, and the multiplies behind it wait for the load, so a thread that
-// only demands its weights leaves the memory idle while its tiles multiply; the hardware prefetcher
-// alone does not run far enough ahead. At 32 rows (four multiplies a step) the Qwen3-shaped layers'
-// GEMMs ran 1.14-1.2x faster with it, 64 rows 1.1x, 8 rows 1.05x (weights from memory, 2 threads,
-// Intel Xeon with AMX); asked for into L1 instead, 1.05x at most, and further ahead no better.
+// With `stream`, B comes from memory: each step first asks for the next step's B lines into L2 (the
+// last step for `then`'s, the B that follows this run: the next slice's, or none). A tile load waits
+// for its lines, and the multiplies behind it wait for the load, so a thread that only demands its
+// weights leaves the memory idle while its tiles multiply; the hardware prefetcher alone does not
+// run far enough ahead. At 32 rows (four multiplies a step) the Qwen3-shaped layers' GEMMs ran
+// 1.14-1.2x faster with it, 64 rows 1.1x, 8 rows 1.05x (weights from memory, 2 threads, Intel Xeon
+// with AMX); asked for into L1 instead, 1.05x at most, and further ahead no better.
 template <int B, int P>
-NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int64_t steps, bool stream = false) {
+NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int64_t steps, bool stream = false,
+                                        const Bf16* then = nullptr) {
   constexpr int64_t kPairRow = 16 * 2, kStride = P * kPairRow * 2, kATile = kTileRows * kTileDepth;
   constexpr int64_t kStepBytes = kTileDepth / 2 * kStride;
   for (int64_t d = 0; d < steps; ++d, a[0] += kATile, a[1] += kATile) {
     const Bf16* b = w + d * kTileDepth / 2 * P * kPairRow;
-    if (stream) {
-      const char* next = reinterpret_cast<const char*>(b) + kStepBytes;
+    const char* next = d + 1 < steps ? reinterpret_cast<const char*>(b) + kStepBytes : reinterpret_cast<const char*>(then);
+    if (stream && next != nullptr) {
       for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T1);
     }
     _tile_loadd(6, b, kStride);

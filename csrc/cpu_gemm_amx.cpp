@@ -37,8 +37,9 @@ NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed
   amx::zero_sums<B, P>();
   const Bf16* a[2] = {blocks[0].tiles, blocks[1].tiles};
   for (int64_t k0 = 0; k0 < k; k0 += kGemmSliceDepth) {
+    const int64_t k1 = k0 + kGemmSliceDepth;
     amx::multiply<B, P>(a, packed + gemm_slice_offset(panels, k, p, k0), std::min(kGemmSliceDepth, k - k0) / kTileDepth,
-                        stream);
+                        stream, k1 < k ? packed + gemm_slice_offset(panels, k, p, k1) : nullptr);
   }
   float* const y[2] = {blocks[0].y, blocks[1].y};
   const int64_t stride[2] = {blocks[0].y_stride, blocks[1].y_stride};

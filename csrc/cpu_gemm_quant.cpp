@@ -713,6 +713,18 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
 
 #define NANOVLLM_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
+// 16 sums rounded to bf16 as to_bf16 (cpu_dtype.h) rounds one: to nearest even, NaN quiet.
+// vcvtneps2bf16 would flush subnormal sums to zero, which torch's rounding keeps.
+NANOVLLM_AMX inline __m256i rounded_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // Depth a group's tiles multiply between two pieces of the next group's decode: int8's group of a
 // column decoded 32 deep at a time (int8 at 32 rows from memory 1.15x faster than 128 deep); int4's
 // 128-deep group whole (at 32 or 64 deep, 0.9x hot: each piece's call costs more than it hides).
@@ -721,16 +733,18 @@ constexpr int64_t kAmxPiece = Bits == 8 ? 32 : 128;
 
 // C[2 * b + q] = block b's rows x panel q's columns over `len` input columns of a slice decoded into
 // `w` (the pair layout of P panels), B blocks (1 or 2) by P panels (1 or 2); into c, block b's rows
-// at c + b * 16 * 32, rows 32 apart. After each `piece` of depth, between(its index).
+// at c + b * 16 * 32, rows 32 apart. After each `piece_depth` of depth, between(its index, the pieces).
 template <int B, int P, typename Between>
 NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int64_t len, int64_t piece_depth,
                               float* c, const Between& between) {
   amx::zero_sums<B, P>();
   const Bf16* a[2] = {a0, a1};
   constexpr int64_t kStepValues = amx::kTileDepth * P * kGemmPanel;  // one step's B, in bf16
-  for (int64_t d = 0, piece = 0; d < len; d += piece_depth, ++piece) {
+  const int64_t pieces = (len + piece_depth - 1) / piece_depth;
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    const int64_t d = piece * piece_depth;
     amx::multiply<B, P>(a, w + d / amx::kTileDepth * kStepValues, std::min(piece_depth, len - d) / amx::kTileDepth);
-    between(piece);
+    between(piece, pieces);
   }
   float* const y[2] = {c, c + amx::kTileRows * 2 * kGemmPanel};
   const int64_t stride[2] = {2 * kGemmPanel, 2 * kGemmPanel};
@@ -777,10 +791,9 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
     // The next pair's scales and zero points of this group, with its weights below: a group's lie
     // a row of all panels apart, each pair's on pages of their own, and the scaling waited on them
     // (int4 gate/up GEMM at 32 rows 1.1x faster, Intel Xeon with AMX).
-    if (d0 == 0 && p + 2 < p1) {
-      const int64_t at = (g * panels + p + 2) * kGemmPanel;
+    for (int64_t q = p + 2; d0 == 0 && q < std::min(p + 4, p1); ++q) {
+      const int64_t at = (g * panels + q) * kGemmPanel;
       _mm_prefetch(reinterpret_cast<const char*>(a.scales + at), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a.scales + at + kGemmPanel * 2 - 1), _MM_HINT_T0);
       if (a.zeros != nullptr) _mm_prefetch(reinterpret_cast<const char*>(a.zeros + at), _MM_HINT_T0);
     }
     for (int64_t k0 = (g0 + d0) / kQuantKc * kQuantKc; k0 < g1; k0 += kQuantKc) {
@@ -826,7 +839,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
         out = _mm512_add_ps(out, first ? bias[0] : _mm512_load_ps(total + at));
         if (last && a.y_bf16 != nullptr) {
           _mm256_mask_storeu_epi16(a.y_bf16 + r * a.y_stride + col0, static_cast<__mmask16>((1u << cols) - 1),
-                                   reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+                                   rounded_bf16(out));
         } else if (last) {
           put(a.y + r * a.y_stride + col0, &out, cols, false);
         } else {
@@ -859,9 +872,9 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       // whole group decoded after them (int8's one group a column: a pair, 64 KB of bf16) waited
       // for all of its multiplies to retire, so the two ran in turn (int8's 6144 x 1024 GEMM at 32
       // rows 1.07-1.15x faster).
-      const auto between = [&](int64_t piece) NANOVLLM_AMX {
+      const auto between = [&](int64_t piece, int64_t pieces) NANOVLLM_AMX {
         if (b > 0 || i + 1 == steps) return;
-        const int64_t next = i + 1, pieces = (len + kAmxPiece<Bits> - 1) / kAmxPiece<Bits>;
+        const int64_t next = i + 1;
         const int64_t next_len = std::min(a.k, (next % groups + 1) * group_size) - next % groups * group_size;
         const int64_t d0 = piece * next_len / pieces, d1 = (piece + 1) * next_len / pieces;
         decode(p0 + 2 * (next / groups), next % groups, decoded + next % 2 * group_values, d0 / 2 * 2,

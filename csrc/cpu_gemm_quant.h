@@ -53,8 +53,9 @@ struct QuantGemmArgs {
   int64_t group_size;        // groups = ceil(k / group_size); group_size = k: one per output column
   int bits;                  // 4 or 8
   float zero_offset;         // added to every zero point (and the zero point when there are none)
-  // Nullable: the output rounded to bf16 instead of y, [m, n], rows y_stride apart; quant_gemm
-  // sums in fp32 in a buffer of its own (quant_gemm_panels takes y only).
+  // Nullable: the output rounded to bf16 instead of y, [m, n], rows y_stride apart; quant_gemm's
+  // AMX path rounds each sum as it finishes it, the others sum in fp32 in a buffer of their own
+  // (quant_gemm_panels takes y only).
   uint16_t* y_bf16;
 };
 
