@@ -713,18 +713,6 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
 
 #define NANOVLLM_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
-// 16 sums rounded to bf16 as to_bf16 (cpu_dtype.h) rounds one: to nearest even, NaN quiet.
-// vcvtneps2bf16 would flush subnormal sums to zero, which torch's rounding keeps.
-NANOVLLM_AMX inline __m256i rounded_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // Depth a group's tiles multiply between two pieces of the next group's decode: int8's group of a
 // column decoded 32 deep at a time (int8 at 32 rows from memory 1.15x faster than 128 deep); int4's
 // 128-deep group whole (at 32 or 64 deep, 0.9x hot: each piece's call costs more than it hides).
@@ -774,6 +762,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   // 1.14-1.17x (Intel Xeon with AMX).
   const int64_t group_size = std::min(a.group_size, a.k), groups = (a.k + group_size - 1) / group_size;
   const int64_t group_values = group_size * 2 * kGemmPanel, kSums = 2 * kTileRows * 2 * kGemmPanel;
+  const auto group_len = [&](int64_t g) { return std::min(a.k, (g + 1) * group_size) - g * group_size; };
   Bf16* const decoded = amx::aligned(group_storage, 2 * group_values);
   float* const sums = amx::aligned(sums_storage, (2 + (blocks + 1) / 2) * kSums);
   float* const totals = sums + 2 * kSums;  // each block pair's
@@ -838,8 +827,9 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
         float* total = totals + b / 2 * kSums;
         out = _mm512_add_ps(out, first ? bias[0] : _mm512_load_ps(total + at));
         if (last && a.y_bf16 != nullptr) {
-          _mm256_mask_storeu_epi16(a.y_bf16 + r * a.y_stride + col0, static_cast<__mmask16>((1u << cols) - 1),
-                                   rounded_bf16(out));
+          alignas(64) float row[kGemmPanel];
+          _mm512_store_ps(row, out);
+          narrow_n(row, a.y_bf16 + r * a.y_stride + col0, cols);
         } else if (last) {
           put(a.y + r * a.y_stride + col0, &out, cols, false);
         } else {
@@ -848,7 +838,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       }
     }
   };
-  decode(p0, 0, decoded, 0, group_size);
+  decode(p0, 0, decoded, 0, group_len(0));
   amx::fence();
   _tile_loadconfig(&amx::kConfig);
   int64_t done = 0;  // segments multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
@@ -861,7 +851,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t p = p0 + 2 * (i / groups), g = i % groups;
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    const int64_t g0 = g * group_size, len = std::min(a.k, g0 + group_size) - g0;
+    const int64_t g0 = g * group_size, len = group_len(g);
     const Bf16* ws = decoded + i % 2 * group_values;
     for (int64_t b = 0; b < blocks; b += 2, ++done) {
       const bool two = b + 1 < blocks;
@@ -874,8 +864,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
       // rows 1.07-1.15x faster).
       const auto between = [&](int64_t piece, int64_t pieces) NANOVLLM_AMX {
         if (b > 0 || i + 1 == steps) return;
-        const int64_t next = i + 1;
-        const int64_t next_len = std::min(a.k, (next % groups + 1) * group_size) - next % groups * group_size;
+        const int64_t next = i + 1, next_len = group_len(next % groups);
         const int64_t d0 = piece * next_len / pieces, d1 = (piece + 1) * next_len / pieces;
         decode(p0 + 2 * (next / groups), next % groups, decoded + next % 2 * group_values, d0 / 2 * 2,
                piece + 1 == pieces ? next_len : d1 / 2 * 2);
