@@ -119,6 +119,9 @@ std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
 
 // The calling thread's scratch, kept from call to call and grown as needed: a 512-row step's buffers
 // are tens of MB, and fresh ones (mmap'ed by malloc) took ~5,000 page faults per layer, every call.
+// Slot 0 holds what the layer's team shares, slot 1 a team thread's own rows (the caller is a team
+// thread too).
+template <int Slot = 0>
 std::byte* scratch(int64_t bytes) {
   thread_local std::unique_ptr<std::byte[]> buffer;
   thread_local int64_t size = 0;
@@ -269,21 +272,39 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     if (offsets[e + 1] > offsets[e]) chosen.push_back(static_cast<int32_t>(e));
   }
   const int64_t a_bytes = static_cast<int64_t>(sizeof(A));
-  Carver carve(scratch(assignments * ((hidden + inter8) * a_bytes + (gate_up + hidden) * 4) + 4 * 64));
-  A* const xs = carve.take<A>(assignments * hidden);
-  float* const h = carve.take<float>(assignments * gate_up);
-  A* const act = carve.take<A>(assignments * inter8);
-  float* const y = carve.take<float>(assignments * hidden);
   const T* x = static_cast<const T*>(a.x);
   T* out = static_cast<T*>(a.out);
   // Weights read plus multiply-adds, in elements: below kMinElementsPerThread a thread costs more.
   const int64_t work = static_cast<int64_t>(chosen.size() + assignments) * (gate_up + inter) * hidden;
   const int64_t threads = std::clamp<int64_t>(work / kMinElementsPerThread, 1, num_threads);
+  const int64_t up_panels = gemm_panels(gate_up), down_panels = gemm_panels(hidden);
+  const int64_t experts_hit = static_cast<int64_t>(chosen.size());
+  const ExpertShares shares(chosen, offsets);
+  const bool by_experts = experts_hit >= 2 * threads &&
+                          (assignments <= kMaxRowsPerExpertWhole * experts_hit || shares.even(threads));
+  // The GEMMs' inputs and the gate/up products: assignment r's rows at r - origin. By experts each
+  // thread keeps its own, reused expert after expert (they stay in its caches); by panels the team
+  // shares one set for every assignment. The experts' outputs y are the combine's: one set.
+  struct Rows {
+    A* xs;
+    float* h;
+    A* act;
+    int64_t origin;
+  };
+  const auto carve_rows = [&](Carver& carve, int64_t count) {
+    A* xs = carve.take<A>(count * hidden);
+    float* h = carve.take<float>(count * gate_up);
+    return Rows{xs, h, carve.take<A>(count * inter8), 0};
+  };
+  const int64_t rows_bytes_each = (hidden + inter8) * a_bytes + gate_up * 4;
+  Carver carve(scratch(assignments * (hidden * 4 + (by_experts ? 0 : rows_bytes_each)) + 4 * 64));
+  float* const y = carve.take<float>(assignments * hidden);
+  const Rows shared = by_experts ? Rows{} : carve_rows(carve, assignments);
 
-  const auto gather = [&](int64_t begin, int64_t end) __attribute__((always_inline)) {
+  const auto gather = [&](const Rows& w, int64_t begin, int64_t end) __attribute__((always_inline)) {
     for (int64_t r = begin; r < end; ++r) {
       const T* __restrict src = x + sorted[r] / k * a.x_stride;
-      A* __restrict dst = xs + r * hidden;
+      A* __restrict dst = w.xs + (r - w.origin) * hidden;
       if constexpr (std::is_same_v<T, A>) {
         std::copy_n(src, hidden, dst);
       } else {
@@ -293,16 +314,16 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     }
   };
   // Expert e's gate/up panels [p0, p1), then SiLU(gate) * up of their columns.
-  const auto gate_up_act = [&](int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
-    const int64_t first = offsets[e], m = offsets[e + 1] - first;
-    experts.gate_up(e, xs + first * hidden, hidden, h + first * gate_up, gate_up, m, p0, p1);
+  const auto gate_up_act = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
+    const int64_t first = offsets[e] - w.origin, m = offsets[e + 1] - offsets[e];
+    experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1);
     for (int64_t r = first; r < first + m; ++r) {
       int64_t p = p0;
       // Two panels at a time: their 16 gate and 16 up columns gathered, then the math in 16 lanes
       // (AVX-512's registers; a panel's 8 filled half of one).
       for (; p + 2 <= p1; p += 2) {
-        const float* __restrict pair = h + r * gate_up + p * kGemmPanel;
-        A* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
+        const float* __restrict pair = w.h + r * gate_up + p * kGemmPanel;
+        A* __restrict dst = w.act + r * inter8 + p * kGemmPanel / 2;
         float g[kGemmPanel], u[kGemmPanel], v[kGemmPanel];
         for (int64_t c = 0; c < kGemmPanel / 2; ++c) {
           g[c] = pair[c];
@@ -318,9 +339,9 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
         for (int64_t c = 0; c < kGemmPanel; ++c) narrow(v[c], dst + c);
       }
       for (; p < p1; ++p) {
-        const float* __restrict gate = h + r * gate_up + p * kGemmPanel;
+        const float* __restrict gate = w.h + r * gate_up + p * kGemmPanel;
         const float* __restrict up = gate + kGemmPanel / 2;
-        A* __restrict dst = act + r * inter8 + p * kGemmPanel / 2;
+        A* __restrict dst = w.act + r * inter8 + p * kGemmPanel / 2;
         // In fp32 lanes first, then narrowed: one loop mixing fp32 math and bf16 stores vectorized in
         // half the lanes (a tenth of a bf16 prefill's time on AMX, where the GEMMs are fast).
         float v[kGemmPanel / 2];
@@ -333,35 +354,36 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       }
     }
   };
-  const auto down = [&](int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
+  const auto down = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e];
-    experts.down(e, act + first * inter8, inter8, y + first * hidden, hidden, offsets[e + 1] - first, p0, p1);
+    experts.down(e, w.act + (first - w.origin) * inter8, inter8, y + first * hidden, hidden, offsets[e + 1] - first,
+                 p0, p1);
   };
-  const int64_t up_panels = gemm_panels(gate_up), down_panels = gemm_panels(hidden);
-  const int64_t experts_hit = static_cast<int64_t>(chosen.size());
-  const ExpertShares shares(chosen, offsets);
-  const bool by_experts = experts_hit >= 2 * threads &&
-                          (assignments <= kMaxRowsPerExpertWhole * experts_hit || shares.even(threads));
   const auto thread_part = [&](int64_t t, int64_t team) __attribute__((always_inline)) {
     if (by_experts) {
-      const int64_t end = shares.first(t + 1, team);
-      for (int64_t i = shares.first(t, team); i < end; ++i) {
+      const int64_t begin = shares.first(t, team), end = shares.first(t + 1, team);
+      int64_t most = 0;
+      for (int64_t i = begin; i < end; ++i) most = std::max<int64_t>(most, offsets[chosen[i] + 1] - offsets[chosen[i]]);
+      Carver own(scratch<1>(most * rows_bytes_each + 3 * 64));
+      Rows w = carve_rows(own, most);
+      for (int64_t i = begin; i < end; ++i) {
         const int32_t e = chosen[i];
-        gather(offsets[e], offsets[e + 1]);
-        gate_up_act(e, 0, up_panels);
-        down(e, 0, down_panels);
+        w.origin = offsets[e];
+        gather(w, offsets[e], offsets[e + 1]);
+        gate_up_act(w, e, 0, up_panels);
+        down(w, e, 0, down_panels);
       }
       // Every thread wrote rows of every column of y; the combine below reads them all.
 #pragma omp barrier
     } else {
       const Share rows(assignments, t, team);
-      gather(rows.begin, rows.end);
+      gather(shared, rows.begin, rows.end);
 #pragma omp barrier
       const PanelShare ups(up_panels, t, team);
-      for (const int32_t e : chosen) gate_up_act(e, ups.begin, ups.end);
+      for (const int32_t e : chosen) gate_up_act(shared, e, ups.begin, ups.end);
 #pragma omp barrier
       const PanelShare downs(down_panels, t, team);
-      for (const int32_t e : chosen) down(e, downs.begin, downs.end);  // the columns the combine reads
+      for (const int32_t e : chosen) down(shared, e, downs.begin, downs.end);  // the columns the combine reads
     }
     const PanelShare columns(down_panels, t, team);
     combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,

@@ -73,6 +73,13 @@ class ModelConfig:
     bos_token_id: int | None
     raw: dict[str, Any] = field(repr=False, compare=False)
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether layers route tokens over experts (Qwen3-MoE's num_experts, Mixtral's
+        num_local_experts); models/moe.py reads the rest of the experts' fields."""
+        count = whole_number(self.raw.get("num_experts") or self.raw.get("num_local_experts"))
+        return count is not None and count > 0
+
 
 def whole_number(value: Any) -> int | None:
     """`value` as an int where config.json gives an integer (or an integral float, as some writers

@@ -22,6 +22,8 @@ from safetensors.torch import load_file, save_file
 from test_models_bf16 import CHUNKS, REL_TOL, hf_logits, our_logits
 
 from nanovllm import LLM, _cpu
+from nanovllm.builtin_model import create_model_dir
+from nanovllm.config import DEFAULT_BATCHED_TOKENS, DEFAULT_CPU_MOE_BATCHED_TOKENS, EngineConfig
 from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.cpu import moe as cpu_moe
 from nanovllm.layers.fused_moe import FusedMoE
@@ -200,3 +202,16 @@ def test_num_experts_is_read_under_either_name(models: dict[str, Path], tmp_path
     path = edited_copy(models["qwen3_moe"], tmp_path / "m", {"num_local_experts": None, "num_experts": 8})
     model, _ = load_model(path)
     assert model.model.layers[0].mlp.experts.num_experts == 8
+
+
+def test_a_moe_model_on_cpu_takes_larger_steps_by_default(models: dict[str, Path], tmp_path: Path) -> None:
+    """Each CPU step reads the experts its tokens chose from memory: a MoE model's default token budget
+    is DEFAULT_CPU_MOE_BATCHED_TOKENS, a dense model's the CPU's; an explicit budget wins either way."""
+    assert DEFAULT_CPU_MOE_BATCHED_TOKENS > DEFAULT_BATCHED_TOKENS["cpu"]
+    dense = create_model_dir(tmp_path / "dense")
+    for name in MOE_MODELS:
+        resolved = EngineConfig(model=str(models[name]), device="cpu", max_model_len=1024).resolve()
+        assert resolved.max_num_batched_tokens == DEFAULT_CPU_MOE_BATCHED_TOKENS, name
+        assert EngineConfig(model=str(models[name]), device="cpu", max_model_len=1024,
+                            max_num_batched_tokens=256).resolve().max_num_batched_tokens == 256
+    assert EngineConfig(model=str(dense), device="cpu").resolve().max_num_batched_tokens == DEFAULT_BATCHED_TOKENS["cpu"]
