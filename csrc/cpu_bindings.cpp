@@ -383,7 +383,7 @@ void bind_cpu_gemm(py::module_& m) {
   m.def(
       "gemm_bf16_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-         int64_t y_stride, int64_t num_threads, bool amx) {
+         int64_t y_stride, int64_t num_threads, bool amx, uintptr_t y_bf16) {
         if (!has_avx512_bf16()) value_error("gemm_bf16_cpu needs a CPU with AVX512-BF16");
         if (m < 0 || n < 1 || k < 2 || k % 2 != 0 || x_stride < k || y_stride < n) {
           value_error("gemm_bf16_cpu: bad sizes (k even)");
@@ -393,14 +393,20 @@ void bind_cpu_gemm(py::module_& m) {
                              reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
                              y_stride, amx};
         py::gil_scoped_release release;
-        gemm_bf16(a, clamp_threads(num_threads));
+        if (y_bf16 != 0) {
+          gemm_bf16_narrowed(a, reinterpret_cast<Bf16*>(y_bf16), clamp_threads(num_threads));
+        } else {
+          gemm_bf16(a, clamp_threads(num_threads));
+        }
       },
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("y_stride"), py::arg("num_threads") = 1, py::arg("amx") = true,
+      py::arg("y_bf16") = 0,
       "y [m, n] fp32 = x [m, k] bf16 W^T (+ fp32 bias) on gemm_pack_cpu's copy of W with pairs (AVX512-BF16; "
       "on AMX tiles where has_amx_bf16() and k is a multiple of 32, unless amx is false), "
       "from raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells a pair-packed weight "
-      "from another: PackedWeight.pairs does).");
+      "from another: PackedWeight.pairs does). With y_bf16 (rows n apart) the product rounded to bf16 there, "
+      "as the decoder stack's bf16 layers take it (y then scratch, left unwritten on AMX tiles).");
   m.def(
       "gemm_logits_cpu",
       [](uintptr_t x, int64_t x_dtype, uintptr_t packed, int64_t packed_dtype, bool pairs, uintptr_t y, int64_t m,

@@ -386,6 +386,15 @@ void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 #endif
 }
 
+namespace {
+// Columns [p0, p1) panels of the fp32 product y (m rows y_stride apart, n columns) rounded into out.
+void narrow_panels(const float* y, int64_t y_stride, Bf16* out, int64_t m, int64_t n, int64_t p0, int64_t p1) {
+  const int64_t c0 = p0 * kGemmPanel, c1 = std::min(n, p1 * kGemmPanel);
+  if (c0 >= c1) return;
+  for (int64_t r = 0; r < m; ++r) narrow_n(y + r * y_stride + c0, out + r * n + c0, c1 - c0);
+}
+}  // namespace
+
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
   if (a.amx && a.k % 32 == 0 && has_amx_bf16()) {
@@ -393,6 +402,7 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
     return;
   }
   gemm_panels_range<Bf16PairTiles>({a.x, a.packed, a.bias, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
+  if (a.y_bf16 != nullptr) narrow_panels(a.y, a.y_stride, a.y_bf16, a.m, a.n, p0, p1);
 #else
   (void)a;
   (void)p0;
@@ -431,15 +441,6 @@ void gemm_bf16(const GemmBf16Args& a, int num_threads) {
   parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a](int64_t p0, int64_t p1) { gemm_bf16_panel_range(a, p0, p1); });
 }
 
-namespace {
-// Columns [p0, p1) panels of the fp32 product y (m rows y_stride apart, n columns) rounded into out.
-void narrow_panels(const float* y, int64_t y_stride, Bf16* out, int64_t m, int64_t n, int64_t p0, int64_t p1) {
-  const int64_t c0 = p0 * kGemmPanel, c1 = std::min(n, p1 * kGemmPanel);
-  if (c0 >= c1) return;
-  for (int64_t r = 0; r < m; ++r) narrow_n(y + r * y_stride + c0, out + r * n + c0, c1 - c0);
-}
-}  // namespace
-
 void gemm_narrowed(const GemmArgs& a, Bf16* y_bf16, int num_threads) {
   parallel_gemm_panels(a, num_threads, [&a, y_bf16](int64_t p0, int64_t p1) {
     gemm_panel_range(a, p0, p1);
@@ -448,10 +449,10 @@ void gemm_narrowed(const GemmArgs& a, Bf16* y_bf16, int num_threads) {
 }
 
 void gemm_bf16_narrowed(const GemmBf16Args& a, Bf16* y_bf16, int num_threads) {
-  parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&a, y_bf16](int64_t p0, int64_t p1) {
-    gemm_bf16_panel_range(a, p0, p1);
-    narrow_panels(a.y, a.y_stride, y_bf16, a.m, a.n, p0, p1);
-  });
+  GemmBf16Args narrowed = a;
+  narrowed.y_bf16 = y_bf16;
+  parallel_panel_pairs(a.n, a.m, a.k, num_threads,
+                       [&narrowed](int64_t p0, int64_t p1) { gemm_bf16_panel_range(narrowed, p0, p1); });
 }
 
 void gemm_logits(const GemmLogitsArgs& a, int num_threads) {

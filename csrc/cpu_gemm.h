@@ -110,6 +110,11 @@ struct GemmBf16Args {
   // On AMX tiles where the process has them (has_amx_bf16()) and k is a multiple of 32; else (or
   // when false) on the AVX512-BF16 pair tiles.
   bool amx = true;
+  // Where not null, the product rounded to bf16 ([m, n], rows n apart) is the output: on AMX tiles
+  // each panel pair's columns are rounded as soon as its rows are summed, through a scratch of the
+  // thread's (y is not written); on the pair tiles y holds the fp32 product and the thread rounds
+  // its columns after.
+  Bf16* y_bf16 = nullptr;
 };
 
 // gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32: on AMX
@@ -128,7 +133,8 @@ void gemm_bf16(const GemmBf16Args& a, int num_threads);
 
 // gemm / gemm_bf16 for a bf16 model's layer: the fp32 product in a.y, rounded to bf16 into y_bf16
 // ([m, n], rows n apart) by the thread that computed each column, while it is in that thread's cache
-// (one thread's pass over the product after the GEMM was 2.6% of a bf16 MoE model's prefill).
+// (one thread's pass over the product after the GEMM was 2.6% of a bf16 MoE model's prefill); on
+// AMX tiles a panel pair at a time (GemmBf16Args::y_bf16), a.y unused.
 void gemm_narrowed(const GemmArgs& a, Bf16* y_bf16, int num_threads);
 void gemm_bf16_narrowed(const GemmBf16Args& a, Bf16* y_bf16, int num_threads);
 

@@ -67,37 +67,41 @@ int64_t rows_per_chunk(int64_t k) {
 }
 
 // A chunk's m rows against panels [p0, p1): their A tiles in `tiles` (amx::pack_rows), products into
-// y (rows a.y_stride apart).
-NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, int64_t m, const Bf16* tiles, float* spill,
-                                      int64_t p0, int64_t p1) {
+// y (rows a.y_stride apart); or, where a.y_bf16 is set, each pair's into `pair` (rows 2 * kGemmPanel
+// apart) and from there rounded into y_bf16 (rows a.n apart) while they are in L1: a prefill's
+// product in fp32 went to memory and back (a layer's 512 rows x 6144 are 12 MB).
+NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, int64_t m, const Bf16* tiles,
+                                      float* spill, float* pair, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n), blocks = (m + kTileRows - 1) / kTileRows;
+  const int64_t out_stride = y_bf16 != nullptr ? 2 * kGemmPanel : a.y_stride;
   for (int64_t p = p0; p < p1; p += 2) {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
     const int64_t col0 = p * kGemmPanel, cols = std::min(np * kGemmPanel, a.n - col0);
+    float* const out = y_bf16 != nullptr ? pair : y + col0;  // the pair's first column
     // Block b: its tiles and where its products land (spill's half s where the block has fewer than
     // 16 rows or the panels run past n).
     const auto block = [&](int64_t b, int s) -> RowBlock {
       const Bf16* t = tiles + b * kTileRows * a.k;
       if ((b + 1) * kTileRows <= m && cols == np * kGemmPanel) {
-        return {t, y + b * kTileRows * a.y_stride + col0, a.y_stride};
+        return {t, out + b * kTileRows * out_stride, out_stride};
       }
       return {t, spill + s * kTileRows * 2 * kGemmPanel, 2 * kGemmPanel};
     };
-    // The spilled products of blocks [b, b + count) into y: their rows, `cols` columns.
+    // The spilled products of blocks [b, b + count) into out: their rows, `cols` columns.
     const auto land = [&](int64_t b, int count) {
       amx::fence();
       for (int s = 0; s < count; ++s) {
         const int64_t first = (b + s) * kTileRows, rows = std::min(kTileRows, m - first);
         if (rows == kTileRows && cols == np * kGemmPanel) continue;
         for (int64_t r = 0; r < rows; ++r) {
-          std::copy_n(spill + (s * kTileRows + r) * 2 * kGemmPanel, cols, y + (first + r) * a.y_stride + col0);
+          std::copy_n(spill + (s * kTileRows + r) * 2 * kGemmPanel, cols, out + (first + r) * out_stride);
         }
       }
     };
     int64_t b = 0;
     for (; b + 2 <= blocks; b += 2) {
-      const RowBlock pair[2] = {block(b, 0), block(b + 1, 1)};
-      multiply_panels<2>(np, pair, a.packed, panels, a.k, p, b == 0);
+      const RowBlock pair_blocks[2] = {block(b, 0), block(b + 1, 1)};
+      multiply_panels<2>(np, pair_blocks, a.packed, panels, a.k, p, b == 0);
       land(b, 2);
     }
     if (b < blocks) {
@@ -105,11 +109,14 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, int64_t m
       multiply_panels<1>(np, one, a.packed, panels, a.k, p, b == 0);
       land(b, 1);
     }
-    if (a.bias != nullptr) {
-      for (int64_t r = 0; r < m; ++r) {
-        float* row = y + r * a.y_stride + col0;
+    if (a.bias == nullptr && y_bf16 == nullptr) continue;
+    amx::fence();
+    for (int64_t r = 0; r < m; ++r) {
+      float* row = out + r * out_stride;
+      if (a.bias != nullptr) {
         for (int64_t c = 0; c < cols; ++c) row[c] += a.bias[col0 + c];
       }
+      if (y_bf16 != nullptr) narrow_n(row, y_bf16 + r * a.n + col0, cols);
     }
   }
 }
@@ -120,15 +127,18 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, int64_t m
   if (p0 >= p1 || a.m == 0) return;
   const int64_t chunk = std::min(rows_per_chunk(a.k), a.m);
   thread_local std::vector<Bf16> tiles_storage;
-  thread_local std::vector<float> spill_storage;
-  Bf16* const tiles = amx::aligned(tiles_storage, (chunk + kTileRows - 1) / kTileRows * kTileRows * a.k);
+  thread_local std::vector<float> spill_storage, pair_storage;
+  const int64_t chunk_rows = (chunk + kTileRows - 1) / kTileRows * kTileRows;
+  Bf16* const tiles = amx::aligned(tiles_storage, chunk_rows * a.k);
   float* const spill = amx::aligned(spill_storage, 2 * kTileRows * 2 * kGemmPanel);  // products that do not fit in y
+  float* const pair = a.y_bf16 != nullptr ? amx::aligned(pair_storage, chunk_rows * 2 * kGemmPanel) : nullptr;
   _tile_loadconfig(&amx::kConfig);
   for (int64_t r0 = 0; r0 < a.m; r0 += chunk) {
     const int64_t m = std::min(chunk, a.m - r0);
     amx::pack_rows(a.x + r0 * a.x_stride, a.x_stride, m, a.k, tiles);
     amx::fence();
-    multiply_rows(a, a.y + r0 * a.y_stride, m, tiles, spill, p0, p1);
+    multiply_rows(a, a.y_bf16 != nullptr ? nullptr : a.y + r0 * a.y_stride,
+                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr, m, tiles, spill, pair, p0, p1);
   }
   _tile_release();
 }

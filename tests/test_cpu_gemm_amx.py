@@ -77,6 +77,32 @@ def test_a_depth_that_32_does_not_divide_takes_the_pair_tiles() -> None:
     assert torch.equal(_gemm(x, packed, None, 48, 2, amx=True), _gemm(x, packed, None, 48, 2, amx=False))
 
 
+# Rounded to bf16 as the decoder stack's bf16 layers take their products: each panel pair rounded
+# out of the thread's scratch on AMX tiles. SHAPES plus rows in several chunks with a tail block of
+# fewer than 16 rows (k 1024: 384 rows a chunk).
+NARROWED_SHAPES = SHAPES + [(800, 1024, 72), (405, 1024, 16)]
+
+
+@pytest.mark.parametrize("rows,k,n", NARROWED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_output_is_the_fp32_product_rounded(rows: int, k: int, n: int, bias: bool, amx: bool) -> None:
+    """gemm_bf16_narrowed: the fp32 product (bias included) rounded to nearest even, bit for bit, on
+    either tiles; nothing written past the rows' n columns."""
+    g = torch.Generator().manual_seed(rows * 7 + k + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(rows, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    packed = cpu_gemm.prepack(w, "avx2")
+    assert isinstance(packed, cpu_gemm.PackedWeight)
+    expected = _gemm(x, packed, b, n, 2, amx=amx).bfloat16()
+    out = torch.full((rows * n + 8,), 3.0, dtype=torch.bfloat16)
+    y = torch.empty(rows, n)
+    _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), rows,
+                       n, k, k, n, 2, amx, out.data_ptr())
+    assert torch.equal(out[:rows * n].view(rows, n), expected)
+    assert torch.equal(out[rows * n:], torch.full((8,), 3.0, dtype=torch.bfloat16))
+
+
 # Quantized weights, bf16 activations (csrc/cpu_gemm_quant.cpp's panels_amx): (rows, k, n, group
 # size). Groups of 32, 64, 128 and one per row; rows below a block, a block and one, two-block groups
 # and a tail; n past the last full panel, an odd number of panels.
