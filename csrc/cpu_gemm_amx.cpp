@@ -68,13 +68,15 @@ int64_t rows_per_chunk(int64_t k) {
 
 // A chunk's m rows against panels [p0, p1): their A tiles in `tiles` (amx::pack_rows), products into
 // y (rows a.y_stride apart); or, where a.y_bf16 is set, each pair's into `pair` (rows 2 * kGemmPanel
-// apart) and from there rounded into y_bf16 (rows a.n apart) while they are in L1: a prefill's
-// product in fp32 went to memory and back (a layer's 512 rows x 6144 are 12 MB).
+// apart: 128 bytes a row, 48 KB for a chunk at k = 1024, more at a shallower k) and from there
+// rounded into y_bf16 (rows a.n apart) while they are in the thread's cache: a prefill's product in
+// fp32 went to memory and back (a layer's 512 rows x 6144 are 12 MB).
 NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, int64_t m, const Bf16* tiles,
                                       float* spill, float* pair, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n), blocks = (m + kTileRows - 1) / kTileRows;
   const int64_t out_stride = y_bf16 != nullptr ? 2 * kGemmPanel : a.y_stride;
   for (int64_t p = p0; p < p1; p += 2) {
+    amx::fence();  // the last pair's rounding read `pair` before these tiles overwrite it
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
     const int64_t col0 = p * kGemmPanel, cols = std::min(np * kGemmPanel, a.n - col0);
     float* const out = y_bf16 != nullptr ? pair : y + col0;  // the pair's first column

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <numeric>
 #include <type_traits>
@@ -117,19 +118,21 @@ std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
   return position;
 }
 
-// The calling thread's scratch, kept from call to call and grown as needed: a 512-row step's buffers
-// are tens of MB, and fresh ones (mmap'ed by malloc) took ~5,000 page faults per layer, every call.
-// Slot 0 holds what the layer's team shares, slot 1 a team thread's own rows (the caller is a team
-// thread too).
+// The calling thread's scratch, 64-byte aligned, kept from call to call and grown as needed (never
+// released: a 2048-row step's layer-wide buffers are ~100 MB for the Qwen3-MoE-shaped model, a few
+// hundred MB for a Qwen3-30B-A3B-shaped one); fresh ones (mmap'ed by malloc) took ~5,000 page
+// faults per layer, every call. Slot 0 holds what the layer's team shares, slot 1 a team thread's
+// own rows (the caller is a team thread too).
 template <int Slot = 0>
 std::byte* scratch(int64_t bytes) {
   thread_local std::unique_ptr<std::byte[]> buffer;
   thread_local int64_t size = 0;
   if (size < bytes) {
-    buffer = std::make_unique_for_overwrite<std::byte[]>(bytes);
+    buffer = std::make_unique_for_overwrite<std::byte[]>(bytes + 63);
     size = bytes;
   }
-  return buffer.get();
+  const auto at = reinterpret_cast<uintptr_t>(buffer.get());
+  return buffer.get() + ((at + 63) / 64 * 64 - at);
 }
 
 // Carves typed arrays, each 64-byte aligned, out of one scratch buffer.

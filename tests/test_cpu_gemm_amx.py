@@ -78,8 +78,8 @@ def test_a_depth_that_32_does_not_divide_takes_the_pair_tiles() -> None:
 
 
 # Rounded to bf16 as the decoder stack's bf16 layers take their products: each panel pair rounded
-# out of the thread's scratch on AMX tiles. SHAPES plus rows in several chunks with a tail block of
-# fewer than 16 rows (k 1024: 384 rows a chunk).
+# out of the thread's scratch on AMX tiles. SHAPES plus rows in several chunks (k 1024: 384 rows a
+# chunk): 384 + 384 + 32 (full blocks), 384 + 21 (a last block of 5 rows).
 NARROWED_SHAPES = SHAPES + [(800, 1024, 72), (405, 1024, 16)]
 
 
