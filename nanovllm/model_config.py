@@ -75,10 +75,11 @@ class ModelConfig:
 
     @property
     def has_experts(self) -> bool:
-        """Whether layers route tokens over experts (Qwen3-MoE's num_experts, Mixtral's
-        num_local_experts); models/moe.py reads the rest of the experts' fields."""
-        count = whole_number(self.raw.get("num_experts") or self.raw.get("num_local_experts"))
-        return count is not None and count > 0
+        """Whether layers route tokens over experts: the first of num_experts / num_local_experts that
+        config.json sets, positive, as models/moe.py reads it (which checks the experts' fields)."""
+        count = next((v for key in ("num_experts", "num_local_experts") if (v := self.raw.get(key)) is not None), None)
+        whole = whole_number(count)
+        return whole is not None and whole > 0
 
 
 def whole_number(value: Any) -> int | None:

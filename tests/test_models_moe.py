@@ -215,3 +215,7 @@ def test_a_moe_model_on_cpu_takes_larger_steps_by_default(models: dict[str, Path
         assert EngineConfig(model=str(models[name]), device="cpu", max_model_len=1024,
                             max_num_batched_tokens=256).resolve().max_num_batched_tokens == 256
     assert EngineConfig(model=str(dense), device="cpu").resolve().max_num_batched_tokens == DEFAULT_BATCHED_TOKENS["cpu"]
+    # Read as the model reads it: the first field set counts, so num_experts 0 is dense whatever else.
+    no_experts = edited_copy(models["qwen3_moe"], tmp_path / "none", {"num_experts": 0, "num_local_experts": 8})
+    assert EngineConfig(model=str(no_experts), device="cpu",
+                        max_model_len=1024).resolve().max_num_batched_tokens == DEFAULT_BATCHED_TOKENS["cpu"]
