@@ -117,6 +117,17 @@ NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int6
   }
 }
 
+// C[2 * b + q] loaded from y[b] + q * 16, rows stride[b] floats apart: store_sums' inverse.
+template <int B, int P>
+NANOVLLM_AMX_TILES inline void load_sums(float* const (&y)[2], const int64_t (&stride)[2]) {
+  _tile_loadd(0, y[0], stride[0] * 4);
+  if constexpr (P == 2) _tile_loadd(1, y[0] + 16, stride[0] * 4);
+  if constexpr (B == 2) {
+    _tile_loadd(2, y[1], stride[1] * 4);
+    if constexpr (P == 2) _tile_loadd(3, y[1] + 16, stride[1] * 4);
+  }
+}
+
 // C[2 * b + q] stored at y[b] + q * 16, rows stride[b] floats apart.
 template <int B, int P>
 NANOVLLM_AMX_TILES inline void store_sums(float* const (&y)[2], const int64_t (&stride)[2]) {

@@ -28,18 +28,31 @@ struct RowBlock {
   int64_t y_stride;  // elements
 };
 
-// C[2 * b + q] = block b's rows x panel q's columns over the whole depth, B blocks (1 or 2) by P
-// panels (1 or 2), from the panels' packed slices, into the blocks' y. `stream`: the first blocks
-// of a chunk to meet these panels, whose slices come from memory (amx::multiply).
+// C[2 * b + q] = block b's rows x panel q's columns over depths [k0, k1) (whole slices), B blocks (1
+// or 2) by P panels (1 or 2), from the panels' packed slices: started from zero at k0 = 0, else
+// from `carry` (the sums of the depths before: 32 rows x 32 columns, 4 KB); stored into `carry`
+// before k1 = k, into the blocks' y at it. `stream`: the first blocks of a chunk to meet these slices, whose B
+// comes from memory (amx::multiply).
 template <int B, int P>
 NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p,
-                                 bool stream) {
-  amx::zero_sums<B, P>();
-  const Bf16* a[2] = {blocks[0].tiles, blocks[1].tiles};
-  for (int64_t k0 = 0; k0 < k; k0 += kGemmSliceDepth) {
-    const int64_t k1 = k0 + kGemmSliceDepth;
-    amx::multiply<B, P>(a, packed + gemm_slice_offset(panels, k, p, k0), std::min(kGemmSliceDepth, k - k0) / kTileDepth,
-                        stream, k1 < k ? packed + gemm_slice_offset(panels, k, p, k1) : nullptr);
+                                 int64_t k0, int64_t k1, float* carry, bool stream) {
+  constexpr int64_t kCarryRow = 2 * kGemmPanel;
+  float* const carried[2] = {carry, carry + kTileRows * kCarryRow};
+  constexpr int64_t kCarryStride[2] = {kCarryRow, kCarryRow};
+  if (k0 == 0) {
+    amx::zero_sums<B, P>();
+  } else {
+    amx::load_sums<B, P>(carried, kCarryStride);
+  }
+  const Bf16* a[2] = {blocks[0].tiles + k0 * kTileRows, blocks[1].tiles + k0 * kTileRows};
+  for (int64_t d = k0; d < k1; d += kGemmSliceDepth) {
+    const int64_t next = d + kGemmSliceDepth;
+    amx::multiply<B, P>(a, packed + gemm_slice_offset(panels, k, p, d), std::min(kGemmSliceDepth, k - d) / kTileDepth,
+                        stream, next < k ? packed + gemm_slice_offset(panels, k, p, next) : nullptr);
+  }
+  if (k1 < k) {
+    amx::store_sums<B, P>(carried, kCarryStride);
+    return;
   }
   float* const y[2] = {blocks[0].y, blocks[1].y};
   const int64_t stride[2] = {blocks[0].y_stride, blocks[1].y_stride};
@@ -48,13 +61,32 @@ NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed
 
 template <int B>
 void multiply_panels(int np, const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p,
-                     bool stream) {
+                     int64_t k0, int64_t k1, float* carry, bool stream) {
   if (np == 2) {
-    multiply<B, 2>(blocks, packed, panels, k, p, stream);
+    multiply<B, 2>(blocks, packed, panels, k, p, k0, k1, carry, stream);
   } else {
-    multiply<B, 1>(blocks, packed, panels, k, p, stream);
+    multiply<B, 1>(blocks, packed, panels, k, p, k0, k1, carry, stream);
   }
 }
+
+// Depth a chunk's block pairs take in turn against a panel pair: one slice, whose B (16 KB for a
+// pair) stays in L1 while every block pair multiplies by it, their sums carried over in memory
+// between slices. A tile load from L2 holds the tiles' multiplies up (one thread's 2 x 2 tile loop
+// ran at 3.3 TFLOP/s with its A and B in L1, 1.8 with either from L2, 1.4 with both); over the
+// whole depth before the next block pair, a pair's B (64 KB at k = 1024) went through L1 to L2 and
+// back for each block pair (GEMMs of 256-2048 rows at k = 1024 1.04-1.1x faster in passes).
+inline constexpr int64_t kPassDepth = kGemmSliceDepth;
+
+// The depth of a pass for `blocks` row blocks at depth k: the whole depth where a pair's B over it
+// (64 bytes a depth) stays in L1 anyway (the MoE layer's down GEMM, k = 512, 32 KB, ran 1.05x
+// slower in two passes), or where fewer than 8 block pairs share each slice and the carried sums
+// cost more than B's trips to L2 save (2048 rows by 3072 x 1024, 128-row chunks: 1.02-1.06x slower).
+int64_t pass_depth(int64_t blocks, int64_t k) {
+  constexpr int64_t kPairBytesPerDepth = 2 * kGemmPanel * sizeof(Bf16), kKeptB = 32 * 1024, kSharing = 16;
+  return blocks >= kSharing && k * kPairBytesPerDepth > kKeptB ? kPassDepth : k;
+}
+
+inline constexpr int64_t kCarryValues = 2 * kTileRows * 2 * kGemmPanel;  // a block pair's sums
 
 // Rows packed and multiplied at a time: their A tiles about 768 KB, so that they stay in a core's L2
 // (2 MB on Sapphire Rapids) while every panel's B streams past them once. Packed whole, a 2048-row
@@ -72,7 +104,7 @@ int64_t rows_per_chunk(int64_t k) {
 // rounded into y_bf16 (rows a.n apart) while they are in the thread's cache: a prefill's product in
 // fp32 went to memory and back (a layer's 512 rows x 6144 are 12 MB).
 NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, int64_t m, const Bf16* tiles,
-                                      float* spill, float* pair, int64_t p0, int64_t p1) {
+                                      float* spill, float* pair, float* carry, int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n), blocks = (m + kTileRows - 1) / kTileRows;
   const int64_t out_stride = y_bf16 != nullptr ? 2 * kGemmPanel : a.y_stride;
   for (int64_t p = p0; p < p1; p += 2) {
@@ -100,16 +132,20 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
         }
       }
     };
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-      const RowBlock pair_blocks[2] = {block(b, 0), block(b + 1, 1)};
-      multiply_panels<2>(np, pair_blocks, a.packed, panels, a.k, p, b == 0);
-      land(b, 2);
-    }
-    if (b < blocks) {
-      const RowBlock one[2] = {block(b, 0), block(b, 0)};
-      multiply_panels<1>(np, one, a.packed, panels, a.k, p, b == 0);
-      land(b, 1);
+    const int64_t pass = pass_depth(blocks, a.k);
+    for (int64_t k0 = 0; k0 < a.k; k0 += pass) {
+      const int64_t k1 = std::min(a.k, k0 + pass);
+      int64_t b = 0;
+      for (; b + 2 <= blocks; b += 2) {
+        const RowBlock pair_blocks[2] = {block(b, 0), block(b + 1, 1)};
+        multiply_panels<2>(np, pair_blocks, a.packed, panels, a.k, p, k0, k1, carry + b / 2 * kCarryValues, b == 0);
+        if (k1 == a.k) land(b, 2);
+      }
+      if (b < blocks) {
+        const RowBlock one[2] = {block(b, 0), block(b, 0)};
+        multiply_panels<1>(np, one, a.packed, panels, a.k, p, k0, k1, carry + b / 2 * kCarryValues, b == 0);
+        if (k1 == a.k) land(b, 1);
+      }
     }
     if (a.bias == nullptr && y_bf16 == nullptr) continue;
     amx::fence();
@@ -129,18 +165,19 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
   if (p0 >= p1 || a.m == 0) return;
   const int64_t chunk = std::min(rows_per_chunk(a.k), a.m);
   thread_local std::vector<Bf16> tiles_storage;
-  thread_local std::vector<float> spill_storage, pair_storage;
+  thread_local std::vector<float> spill_storage, pair_storage, carry_storage;
   const int64_t chunk_rows = (chunk + kTileRows - 1) / kTileRows * kTileRows;
   Bf16* const tiles = amx::aligned(tiles_storage, chunk_rows * a.k);
   float* const spill = amx::aligned(spill_storage, 2 * kTileRows * 2 * kGemmPanel);  // products that do not fit in y
   float* const pair = a.y_bf16 != nullptr ? amx::aligned(pair_storage, chunk_rows * 2 * kGemmPanel) : nullptr;
+  float* const carry = amx::aligned(carry_storage, (chunk_rows / kTileRows + 1) / 2 * kCarryValues);
   _tile_loadconfig(&amx::kConfig);
   for (int64_t r0 = 0; r0 < a.m; r0 += chunk) {
     const int64_t m = std::min(chunk, a.m - r0);
     amx::pack_rows(a.x + r0 * a.x_stride, a.x_stride, m, a.k, tiles);
     amx::fence();
     multiply_rows(a, a.y_bf16 != nullptr ? nullptr : a.y + r0 * a.y_stride,
-                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr, m, tiles, spill, pair, p0, p1);
+                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr, m, tiles, spill, pair, carry, p0, p1);
   }
   _tile_release();
 }
