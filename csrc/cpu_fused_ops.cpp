@@ -23,7 +23,7 @@ template <typename T>
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < H; ++d) {
         const float r = round_to<T>(widen(x[d]) + widen(res[d]));
-        narrow(r, res_out + d);
+        narrow_rounded(r, res_out + d);
         sum += r * r;
       }
       x = res_out;
@@ -64,8 +64,8 @@ template <typename T>
       const float a = widen(x1[j]), b = widen(x2[j]);
       const float r1 = round_to<T>(round_to<T>(a * cs[j]) - round_to<T>(b * sn[j]));
       const float r2 = round_to<T>(round_to<T>(b * cs[j]) + round_to<T>(a * sn[j]));
-      narrow(r1, x1 + j);
-      narrow(r2, x2 + j);
+      narrow_rounded(r1, x1 + j);
+      narrow_rounded(r2, x2 + j);
     }
   }
 }

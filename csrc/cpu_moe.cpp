@@ -317,6 +317,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     }
   };
   // Expert e's gate/up panels [p0, p1), then SiLU(gate) * up of their columns.
+  static_assert(std::is_same_v<T, Bf16> || !std::is_same_v<A, Bf16>, "bf16 rows of SiLU-and-mul come rounded");
   const auto gate_up_act = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e] - w.origin, m = offsets[e + 1] - offsets[e];
     experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1);
@@ -339,7 +340,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
           v[c] = round_to<T>(round_to<T>(silu(round_to<T>(g[c]))) * round_to<T>(u[c]));
         }
 #pragma omp simd
-        for (int64_t c = 0; c < kGemmPanel; ++c) narrow(v[c], dst + c);
+        for (int64_t c = 0; c < kGemmPanel; ++c) narrow_rounded(v[c], dst + c);
       }
       for (; p < p1; ++p) {
         const float* __restrict gate = w.h + r * gate_up + p * kGemmPanel;
@@ -353,7 +354,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
           v[c] = round_to<T>(round_to<T>(silu(round_to<T>(gate[c]))) * round_to<T>(up[c]));
         }
 #pragma omp simd
-        for (int64_t c = 0; c < kGemmPanel / 2; ++c) narrow(v[c], dst + c);
+        for (int64_t c = 0; c < kGemmPanel / 2; ++c) narrow_rounded(v[c], dst + c);
       }
     }
   };
