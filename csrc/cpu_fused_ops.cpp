@@ -1,5 +1,7 @@
 #include "cpu_fused_ops.h"
 
+#include "cpu_bf16_avx512.h"
+#include "cpu_isa.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
 
@@ -36,6 +38,41 @@ template <typename T>
     for (int64_t d = 0; d < H; ++d) narrow(widen(w[d]) * round_to<T>(widen(x[d]) * inv), out + d);
   }
 }
+
+#if defined(__x86_64__)
+// rms_norm_rows for bf16 on AVX512-BF16 CPUs: the same roundings, done by vcvtneps2bf16 (bf16x16).
+NANOVLLM_BF16_CONVERT void rms_norm_bf16x16(const RmsNormArgs& a, int64_t begin, int64_t end) {
+  using namespace bf16x16;
+  const int64_t H = a.hidden;
+  const Bf16* w = static_cast<const Bf16*>(a.weight);
+  for (int64_t i = begin; i < end; ++i) {
+    const Bf16* x = static_cast<const Bf16*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
+    Bf16* out = static_cast<Bf16*>(a.out) + i * H;
+    __m512 sum = _mm512_setzero_ps();
+    if (a.residual != nullptr) {
+      const Bf16* res = static_cast<const Bf16*>(a.residual) + i * H;
+      Bf16* res_out = static_cast<Bf16*>(a.residual_out) + i * H;
+      for (int64_t d = 0; d < H; d += 16) {
+        const __mmask16 live = lanes(H - d);
+        const __m512 r = round(_mm512_add_ps(load(x + d, live), load(res + d, live)));
+        store_rounded(res_out + d, r, live);
+        sum = _mm512_fmadd_ps(r, r, sum);
+      }
+      x = res_out;
+    } else {
+      for (int64_t d = 0; d < H; d += 16) {
+        const __m512 v = load(x + d, lanes(H - d));
+        sum = _mm512_fmadd_ps(v, v, sum);
+      }
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(bf16x16::sum(sum) / static_cast<float>(H) + a.eps));
+    for (int64_t d = 0; d < H; d += 16) {
+      const __mmask16 live = lanes(H - d);
+      store(out + d, _mm512_mul_ps(load(w + d, live), round(_mm512_mul_ps(load(x + d, live), inv))), live);
+    }
+  }
+}
+#endif
 
 template <typename T>
 [[gnu::always_inline]] inline void silu_and_mul_rows(const SiluAndMulArgs& a, int64_t begin, int64_t end) {
@@ -97,7 +134,10 @@ NANOVLLM_CLONES void silu_bf16(const SiluAndMulArgs& a, int64_t b, int64_t e) { 
 }  // namespace
 
 void rms_norm(const RmsNormArgs& a, int num_threads) {
-  const auto run = a.dtype == CpuDtype::kBFloat16 ? rms_norm_bf16 : rms_norm_f32;
+  auto run = a.dtype == CpuDtype::kBFloat16 ? rms_norm_bf16 : rms_norm_f32;
+#if defined(__x86_64__)
+  if (a.dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) run = rms_norm_bf16x16;
+#endif
   parallel_rows(a.rows, a.hidden, num_threads, [&a, run](int64_t b, int64_t e) { run(a, b, e); });
 }
 

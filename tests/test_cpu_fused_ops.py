@@ -39,6 +39,24 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int) -> No
     assert out.dtype == dtype and torch.equal(x, inputs[0]) and torch.equal(residual, inputs[1])
 
 
+def test_bf16_residual_sum_keeps_subnormals_and_nans_as_torch_rounds_them() -> None:
+    """The residual add rounded to bf16 bit for bit as torch rounds it, where the AVX512-BF16
+    conversion would read a subnormal sum as zero: subnormal, halfway, NaN and infinite values."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 48, generator=g).bfloat16()
+    residual = torch.randn(3, 48, generator=g).bfloat16()
+    tiny = torch.tensor([1e-39, -3e-39, 5e-40, 1.1e-38], dtype=torch.bfloat16)  # bf16 subnormals
+    x[0, :4], residual[0, :4] = tiny, tiny * 0.5
+    x[1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2 ** -8], dtype=torch.bfloat16)
+    residual[1, :4] = torch.tensor([1.0, 1.0, -1.0, 2 ** -9], dtype=torch.bfloat16)
+    norm = _norm(48, torch.bfloat16)
+    _, res = norm(x, residual)
+    expected = x + residual
+    assert torch.equal(res.view(torch.int16)[0], expected.view(torch.int16)[0])
+    assert torch.equal(res[1:].isnan(), expected[1:].isnan())
+    assert torch.equal(res[1:].nan_to_num(), expected[1:].nan_to_num())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_over_strided_head_views(dtype: torch.dtype) -> None:
     qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=torch.Generator().manual_seed(1)).to(dtype)
