@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_bf16_avx512.h"
 #include "cpu_gemm.h"
 #include "cpu_gemm_quant.h"
 #include "cpu_isa.h"
@@ -258,6 +259,73 @@ class QuantExperts {
 // 1.05x / 1.05-1.09x / 1.02x, its int4 / int8 decode steps of 32 rows 1.00-1.06x / 1.03-1.06x (with
 // the shares cut by count instead of cost, 0.88-1.00x / 0.90x).
 // T is the activations' dtype; A the GEMMs' input: fp32 or bf16 rows (per kind of Experts).
+#if defined(__x86_64__)
+// GCC 12's AVX-512 intrinsics start from _mm*_undefined_*(), which -Wuninitialized reports once
+// inlined (a known false positive), as in cpu_attention_bf16.h.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// vec_exp (csrc/cpu_math.h) on 16 lanes: the same steps.
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(kExpMin), _mm512_min_ps(x, _mm512_set1_ps(kExpMax)));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), magic), magic);
+  const __m512 r =
+      _mm512_fmadd_ps(k, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+// One row's SiLU(gate) * up of gate/up panels [p0, p1) (h: 8 gate then 8 up columns a panel, in
+// fp32) into act (bf16), each value rounded as the torch layer rounds it: silu_and_mul_panels' loop
+// for bf16 rows on AVX512-BF16 CPUs, two panels in 16 lanes.
+// round(round(silu(round(g))) * round(u)), as silu_and_mul_panels computes an output.
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
+  using namespace bf16x16;
+  g = round(g);
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return round(_mm512_mul_ps(round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), round(u)));
+}
+
+NANOVLLM_BF16_CONVERT void silu_mul_panels_bf16x16(const float* h, Bf16* act, int64_t p0, int64_t p1) {
+  using namespace bf16x16;
+  int64_t p = p0;
+  for (; p + 2 <= p1; p += 2) {
+    // Lanes of 4: gate p, up p, gate p + 1, up p + 1 (two each).
+    const __m512 a = _mm512_loadu_ps(h + p * kGemmPanel), b = _mm512_loadu_ps(h + (p + 1) * kGemmPanel);
+    const __m512 v = act_of(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+    store_rounded(act + p * kGemmPanel / 2, v);
+  }
+  if (p < p1) {
+    const __m512 a = _mm512_loadu_ps(h + p * kGemmPanel);
+    const __m512 v = act_of(a, _mm512_shuffle_f32x4(a, a, 0xee));
+    store_rounded(act + p * kGemmPanel / 2, v, lanes(kGemmPanel / 2));
+  }
+}
+
+// combine_rows for fp32 expert outputs into bf16 rows on AVX512-BF16 CPUs: the same roundings.
+NANOVLLM_BF16_CONVERT void combine_rows_bf16x16(const float* y, int64_t y_stride, const int32_t* position,
+                                                const float* weights, int64_t k, Bf16* out, int64_t out_stride,
+                                                int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
+  using namespace bf16x16;
+  for (int64_t row = begin; row < end; ++row) {
+    for (int64_t c = col_begin; c < col_end; c += 16) {
+      const __mmask16 live = lanes(col_end - c);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < k; ++j) {
+        const float* src = y + position[row * k + j] * y_stride + c;
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[row * k + j]), round(_mm512_maskz_loadu_ps(live, src)), acc);
+      }
+      store(out + row * out_stride + c, acc, live);
+    }
+  }
+}
+#pragma GCC diagnostic pop
+#endif
+
 template <typename T, typename A, typename Experts>
 void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_threads) {
   const int64_t k = a.top_k, assignments = a.rows * k, hidden = a.hidden, inter = a.inter;
@@ -316,12 +384,22 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       }
     }
   };
+  // bf16 rows' roundings by vcvtneps2bf16 where the CPU has it (csrc/cpu_bf16_avx512.h).
+  const bool bf16_convert = has_avx512_bf16();
   // Expert e's gate/up panels [p0, p1), then SiLU(gate) * up of their columns.
   static_assert(std::is_same_v<T, Bf16> || !std::is_same_v<A, Bf16>, "bf16 rows of SiLU-and-mul come rounded");
   const auto gate_up_act = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e] - w.origin, m = offsets[e + 1] - offsets[e];
     experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1);
     for (int64_t r = first; r < first + m; ++r) {
+#if defined(__x86_64__)
+      if constexpr (std::is_same_v<T, Bf16> && std::is_same_v<A, Bf16>) {
+        if (bf16_convert) {
+          silu_mul_panels_bf16x16(w.h + r * gate_up, w.act + r * inter8, p0, p1);
+          continue;
+        }
+      }
+#endif
       int64_t p = p0;
       // Two panels at a time: their 16 gate and 16 up columns gathered, then the math in 16 lanes
       // (AVX-512's registers; a panel's 8 filled half of one).
@@ -390,8 +468,18 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       for (const int32_t e : chosen) down(shared, e, downs.begin, downs.end);  // the columns the combine reads
     }
     const PanelShare columns(down_panels, t, team);
-    combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
-                           columns.begin * kGemmPanel, std::min(hidden, columns.end * kGemmPanel));
+    const int64_t col_begin = columns.begin * kGemmPanel, col_end = std::min(hidden, columns.end * kGemmPanel);
+#if defined(__x86_64__)
+    if constexpr (std::is_same_v<T, Bf16>) {
+      if (bf16_convert) {
+        combine_rows_bf16x16(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
+                             col_end);
+        return;
+      }
+    }
+#endif
+    combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
+                           col_end);
   };
   // The gather, SiLU-and-mul and combine loops in AVX2's eight lanes where the CPU has them: in the
   // baseline's four, with bf16's rounding emulated, they were a fifth of a bf16 prefill's layer. On
