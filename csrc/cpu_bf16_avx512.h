@@ -1,4 +1,5 @@
-// bf16 <-> fp32 on AVX512-BF16 CPUs, 16 values at a time, with to_bf16's bits (csrc/cpu_dtype.h).
+// bf16 <-> fp32 on AVX512-BF16 CPUs, 16 values at a time, with to_bf16's bits (csrc/cpu_dtype.h),
+// and the vector math of the bf16 loops that use them.
 // vcvtneps2bf16 rounds to nearest even and quiets a NaN as to_bf16 does, but reads a subnormal
 // input as zero: lanes holding one (rare in activations) take to_bf16's integer rounding instead.
 // The emulated rounding costs eight vector operations a value, and a bf16 prefill's RMSNorms,
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "cpu_dtype.h"
+#include "cpu_math.h"
 
 #define NANOVLLM_BF16_CONVERT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
@@ -60,6 +62,25 @@ NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store_rounded(Bf16* p, 
 }
 
 NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline float sum(__m512 x) { return _mm512_reduce_add_ps(x); }
+
+// vec_exp (csrc/cpu_math.h) on 16 lanes: the same steps.
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 exp(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(kExpMin), _mm512_min_ps(x, _mm512_set1_ps(kExpMax)));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), magic), magic);
+  const __m512 r =
+      _mm512_fmadd_ps(k, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+// silu (csrc/cpu_math.h) on 16 lanes.
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 silu(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
 
 // The lanes of a 16-value step that hold the first n values (n may exceed 16).
 [[gnu::always_inline]] inline __mmask16 lanes(int64_t n) {

@@ -107,22 +107,71 @@ template <typename T>
   }
 }
 
+// Token i's cos and sin of its half head_dim angles, rounded to T first, as the torch layer casts
+// them to q's dtype.
+template <typename T>
+[[gnu::always_inline]] inline void rotary_angles(const RotaryArgs& a, int64_t i, float* cs, float* sn) {
+  const float pos = static_cast<float>(a.positions[i]);
+  for (int64_t j = 0; j < a.head_dim / 2; ++j) {
+    const float angle = pos * a.inv_freq[j];
+    cs[j] = round_to<T>(std::cos(angle));
+    sn[j] = round_to<T>(std::sin(angle));
+  }
+}
+
 template <typename T>
 [[gnu::always_inline]] inline void rotary_rows(const RotaryArgs& a, int64_t begin, int64_t end) {
   const int64_t half = a.head_dim / 2;
   float cs[kMaxRotaryDim / 2], sn[kMaxRotaryDim / 2];
   for (int64_t i = begin; i < end; ++i) {
-    const float pos = static_cast<float>(a.positions[i]);
-    for (int64_t j = 0; j < half; ++j) {
-      const float angle = pos * a.inv_freq[j];
-      // cos/sin rounded to the dtype first, as the torch layer casts them to q's dtype.
-      cs[j] = round_to<T>(std::cos(angle));
-      sn[j] = round_to<T>(std::sin(angle));
-    }
+    rotary_angles<T>(a, i, cs, sn);
     rotate_rows(static_cast<T*>(a.q) + i * a.q_stride, a.q_heads, half, cs, sn);
     rotate_rows(static_cast<T*>(a.k) + i * a.k_stride, a.k_heads, half, cs, sn);
   }
 }
+
+#if defined(__x86_64__)
+// rotate_rows for bf16 on AVX512-BF16 CPUs: the same roundings.
+NANOVLLM_BF16_CONVERT void rotate_rows_bf16x16(Bf16* x, int64_t heads, int64_t half, const float* cs,
+                                               const float* sn) {
+  using namespace bf16x16;
+  for (int64_t h = 0; h < heads; ++h, x += 2 * half) {
+    for (int64_t j = 0; j < half; j += 16) {
+      const __mmask16 live = lanes(half - j);
+      const __m512 a = load(x + j, live), b = load(x + half + j, live);
+      const __m512 c = _mm512_maskz_loadu_ps(live, cs + j), s = _mm512_maskz_loadu_ps(live, sn + j);
+      store_rounded(x + j, round(_mm512_sub_ps(round(_mm512_mul_ps(a, c)), round(_mm512_mul_ps(b, s)))), live);
+      store_rounded(x + half + j, round(_mm512_add_ps(round(_mm512_mul_ps(b, c)), round(_mm512_mul_ps(a, s)))),
+                    live);
+    }
+  }
+}
+
+NANOVLLM_BF16_CONVERT void rotary_bf16x16(const RotaryArgs& a, int64_t begin, int64_t end) {
+  const int64_t half = a.head_dim / 2;
+  float cs[kMaxRotaryDim / 2], sn[kMaxRotaryDim / 2];
+  for (int64_t i = begin; i < end; ++i) {
+    rotary_angles<Bf16>(a, i, cs, sn);
+    rotate_rows_bf16x16(static_cast<Bf16*>(a.q) + i * a.q_stride, a.q_heads, half, cs, sn);
+    rotate_rows_bf16x16(static_cast<Bf16*>(a.k) + i * a.k_stride, a.k_heads, half, cs, sn);
+  }
+}
+
+// silu_and_mul_rows for bf16 on AVX512-BF16 CPUs: the same roundings.
+NANOVLLM_BF16_CONVERT void silu_bf16x16(const SiluAndMulArgs& a, int64_t begin, int64_t end) {
+  using namespace bf16x16;
+  const int64_t inner = a.inner;
+  for (int64_t i = begin; i < end; ++i) {
+    const Bf16* gate = static_cast<const Bf16*>(a.x) + i * a.x_stride;
+    const Bf16* up = gate + inner;
+    Bf16* out = static_cast<Bf16*>(a.out) + i * inner;
+    for (int64_t d = 0; d < inner; d += 16) {
+      const __mmask16 live = lanes(inner - d);
+      store(out + d, _mm512_mul_ps(round(silu(load(gate + d, live))), load(up + d, live)), live);
+    }
+  }
+}
+#endif
 
 NANOVLLM_CLONES void rotary_f32(const RotaryArgs& a, int64_t b, int64_t e) { rotary_rows<float>(a, b, e); }
 NANOVLLM_CLONES void rotary_bf16(const RotaryArgs& a, int64_t b, int64_t e) { rotary_rows<Bf16>(a, b, e); }
@@ -142,12 +191,18 @@ void rms_norm(const RmsNormArgs& a, int num_threads) {
 }
 
 void silu_and_mul(const SiluAndMulArgs& a, int num_threads) {
-  const auto run = a.dtype == CpuDtype::kBFloat16 ? silu_bf16 : silu_f32;
+  auto run = a.dtype == CpuDtype::kBFloat16 ? silu_bf16 : silu_f32;
+#if defined(__x86_64__)
+  if (a.dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) run = silu_bf16x16;
+#endif
   parallel_rows(a.rows, a.inner, num_threads, [&a, run](int64_t b, int64_t e) { run(a, b, e); });
 }
 
 void rotary(const RotaryArgs& a, int num_threads) {
-  const auto run = a.dtype == CpuDtype::kBFloat16 ? rotary_bf16 : rotary_f32;
+  auto run = a.dtype == CpuDtype::kBFloat16 ? rotary_bf16 : rotary_f32;
+#if defined(__x86_64__)
+  if (a.dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) run = rotary_bf16x16;
+#endif
   parallel_rows(a.tokens, (a.q_heads + a.k_heads) * a.head_dim, num_threads,
                 [&a, run](int64_t b, int64_t e) { run(a, b, e); });
 }

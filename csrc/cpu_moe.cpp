@@ -265,31 +265,16 @@ class QuantExperts {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// vec_exp (csrc/cpu_math.h) on 16 lanes: the same steps.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(kExpMin), _mm512_min_ps(x, _mm512_set1_ps(kExpMax)));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), magic), magic);
-  const __m512 r =
-      _mm512_fmadd_ps(k, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2High), x));
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+// round(round(silu(round(g))) * round(u)), as silu_and_mul_panels computes an output.
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
+  using namespace bf16x16;
+  g = round(g);
+  return round(_mm512_mul_ps(round(silu(g)), round(u)));
 }
 
 // One row's SiLU(gate) * up of gate/up panels [p0, p1) (h: 8 gate then 8 up columns a panel, in
 // fp32) into act (bf16), each value rounded as the torch layer rounds it: silu_and_mul_panels' loop
 // for bf16 rows on AVX512-BF16 CPUs, two panels in 16 lanes.
-// round(round(silu(round(g))) * round(u)), as silu_and_mul_panels computes an output.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
-  using namespace bf16x16;
-  g = round(g);
-  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-  return round(_mm512_mul_ps(round(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), round(u)));
-}
-
 NANOVLLM_BF16_CONVERT void silu_mul_panels_bf16x16(const float* h, Bf16* act, int64_t p0, int64_t p1) {
   using namespace bf16x16;
   int64_t p = p0;
