@@ -119,14 +119,15 @@ template <typename T>
   }
 }
 
-template <typename T>
+// Tokens [begin, end), each token's q and k heads turned by Rotate (rotate_rows or a vector form).
+template <typename T, auto Rotate = rotate_rows<T>>
 [[gnu::always_inline]] inline void rotary_rows(const RotaryArgs& a, int64_t begin, int64_t end) {
   const int64_t half = a.head_dim / 2;
   float cs[kMaxRotaryDim / 2], sn[kMaxRotaryDim / 2];
   for (int64_t i = begin; i < end; ++i) {
     rotary_angles<T>(a, i, cs, sn);
-    rotate_rows(static_cast<T*>(a.q) + i * a.q_stride, a.q_heads, half, cs, sn);
-    rotate_rows(static_cast<T*>(a.k) + i * a.k_stride, a.k_heads, half, cs, sn);
+    Rotate(static_cast<T*>(a.q) + i * a.q_stride, a.q_heads, half, cs, sn);
+    Rotate(static_cast<T*>(a.k) + i * a.k_stride, a.k_heads, half, cs, sn);
   }
 }
 
@@ -148,13 +149,7 @@ NANOVLLM_BF16_CONVERT void rotate_rows_bf16x16(Bf16* x, int64_t heads, int64_t h
 }
 
 NANOVLLM_BF16_CONVERT void rotary_bf16x16(const RotaryArgs& a, int64_t begin, int64_t end) {
-  const int64_t half = a.head_dim / 2;
-  float cs[kMaxRotaryDim / 2], sn[kMaxRotaryDim / 2];
-  for (int64_t i = begin; i < end; ++i) {
-    rotary_angles<Bf16>(a, i, cs, sn);
-    rotate_rows_bf16x16(static_cast<Bf16*>(a.q) + i * a.q_stride, a.q_heads, half, cs, sn);
-    rotate_rows_bf16x16(static_cast<Bf16*>(a.k) + i * a.k_stride, a.k_heads, half, cs, sn);
-  }
+  rotary_rows<Bf16, rotate_rows_bf16x16>(a, begin, end);
 }
 
 // silu_and_mul_rows for bf16 on AVX512-BF16 CPUs: the same roundings.
