@@ -29,9 +29,11 @@ inline constexpr __mmask16 kAll = 0xffff;
 // x rounded to bf16, as to_bf16 rounds each value.
 NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m256i narrow(__m512 x) {
   __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-  const __mmask16 subnormal = _mm512_fpclass_ps_mask(x, 0x20);
+  // Exponent 0, mantissa not: tested on the bits (vfpclassps would follow MXCSR.DAZ).
+  const __m512i u = _mm512_castps_si512(x);
+  const __mmask16 subnormal = _mm512_testn_epi32_mask(u, _mm512_set1_epi32(0x7f800000)) &
+                              _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x007fffff));
   if (__builtin_expect(subnormal != 0, 0)) {
-    const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
     h = _mm256_mask_mov_epi16(h, subnormal, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
@@ -47,17 +49,17 @@ NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 widen(__m256i h) {
 NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 round(__m512 x) { return widen(narrow(x)); }
 
 // The first `live` of 16 bf16 values at p, widened (the rest 0).
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 load(const Bf16* p, __mmask16 live = 0xffff) {
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 load(const Bf16* p, __mmask16 live = kAll) {
   return widen(_mm256_maskz_loadu_epi16(live, p));
 }
 
 // x rounded into the first `live` of 16 bf16 values at p.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store(Bf16* p, __m512 x, __mmask16 live = 0xffff) {
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store(Bf16* p, __m512 x, __mmask16 live = kAll) {
   _mm256_mask_storeu_epi16(p, live, narrow(x));
 }
 
 // x, already a bf16 value (round's result), into the first `live` of 16 bf16 values at p.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store_rounded(Bf16* p, __m512 x, __mmask16 live = 0xffff) {
+NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store_rounded(Bf16* p, __m512 x, __mmask16 live = kAll) {
   _mm256_mask_storeu_epi16(p, live, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
 

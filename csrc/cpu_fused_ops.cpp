@@ -40,7 +40,8 @@ template <typename T>
 }
 
 #if defined(__x86_64__)
-// rms_norm_rows for bf16 on AVX512-BF16 CPUs: the same roundings, done by vcvtneps2bf16 (bf16x16).
+// rms_norm_rows for bf16 on AVX512-BF16 CPUs: the same roundings, done by vcvtneps2bf16 (bf16x16);
+// the sum of squares in 16 lanes, so its last bits (and now and then an output's) may differ.
 NANOVLLM_BF16_CONVERT void rms_norm_bf16x16(const RmsNormArgs& a, int64_t begin, int64_t end) {
   using namespace bf16x16;
   const int64_t H = a.hidden;

@@ -190,7 +190,7 @@ struct Bf16PairTiles {
 // ran at 250-330 GF/s against oneDNN's ~370-410; 12 x 32 ran 1.12-1.32x faster (one process).
 // The next pair's slice (32 KB) is asked for into L2, not L1: beside the slice in use (32 KB) it
 // overflowed a 48 KB L1 and evicted rows the tile's other row tiles still read (32 rows by 1024 x
-// 2048 fp32 from memory 1.1x faster, Intel Xeon with AMX; 256 rows unchanged).
+// 2048 fp32 from memory 1.1x faster, Intel Xeon with AMX; 256 rows unchanged; not measured on AMD).
 struct Fp32PairTiles {
   using X = float;
   using W = float;

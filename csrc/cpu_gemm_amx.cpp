@@ -30,9 +30,9 @@ struct RowBlock {
 };
 
 // C[2 * b + q] = block b's rows x panel q's columns over depths [k0, k1) (whole slices), B blocks (1
-// or 2) by P panels (1 or 2), from the panels' packed slices: started from zero at k0 = 0, else
-// from `carry` (the sums of the depths before: 32 rows x 32 columns, 4 KB); stored into `carry`
-// before k1 = k, into the blocks' y at it. `stream`: the first blocks of a chunk to meet these slices, whose B
+// or 2) by P panels (1 or 2), from the panels' packed slices. The sums start from zero at k0 = 0,
+// else from `carry` (those of the depths before: 32 rows x 32 columns, 4 KB); they go back to
+// `carry` while k1 < k, and to the blocks' y once k1 = k. `stream`: the first blocks of a chunk to meet these slices, whose B
 // comes from memory (amx::multiply).
 template <int B, int P>
 NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p,
@@ -75,13 +75,15 @@ void multiply_panels(int np, const RowBlock (&blocks)[2], const Bf16* packed, in
 // between slices. A tile load from L2 holds the tiles' multiplies up (one thread's 2 x 2 tile loop
 // ran at 3.3 TFLOP/s with its A and B in L1, 1.8 with either from L2, 1.4 with both); over the
 // whole depth before the next block pair, a pair's B (64 KB at k = 1024) went through L1 to L2 and
-// back for each block pair (GEMMs of 256-2048 rows at k = 1024 1.04-1.1x faster in passes).
+// back for each block pair (2 threads: 2048 x 1024 x 6144 1.12-1.18x faster in passes, 256 x 1024 x
+// 1024 from memory 1.08-1.16x; Intel Xeon with AMX).
 inline constexpr int64_t kPassDepth = kGemmSliceDepth;
 
 // The depth of a pass for `blocks` row blocks at depth k: the whole depth where a pair's B over it
 // (64 bytes a depth) stays in L1 anyway (the MoE layer's down GEMM, k = 512, 32 KB, ran 1.05x
 // slower in two passes), or where fewer than 8 block pairs share each slice and the carried sums
 // cost more than B's trips to L2 save (2048 rows by 3072 x 1024, 128-row chunks: 1.02-1.06x slower).
+// rows_per_chunk keeps a chunk under 16 blocks past k = 1536: deeper GEMMs take no passes.
 int64_t pass_depth(int64_t blocks, int64_t k) {
   constexpr int64_t kPairBytesPerDepth = 2 * kGemmPanel * sizeof(Bf16), kKeptB = 32 * 1024, kSharing = 16;
   return blocks >= kSharing && k * kPairBytesPerDepth > kKeptB ? kPassDepth : k;

@@ -15,7 +15,10 @@ struct CpuIsa {
   bool avx2_fma = false;     // the AVX2 GEMM tiles and attention score tiles
   bool avx512f = false;      // the AVX-512 fp32 GEMM tiles
   bool avx512 = false;       // AVX-512 F + BW + VL + DQ (Skylake-SP on): the MoE layer's own loops
-  bool avx512_bf16 = false;  // AVX512-F + AVX512-BF16: the bf16 pair tiles (Zen 4, Cooper Lake, SPR)
+  // AVX-512 (as avx512) + AVX512-BF16: the bf16 pair tiles and vcvtneps2bf16's 16-lane loops (Zen 4,
+  // Cooper Lake, SPR; every CPU with BF16 has BW, VL and DQ, which those loops' masked moves and
+  // vfpclassps need, but a VM may hide them).
+  bool avx512_bf16 = false;
   bool amx_bf16 = false;     // AMX tiles with bf16 products, granted to the process (Sapphire Rapids on)
 };
 
@@ -40,7 +43,7 @@ inline const CpuIsa& cpu_isa() {
     found.avx512f = __builtin_cpu_supports("avx512f");
     found.avx512 = found.avx512f && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512dq");
-    found.avx512_bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    found.avx512_bf16 = found.avx512 && __builtin_cpu_supports("avx512bf16");
     found.amx_bf16 = found.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
                      amx_granted();
 #endif

@@ -39,22 +39,25 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int) -> No
     assert out.dtype == dtype and torch.equal(x, inputs[0]) and torch.equal(residual, inputs[1])
 
 
-def test_bf16_residual_sum_keeps_subnormals_and_nans_as_torch_rounds_them() -> None:
+def test_bf16_residual_sum_keeps_subnormals_ties_and_overflow_as_torch_rounds_them() -> None:
     """The residual add rounded to bf16 bit for bit as torch rounds it, where the AVX512-BF16
-    conversion would read a subnormal sum as zero: subnormal, halfway, NaN and infinite values."""
+    conversion would read a subnormal sum as zero: subnormal sums, ties to even (down and up), a
+    sum that rounds up to infinity, infinities; NaN stays NaN."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 48, generator=g).bfloat16()
     residual = torch.randn(3, 48, generator=g).bfloat16()
     tiny = torch.tensor([1e-39, -3e-39, 5e-40, 1.1e-38], dtype=torch.bfloat16)  # bf16 subnormals
     x[0, :4], residual[0, :4] = tiny, tiny * 0.5
-    x[1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2 ** -8], dtype=torch.bfloat16)
-    residual[1, :4] = torch.tensor([1.0, 1.0, -1.0, 2 ** -9], dtype=torch.bfloat16)
+    big = torch.finfo(torch.bfloat16).max  # (2 - 2^-7) 2^127; + 2^119 is the tie with 2^128: inf
+    x[1, :6] = torch.tensor([1.0, 1.0078125, big, float("inf"), -float("inf"), float("nan")], dtype=torch.bfloat16)
+    residual[1, :6] = torch.tensor([2 ** -8, 2 ** -8, 2.0 ** 119, 1.0, -1.0, 1.0], dtype=torch.bfloat16)
     norm = _norm(48, torch.bfloat16)
     _, res = norm(x, residual)
     expected = x + residual
-    assert torch.equal(res.view(torch.int16)[0], expected.view(torch.int16)[0])
-    assert torch.equal(res[1:].isnan(), expected[1:].isnan())
-    assert torch.equal(res[1:].nan_to_num(), expected[1:].nan_to_num())
+    assert expected[1, 0] == 1.0 and expected[1, 1] == 1.015625 and expected[1, 2].isinf()  # the cases hold
+    nan = expected.isnan()
+    assert torch.equal(res.isnan(), nan)
+    assert torch.equal(res.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,6 +92,26 @@ def test_layers_fall_back_to_torch_for_what_the_kernels_do_not_take() -> None:
     assert fused_ops.try_silu_and_mul(x) is None and fused_ops.try_rms_norm(x, norm.weight, 1e-6) is None
     q = torch.randn(3, 4, 16)
     assert not fused_ops.try_rotary_(torch.arange(3, dtype=torch.int32), q, q[:, :2].clone(), torch.ones(7))
+
+
+@pytest.mark.parametrize("hidden", [8, 40, 100])  # the 16-lane loops' masked tails
+def test_bf16_rms_norm_rotary_and_silu_on_widths_16_does_not_divide(hidden: int) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    norm = _norm(hidden, torch.bfloat16)
+    x, residual = torch.randn(9, hidden, generator=g).bfloat16(), torch.randn(9, hidden, generator=g).bfloat16()
+    out, res = norm(x, residual)
+    assert torch.equal(res, x + residual)
+    torch.testing.assert_close(out, norm._norm(x + residual), **TOL[torch.bfloat16])
+    fused = 4 * torch.randn(9, 2 * hidden, generator=g).bfloat16()
+    gate, up = fused.chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(fused), F.silu(gate) * up, **TOL[torch.bfloat16])
+    head_dim = hidden // 4 * 2  # halves of 2, 10, 25
+    layer = RotaryEmbedding(head_dim, RopeConfig())
+    q, k = torch.randn(9, 3, head_dim, generator=g).bfloat16(), torch.randn(9, 1, head_dim, generator=g).bfloat16()
+    positions = torch.randint(0, 4000, (9,), dtype=torch.int32, generator=g)
+    expected = layer(positions.long(), q.clone(), k.clone())
+    for ours, ref in zip(layer(positions, q, k), expected):
+        torch.testing.assert_close(ours, ref, **TOL[torch.bfloat16])
 
 
 LLAMA3 = RopeConfig(theta=500000.0, rope_type="llama3", scaling={

@@ -19,9 +19,11 @@ pytestmark = pytest.mark.skipif(not _cpu.has_amx_bf16(), reason="this process ha
 # rows: 0, below one block, a block, blocks and a tail, two-block groups and a lone block; k: one tile
 # deep, a slice and a part, several slices (multiples of 32, AMX's condition); n: one panel, an odd
 # number of panels (a lone last one), columns past n in the last pair or panel; a depth at which the
-# rows go in chunks of 32 (768 KB of A tiles: 32, 32, then 6 rows).
+# rows go in chunks of 32 (768 KB of A tiles: 32, 32, then 6 rows). The last three take the depth in
+# 256-deep passes (16 blocks or more, k > 512): 17 blocks with a lone one-row block and a last pass
+# 32 deep, a lone panel spilling 8 columns; 18 blocks and a tail; two chunks of 384 rows and one of 32.
 SHAPES = [(1, 32, 16), (5, 64, 40), (16, 256, 32), (17, 288, 48), (33, 1024, 200), (150, 512, 33), (0, 64, 16),
-          (300, 96, 1000), (70, 8192, 40)]
+          (300, 96, 1000), (70, 8192, 40), (257, 544, 40), (273, 640, 48), (800, 1024, 72)]
 
 
 def _gemm(x: torch.Tensor, packed: cpu_gemm.PackedWeight, bias: torch.Tensor | None, y_stride: int, threads: int,
@@ -80,7 +82,7 @@ def test_a_depth_that_32_does_not_divide_takes_the_pair_tiles() -> None:
 # Rounded to bf16 as the decoder stack's bf16 layers take their products: each panel pair rounded
 # out of the thread's scratch on AMX tiles. SHAPES plus rows in several chunks (k 1024: 384 rows a
 # chunk): 384 + 384 + 32 (full blocks), 384 + 21 (a last block of 5 rows).
-NARROWED_SHAPES = SHAPES + [(800, 1024, 72), (405, 1024, 16)]
+NARROWED_SHAPES = SHAPES + [(405, 1024, 16)]
 
 
 @pytest.mark.parametrize("rows,k,n", NARROWED_SHAPES)
@@ -101,6 +103,38 @@ def test_bf16_output_is_the_fp32_product_rounded(rows: int, k: int, n: int, bias
                        n, k, k, n, 2, amx, out.data_ptr())
     assert torch.equal(out[:rows * n].view(rows, n), expected)
     assert torch.equal(out[rows * n:], torch.full((8,), 3.0, dtype=torch.bfloat16))
+
+
+def test_a_row_is_the_same_alone_and_in_a_batch_of_passes() -> None:
+    """A 257-row batch takes the depth in passes, one row alone in one: the same bits."""
+    g = torch.Generator().manual_seed(11)
+    w, x = torch.randn(40, 544, generator=g).bfloat16(), torch.randn(257, 544, generator=g).bfloat16()
+    packed = cpu_gemm.prepack(w, "avx2")
+    batch = _gemm(x, packed, None, 40, 2, amx=True)
+    for r in (0, 131, 256):
+        assert torch.equal(_gemm(x[r:r + 1].contiguous(), packed, None, 40, 2, amx=True)[0], batch[r])
+
+
+def test_bf16_output_rounds_subnormal_and_nan_sums_as_torch() -> None:
+    """Outputs that are fp32 subnormals (which vcvtneps2bf16 reads as zero; here zero rows plus a
+    subnormal bias: AMX tiles flush subnormal products themselves) rounded to bf16 as torch rounds
+    the fp32 output, bit for bit; NaN stays NaN."""
+    g = torch.Generator().manual_seed(12)
+    w, x = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(40, 64, generator=g).bfloat16()
+    x[:20] = 0.0
+    x[30, 5] = float("nan")
+    bias = torch.randn(48, generator=g) * 1e-39  # fp32 subnormals with all their low bits
+    packed = cpu_gemm.prepack(w, "avx2")
+    y = torch.empty(40, 48)
+    out = torch.empty(40, 48, dtype=torch.bfloat16)
+    _cpu.gemm_bf16_cpu(x.data_ptr(), packed.data.data_ptr(), bias.data_ptr(), y.data_ptr(), 40, 48, 64, 64, 48, 2,
+                       True, out.data_ptr())
+    expected = _gemm(x, packed, bias, 48, 2, amx=True).bfloat16()
+    assert torch.equal(expected[:20], bias.bfloat16().expand(20, 48)) and expected[30].isnan().all()
+    assert (expected[:20] != 0).sum() > 500  # subnormals, rounded rather than flushed
+    nan = expected.isnan()  # torch writes one NaN (0x7fc0); ours keep the sign and payload's top
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
 
 
 # Quantized weights, bf16 activations (csrc/cpu_gemm_quant.cpp's panels_amx): (rows, k, n, group
