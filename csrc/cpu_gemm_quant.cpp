@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_amx.h"
+#include "cpu_bf16_avx512.h"
 #include "cpu_dtype.h"
 #include "cpu_gemm.h"
 #include "cpu_isa.h"
@@ -827,9 +828,7 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, const Segments& segs, const
         float* total = totals + b / 2 * kSums;
         out = _mm512_add_ps(out, first ? bias[0] : _mm512_load_ps(total + at));
         if (last && a.y_bf16 != nullptr) {
-          alignas(64) float row[kGemmPanel];
-          _mm512_store_ps(row, out);
-          narrow_n(row, a.y_bf16 + r * a.y_stride + col0, cols);
+          bf16x16::store(a.y_bf16 + r * a.y_stride + col0, out, bf16x16::lanes(cols));
         } else if (last) {
           put(a.y + r * a.y_stride + col0, &out, cols, false);
         } else {
