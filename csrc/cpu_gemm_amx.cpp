@@ -32,8 +32,8 @@ struct RowBlock {
 // C[2 * b + q] = block b's rows x panel q's columns over depths [k0, k1) (whole slices), B blocks (1
 // or 2) by P panels (1 or 2), from the panels' packed slices. The sums start from zero at k0 = 0,
 // else from `carry` (those of the depths before: 32 rows x 32 columns, 4 KB); they go back to
-// `carry` while k1 < k, and to the blocks' y once k1 = k. `stream`: the first blocks of a chunk to meet these slices, whose B
-// comes from memory (amx::multiply).
+// `carry` while k1 < k, and to the blocks' y once k1 = k. `stream`: the first blocks of a chunk to
+// meet these slices, whose B comes from memory (amx::multiply).
 template <int B, int P>
 NANOVLLM_AMX_TILES void multiply(const RowBlock (&blocks)[2], const Bf16* packed, int64_t panels, int64_t k, int64_t p,
                                  int64_t k0, int64_t k1, float* carry, bool stream) {
