@@ -15,7 +15,8 @@
 #include "cpu_dtype.h"
 #include "cpu_math.h"
 
-#define NANOVLLM_BF16_CONVERT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+// The target of the AVX512-BF16 code: these loops and the quantized GEMM's vdpbf16ps path.
+#define NANOVLLM_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
 // GCC 12's AVX-512 shifts, conversions and shuffles start from _mm*_undefined_*(), which
 // -Wuninitialized reports once inlined (a known false positive), as in cpu_attention_bf16.h.
@@ -27,7 +28,7 @@ namespace nanovllm::bf16x16 {
 inline constexpr __mmask16 kAll = 0xffff;
 
 // x rounded to bf16, as to_bf16 rounds each value.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m256i narrow(__m512 x) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m256i narrow(__m512 x) {
   __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
   // Exponent 0, mantissa not: tested on the bits (vfpclassps would follow MXCSR.DAZ).
   const __m512i u = _mm512_castps_si512(x);
@@ -41,32 +42,32 @@ NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m256i narrow(__m512 x) {
   return h;
 }
 
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 widen(__m256i h) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 widen(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 // x as stored in bf16 (round_to<Bf16>).
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 round(__m512 x) { return widen(narrow(x)); }
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 round(__m512 x) { return widen(narrow(x)); }
 
 // The first `live` of 16 bf16 values at p, widened (the rest 0).
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 load(const Bf16* p, __mmask16 live = kAll) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 load(const Bf16* p, __mmask16 live = kAll) {
   return widen(_mm256_maskz_loadu_epi16(live, p));
 }
 
 // x rounded into the first `live` of 16 bf16 values at p.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store(Bf16* p, __m512 x, __mmask16 live = kAll) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline void store(Bf16* p, __m512 x, __mmask16 live = kAll) {
   _mm256_mask_storeu_epi16(p, live, narrow(x));
 }
 
 // x, already a bf16 value (round's result), into the first `live` of 16 bf16 values at p.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline void store_rounded(Bf16* p, __m512 x, __mmask16 live = kAll) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline void store_rounded(Bf16* p, __m512 x, __mmask16 live = kAll) {
   _mm256_mask_storeu_epi16(p, live, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
 }
 
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline float sum(__m512 x) { return _mm512_reduce_add_ps(x); }
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline float sum(__m512 x) { return _mm512_reduce_add_ps(x); }
 
 // vec_exp (csrc/cpu_math.h) on 16 lanes: the same steps.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 exp(__m512 x) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 exp(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(kExpMin), _mm512_min_ps(x, _mm512_set1_ps(kExpMax)));
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), magic), magic);
@@ -80,7 +81,7 @@ NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 exp(__m512 x) {
 }
 
 // silu (csrc/cpu_math.h) on 16 lanes.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 silu(__m512 x) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 silu(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 

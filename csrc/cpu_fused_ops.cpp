@@ -42,7 +42,7 @@ template <typename T>
 #if defined(__x86_64__)
 // rms_norm_rows for bf16 on AVX512-BF16 CPUs: the same roundings, done by vcvtneps2bf16 (bf16x16);
 // the sum of squares in 16 lanes, so its last bits (and now and then an output's) may differ.
-NANOVLLM_BF16_CONVERT void rms_norm_bf16x16(const RmsNormArgs& a, int64_t begin, int64_t end) {
+NANOVLLM_AVX512BF16 void rms_norm_bf16x16(const RmsNormArgs& a, int64_t begin, int64_t end) {
   using namespace bf16x16;
   const int64_t H = a.hidden;
   const Bf16* w = static_cast<const Bf16*>(a.weight);
@@ -134,7 +134,7 @@ template <typename T, auto Rotate = rotate_rows<T>>
 
 #if defined(__x86_64__)
 // rotate_rows for bf16 on AVX512-BF16 CPUs: the same roundings.
-NANOVLLM_BF16_CONVERT void rotate_rows_bf16x16(Bf16* x, int64_t heads, int64_t half, const float* cs,
+NANOVLLM_AVX512BF16 void rotate_rows_bf16x16(Bf16* x, int64_t heads, int64_t half, const float* cs,
                                                const float* sn) {
   using namespace bf16x16;
   for (int64_t h = 0; h < heads; ++h, x += 2 * half) {
@@ -149,12 +149,12 @@ NANOVLLM_BF16_CONVERT void rotate_rows_bf16x16(Bf16* x, int64_t heads, int64_t h
   }
 }
 
-NANOVLLM_BF16_CONVERT void rotary_bf16x16(const RotaryArgs& a, int64_t begin, int64_t end) {
+NANOVLLM_AVX512BF16 void rotary_bf16x16(const RotaryArgs& a, int64_t begin, int64_t end) {
   rotary_rows<Bf16, rotate_rows_bf16x16>(a, begin, end);
 }
 
 // silu_and_mul_rows for bf16 on AVX512-BF16 CPUs: the same roundings.
-NANOVLLM_BF16_CONVERT void silu_bf16x16(const SiluAndMulArgs& a, int64_t begin, int64_t end) {
+NANOVLLM_AVX512BF16 void silu_bf16x16(const SiluAndMulArgs& a, int64_t begin, int64_t end) {
   using namespace bf16x16;
   const int64_t inner = a.inner;
   for (int64_t i = begin; i < end; ++i) {

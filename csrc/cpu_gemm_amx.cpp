@@ -93,7 +93,7 @@ inline constexpr int64_t kCarryValues = 2 * kTileRows * 2 * kGemmPanel;  // a bl
 
 // A panel pair's m rows of products (`cols` columns, rows `stride` apart) plus the bias (nullable),
 // then, where y_bf16 is set, rounded into it (rows n apart). An AMX CPU has AVX512-BF16.
-NANOVLLM_BF16_CONVERT void finish_pair(float* out, int64_t stride, const float* bias, Bf16* y_bf16, int64_t n,
+NANOVLLM_AVX512BF16 void finish_pair(float* out, int64_t stride, const float* bias, Bf16* y_bf16, int64_t n,
                                        int64_t m, int64_t cols) {
   for (int64_t r = 0; r < m; ++r) {
     float* row = out + r * stride;

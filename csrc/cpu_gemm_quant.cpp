@@ -566,8 +566,6 @@ struct Isa {
 // pair is broadcast), twice the products per instruction of fp32 FMAs and no dequantized buffer.
 // Weights become bf16 exactly: an int4 nibble u as the bf16 bits 0x4300 | u, i.e. 128 + u (so the
 // zero point moves by 128 too), an int8 value as itself (|q| <= 128 fits bf16's 8 bits).
-#define NANOVLLM_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
-
 template <int Bits>
 NANOVLLM_AVX512BF16 inline __m512bh weight_pairs(const uint8_t* w, bool last_odd) {
   if constexpr (Bits == 4) {

@@ -266,7 +266,7 @@ class QuantExperts {
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // round(round(silu(round(g))) * round(u)), as silu_and_mul_panels computes an output.
-NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
   using namespace bf16x16;
   g = round(g);
   return round(_mm512_mul_ps(round(silu(g)), round(u)));
@@ -275,7 +275,7 @@ NANOVLLM_BF16_CONVERT [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m5
 // One row's SiLU(gate) * up of gate/up panels [p0, p1) (h: 8 gate then 8 up columns a panel, in
 // fp32) into act (bf16), each value rounded as the torch layer rounds it: silu_and_mul_panels' loop
 // for bf16 rows on AVX512-BF16 CPUs, two panels in 16 lanes.
-NANOVLLM_BF16_CONVERT void silu_mul_panels_bf16x16(const float* h, Bf16* act, int64_t p0, int64_t p1) {
+NANOVLLM_AVX512BF16 void silu_mul_panels_bf16x16(const float* h, Bf16* act, int64_t p0, int64_t p1) {
   using namespace bf16x16;
   int64_t p = p0;
   for (; p + 2 <= p1; p += 2) {
@@ -292,7 +292,7 @@ NANOVLLM_BF16_CONVERT void silu_mul_panels_bf16x16(const float* h, Bf16* act, in
 }
 
 // combine_rows for fp32 expert outputs into bf16 rows on AVX512-BF16 CPUs: the same roundings.
-NANOVLLM_BF16_CONVERT void combine_rows_bf16x16(const float* y, int64_t y_stride, const int32_t* position,
+NANOVLLM_AVX512BF16 void combine_rows_bf16x16(const float* y, int64_t y_stride, const int32_t* position,
                                                 const float* weights, int64_t k, Bf16* out, int64_t out_stride,
                                                 int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
   using namespace bf16x16;
