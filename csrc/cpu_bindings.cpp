@@ -363,23 +363,27 @@ void bind_cpu_gemm(py::module_& m) {
   m.def(
       "gemm_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,
-         int64_t y_stride, int64_t packed_dtype, int64_t num_threads, bool pairs) {
+         int64_t y_stride, int64_t packed_dtype, int64_t num_threads, bool pairs, bool amx) {
         const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
         check_gemm_weights("gemm_cpu", weights, pairs);
         if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_cpu: bad sizes");
         if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_cpu");
         const GemmArgs a{reinterpret_cast<const float*>(x), reinterpret_cast<const void*>(packed),
                          reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), m, n, k, x_stride,
-                         y_stride, weights, pairs};
+                         y_stride, weights, pairs, amx};
         py::gil_scoped_release release;
         gemm(a, clamp_threads(num_threads));
       },
       py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("y"), py::arg("m"), py::arg("n"), py::arg("k"),
       py::arg("x_stride"), py::arg("y_stride"), py::arg("packed_dtype"), py::arg("num_threads") = 1,
-      py::arg("pairs") = false,
+      py::arg("pairs") = false, py::arg("amx") = true,
       "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W (packed with the same pairs), from "
       "raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells the layouts apart: "
-      "PackedWeight.pairs does).");
+      "PackedWeight.pairs does). With pairs, from amx_fp32_min_rows() rows on AMX tiles where the process "
+      "has them (the fp32 values split into bf16 pieces: within about an fp32 rounding of the FMA tiles), "
+      "unless amx is false.");
+  m.def("amx_fp32_min_rows", [] { return kAmxFp32MinRows; },
+        "The row count from which gemm_cpu takes pair-packed fp32 weights to AMX tiles.");
   m.def(
       "gemm_bf16_cpu",
       [](uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k, int64_t x_stride,

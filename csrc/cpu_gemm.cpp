@@ -369,7 +369,9 @@ void gemm_pack(const void* w, CpuDtype dtype, int64_t n, int64_t k, int64_t w_st
 
 void gemm_panel_range(const GemmArgs& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  if (a.pairs) {
+  if (a.pairs && a.amx && a.m >= kAmxFp32MinRows && has_amx_bf16()) {
+    gemm_fp32_amx_panel_range(a, p0, p1);
+  } else if (a.pairs) {
     gemm_panels_range<Fp32PairTiles>({a.x, static_cast<const float*>(a.packed), a.bias, a.y, a.m, a.n, a.k,
                                         a.x_stride, a.y_stride},
                                        p0, p1);

@@ -86,7 +86,13 @@ struct GemmArgs {
   // fp32 weights packed with pairs, for the AVX-512 tiles (12 x 32); else the AVX2 tiles (6 x 16),
   // fp32 weights or bf16 ones widened in registers.
   bool pairs = false;
+  // With pairs, from kAmxFp32MinRows rows on AMX tiles where the process has them
+  // (gemm_fp32_amx_panel_range); false keeps every row count on the FMA tiles.
+  bool amx = true;
 };
+
+// From this many rows gemm_panel_range takes pair-packed fp32 weights to AMX tiles.
+inline constexpr int64_t kAmxFp32MinRows = 64;
 
 // Needs AVX2 + FMA (has_avx2_fma()), and AVX-512F for pairs; the binding checks.
 void gemm(const GemmArgs& a, int num_threads);
@@ -125,6 +131,12 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 // The same on AMX tiles (cpu_gemm_amx.cpp): the same products, summed in fp32 in the tiles' order.
 // Needs has_amx_bf16() and k a multiple of 32.
 void gemm_bf16_amx_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
+
+// gemm_panel_range for fp32 rows on pair-packed fp32 weights on AMX tiles (cpu_gemm_amx_fp32.cpp):
+// each value split into three bf16 pieces and the six products of pieces within fp32's precision
+// summed in fp32 (within about an fp32 rounding of the FMA tiles' sums). p0 even (PanelShare). Needs
+// has_amx_bf16().
+void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, int64_t p1);
 
 // y = x W^T + bias on gemm_bf16_panel_range's tiles, split over the team: the bf16 linear layers
 // where nanovllm/cpu/gemm.py gives them our kernel (AVX512-BF16 CPUs for small layers, every bf16
