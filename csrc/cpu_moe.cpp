@@ -265,29 +265,45 @@ class QuantExperts {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// round(round(silu(round(g))) * round(u)), as silu_and_mul_panels computes an output.
+// SiLU(g) * u as silu_and_mul_panels computes an output: for bf16 activations
+// round(round(silu(round(g))) * round(u)), for fp32 ones without the roundings.
+template <typename Out>
 NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
   using namespace bf16x16;
-  g = round(g);
-  return round(_mm512_mul_ps(round(silu(g)), round(u)));
+  if constexpr (std::is_same_v<Out, float>) {
+    return _mm512_mul_ps(silu(g), u);
+  } else {
+    g = round(g);
+    return round(_mm512_mul_ps(round(silu(g)), round(u)));
+  }
+}
+
+// The first `live` of 16 outputs of act_of<Out> into act.
+template <typename Out>
+NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline void put_act(Out* act, __m512 v, __mmask16 live) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm512_mask_storeu_ps(act, live, v);
+  } else {
+    bf16x16::store_rounded(act, v, live);
+  }
 }
 
 // One row's SiLU(gate) * up of gate/up panels [p0, p1) (h: 8 gate then 8 up columns a panel, in
-// fp32) into act (bf16), each value rounded as the torch layer rounds it: silu_and_mul_panels' loop
-// for bf16 rows on AVX512-BF16 CPUs, two panels in 16 lanes.
-NANOVLLM_AVX512BF16 void silu_mul_panels_bf16x16(const float* h, Bf16* act, int64_t p0, int64_t p1) {
-  using namespace bf16x16;
+// fp32) into act (bf16 or fp32 activations), each value as the torch layer computes it:
+// silu_and_mul_panels' loop on AVX512-BF16 CPUs (bf16x16's exp and SiLU, vec_exp's steps: the same
+// bits), two panels in 16 lanes. In fp32 that loop ran scalar: a tenth of an fp32 MoE prefill on AMX.
+template <typename Out>
+NANOVLLM_AVX512BF16 void silu_mul_panels_x16(const float* h, Out* act, int64_t p0, int64_t p1) {
   int64_t p = p0;
   for (; p + 2 <= p1; p += 2) {
     // Lanes of 4: gate p, up p, gate p + 1, up p + 1 (two each).
     const __m512 a = _mm512_loadu_ps(h + p * kGemmPanel), b = _mm512_loadu_ps(h + (p + 1) * kGemmPanel);
-    const __m512 v = act_of(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
-    store_rounded(act + p * kGemmPanel / 2, v);
+    put_act(act + p * kGemmPanel / 2, act_of<Out>(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee)),
+            bf16x16::kAll);
   }
   if (p < p1) {
     const __m512 a = _mm512_loadu_ps(h + p * kGemmPanel);
-    const __m512 v = act_of(a, _mm512_shuffle_f32x4(a, a, 0xee));
-    store_rounded(act + p * kGemmPanel / 2, v, lanes(kGemmPanel / 2));
+    put_act(act + p * kGemmPanel / 2, act_of<Out>(a, _mm512_shuffle_f32x4(a, a, 0xee)), bf16x16::lanes(kGemmPanel / 2));
   }
 }
 
@@ -369,7 +385,8 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       }
     }
   };
-  // bf16 rows' roundings by vcvtneps2bf16 where the CPU has it (csrc/cpu_bf16_avx512.h).
+  // The 16-lane loops of csrc/cpu_bf16_avx512.h (bf16 rows' roundings by vcvtneps2bf16, SiLU) where
+  // the CPU has AVX512-BF16.
   const bool bf16_convert = has_avx512_bf16();
   // Expert e's gate/up panels [p0, p1), then SiLU(gate) * up of their columns.
   static_assert(std::is_same_v<T, Bf16> || !std::is_same_v<A, Bf16>, "bf16 rows of SiLU-and-mul come rounded");
@@ -378,9 +395,9 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1);
     for (int64_t r = first; r < first + m; ++r) {
 #if defined(__x86_64__)
-      if constexpr (std::is_same_v<T, Bf16> && std::is_same_v<A, Bf16>) {
+      if constexpr (std::is_same_v<T, A>) {
         if (bf16_convert) {
-          silu_mul_panels_bf16x16(w.h + r * gate_up, w.act + r * inter8, p0, p1);
+          silu_mul_panels_x16(w.h + r * gate_up, w.act + r * inter8, p0, p1);
           continue;
         }
       }
