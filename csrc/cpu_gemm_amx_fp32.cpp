@@ -1,23 +1,30 @@
 // gemm_panel_range's fp32 GEMM on AMX tiles, for a prefill's many rows: each fp32 value of x and of
-// the weight split into three bf16 values that sum to it (v = v0 + v1 + v2, each the rounding of
-// what the ones before leave: |v1| <= 2^-8 |v|, |v2| <= 2^-16 |v|), and the six products of pieces
-// that reach fp32's precision summed in fp32 by the tiles: x0 w0, x0 w1, x0 w2, x1 w1, x1 w0, x2 w0.
-// Each is exact (8 x 8 bits); the three left out (x1 w2, x2 w1, x2 w2) come to at most ~2^-23 |x w|,
-// the size of one fp32 rounding, so the sums are as close to the exact product as the FMA tiles'
-// (which round each product's sum), in another summation order. The six multiplies of a 16 x 32
-// tile step take a sixth of the tiles' rate, still several times the FMA units' on the two cores
-// (the "bf16x6" of Henry, Tang and Heinecke, "Leveraging the bfloat16 Artificial Intelligence
-// Datatype For Higher-Precision Computations", 2019).
+// the weight split into three bf16 values that sum to it (v = v0 + v1 + v2, each the leading bits
+// of what the ones before leave), and the six products of pieces that reach fp32's precision summed
+// in fp32 by the tiles: x0 w0, x0 w1, x0 w2, x1 w1, x1 w0, x2 w0. Each is exact (8 x 8 bits); the
+// three left out (x1 w2, x2 w1, x2 w2) come to below 2^-21 |x w| (x rounded: |x1| <= 2^-8 |x|,
+// |x2| <= 2^-16 |x|; the weight truncated: |w1| < 2^-7 |w|, |w2| < 2^-14 |w|), a few fp32 roundings.
+// The six multiplies of a 16 x 32 tile step take a sixth of the tiles' rate, still more than the
+// FMA units' on the two cores (the "bf16x6" of Henry, Tang and Heinecke, "Leveraging the bfloat16
+// Artificial Intelligence Datatype For Higher-Precision Computations", 2019). Each output sums its
+// 6k products into one fp32 tile lane in order, where the FMA tiles sum 256-deep slices apart:
+// within the (k + 8) fp32 roundings bound of either, but on long sums of one sign its error grows
+// faster (k = 8192, all positive: ~47 roundings of the magnitudes' sum against ~6).
 //
-// Where the pieces differ from fp32: the tiles read bf16 subnormals as zero, so the pieces of values
-// below ~2^-110 lose their tails (an absolute error below 2^-126 |w|), and a value past bf16's
-// largest finite (~3.3961e38) rounds to infinity, as does its product.
+// Where the pieces cannot hold a value, the FMA tiles compute: a row of x holding a value that is not
+// finite or that rounds past bf16's largest (~3.3961e38), and a panel pair whose weights hold one that
+// is not finite (an infinity times a zero piece would give NaN where fp32 gives the infinity). The
+// tiles read bf16 subnormals as zero: the pieces of values below ~2^-110 lose their tails (an absolute
+// error below 2^-126 |w|), and a subnormal weight counts as zero. Which tiles a row takes depends on
+// its GEMM's row count (kAmxFp32MinRows): a row's bits differ, within these bounds, between a GEMM of
+// fewer rows and one of more.
 //
 // The weight stays as packed for the FMA tiles (pair-packed fp32, what a decode step streams): each
 // pass splits one panel pair's slice into the tiles' bf16 pair layout, three planes, in a scratch
 // that stays in L1 while every block of the chunk's rows multiplies by it; the rows are split once
 // per chunk into A tiles.
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -49,26 +56,34 @@ NANOVLLM_AMX_FP32 inline __m512 bf16_part(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 16 values as three bf16 values each (as fp32: their low 16 bits zero) that sum to them. Where the
-// first piece is not finite (x infinite or NaN, or rounded past bf16's largest) the others are 0:
-// x - x0 would be NaN.
+// The lanes of x the pieces hold: finite and below what rounds to bf16's infinity (NaN: none).
+NANOVLLM_AMX_FP32 inline __mmask16 representable(__m512 x) {
+  return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::bit_cast<float>(0x7f7f8000u)), _CMP_LT_OQ);
+}
+
+// 16 values as three bf16 values each (as fp32: their low 16 bits zero) that sum to them, each piece
+// the rounding of what the ones before leave. Lanes not representable() take zeros past the first
+// piece (x - x0 would be NaN); their rows go to the FMA tiles.
 NANOVLLM_AMX_FP32 inline void split(__m512 x, __m512 (&piece)[kPieces]) {
   piece[0] = bf16_part(x);
-  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(piece[0]), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
-  const __m512 rest = _mm512_maskz_sub_ps(finite, x, piece[0]);
+  const __m512 rest = _mm512_maskz_sub_ps(representable(x), x, piece[0]);
   piece[1] = bf16_part(rest);
   piece[2] = bf16_part(_mm512_sub_ps(rest, piece[1]));
 }
 
-// split's pieces by truncation: each the leading 8 bits of what the ones before leave (|v1| < 2^-7
-// |v|, |v2| < 2^-14 |v|), exact and without a conversion (four operations, split's take twelve).
-NANOVLLM_AMX_FP32 inline void split_truncated(__m512 x, __m512 (&piece)[kPieces]) {
+// split's pieces by truncation: each the leading 8 bits of what the ones before leave, exact and
+// without a conversion (a few operations where split takes twelve). The last piece's low bits are
+// cleared too: they are zero but where what is left is subnormal, and split_panels packs two
+// values' upper halves into a lane by shifting one and or-ing the other whole. Returns the lanes
+// that are not finite (their panel pair goes to the FMA tiles).
+NANOVLLM_AMX_FP32 inline __mmask16 split_truncated(__m512 x, __m512 (&piece)[kPieces]) {
   const __m512 high = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   piece[0] = _mm512_and_ps(x, high);
   const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(__builtin_inff()), _CMP_LT_OQ);
   const __m512 rest = _mm512_maskz_sub_ps(finite, x, piece[0]);
   piece[1] = _mm512_and_ps(rest, high);
-  piece[2] = _mm512_sub_ps(rest, piece[1]);
+  piece[2] = _mm512_and_ps(_mm512_sub_ps(rest, piece[1]), high);
+  return static_cast<__mmask16>(~finite);
 }
 
 // The bf16 bits of two vectors of bf16 values (split's pieces), lo's 16 then hi's 16.
@@ -78,12 +93,15 @@ NANOVLLM_AMX_FP32 inline __m512i pack_halves(__m512 lo, __m512 hi) {
 
 // Rows [0, m) of x (fp32, rows x_stride apart, k deep) split into A tiles: per 16-row block and per
 // 32 deep, the three pieces' tiles one after another ([blocks][kp / 32][3][16][32], kp = k rounded up
-// to 32, zero past k and past m).
-NANOVLLM_AMX_FP32 void split_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, Bf16* out) {
+// to 32, zero past k and past m). The rows holding a value the pieces cannot (representable) are
+// appended to `special`.
+NANOVLLM_AMX_FP32 void split_rows(const float* x, int64_t x_stride, int64_t m, int64_t k, Bf16* out,
+                                  std::vector<int64_t>& special) {
   const int64_t steps = (k + kTileDepth - 1) / kTileDepth;
   const int64_t rows = (m + kTileRows - 1) / kTileRows * kTileRows;
   for (int64_t r = 0; r < rows; ++r) {
     Bf16* dst = out + (r / kTileRows * steps * kPieces * kTileRows + r % kTileRows) * kTileDepth;
+    __mmask16 held = 0xffff;
     for (int64_t s = 0; s < steps; ++s, dst += kPieces * kATile) {
       const int64_t d = s * kTileDepth;
       __m512 v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -95,20 +113,23 @@ NANOVLLM_AMX_FP32 void split_rows(const float* x, int64_t x_stride, int64_t m, i
           v[h] = _mm512_maskz_loadu_ps(live, row + h * 16);
         }
       }
+      held &= representable(v[0]) & representable(v[1]);
       __m512 lo[kPieces], hi[kPieces];
       split(v[0], lo);
       split(v[1], hi);
       for (int i = 0; i < kPieces; ++i) _mm512_storeu_si512(dst + i * kATile, pack_halves(lo[i], hi[i]));
     }
+    if (r < m && held != 0xffff) special.push_back(r);
   }
 }
 
 // Depths [d0, d1) (d0 a multiple of 32) of np panels from p (pair-packed fp32: a pair's slice is
 // [depth][2][16], a lone last panel's [depth][16]) split into B tiles: per 32 deep the three
 // pieces' tiles of the np panels ([steps][3][16 k pairs][np][16][2], as amx::multiply reads a
-// panel pair's), zero past k.
-NANOVLLM_AMX_FP32 void split_panels(const float* packed, int64_t panels, int64_t k, int64_t p, int np, int64_t d0,
+// panel pair's), zero past k. Returns whether a weight among them is not finite.
+NANOVLLM_AMX_FP32 bool split_panels(const float* packed, int64_t panels, int64_t k, int64_t p, int np, int64_t d0,
                                     int64_t d1, Bf16* out) {
+  __mmask16 special = 0;
   const int64_t pair_row = np * kGemmPanel;  // floats of one depth of the panels' slice
   const int64_t step_values = kPieces * kTileDepth * np * kGemmPanel;
   for (int64_t d = d0; d < d1; d += 2) {
@@ -118,8 +139,8 @@ NANOVLLM_AMX_FP32 void split_panels(const float* packed, int64_t panels, int64_t
     for (int q = 0; q < np; ++q) {
       __m512 even[kPieces], odd[kPieces];
       const __m512 zero = _mm512_setzero_ps();
-      split_truncated(d < k ? _mm512_loadu_ps(slice + (d - k0) * pair_row + q * kGemmPanel) : zero, even);
-      split_truncated(d + 1 < k ? _mm512_loadu_ps(slice + (d + 1 - k0) * pair_row + q * kGemmPanel) : zero, odd);
+      special |= split_truncated(d < k ? _mm512_loadu_ps(slice + (d - k0) * pair_row + q * kGemmPanel) : zero, even);
+      special |= split_truncated(d + 1 < k ? _mm512_loadu_ps(slice + (d + 1 - k0) * pair_row + q * kGemmPanel) : zero, odd);
       for (int i = 0; i < kPieces; ++i) {
         // Column c's pair in lane c: the even depth's bits low, the odd's high.
         const __m512i lanes = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even[i]), 16),
@@ -128,6 +149,7 @@ NANOVLLM_AMX_FP32 void split_panels(const float* packed, int64_t panels, int64_t
       }
     }
   }
+  return special != 0;
 }
 
 // One 32-deep step of C[2 * b + q] += the six piece products, B blocks (1 or 2) by P panels (1 or
@@ -220,7 +242,10 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
   if (p0 >= p1 || a.m == 0) return;
   const auto* packed = static_cast<const float*>(a.packed);
   const int64_t panels = gemm_panels(a.n), steps = (a.k + kTileDepth - 1) / kTileDepth, kp = steps * kTileDepth;
-  const int64_t chunk = std::min(rows_per_chunk(kp), a.m);
+  // Near-equal chunks (whole blocks) of at least rows_per_chunk rows: a short last chunk would split
+  // the weight again for a few rows (65 rows at k = 3072 as 64 + 1 took 2.2x the time of 64).
+  const int64_t chunks = std::max<int64_t>(1, a.m / rows_per_chunk(kp));
+  const int64_t chunk = ((a.m + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t chunk_rows = (chunk + kTileRows - 1) / kTileRows * kTileRows, chunk_blocks = chunk_rows / kTileRows;
   constexpr int64_t kSums = kTileRows * 2 * kGemmPanel;  // one block's sums by a pair: 2 KB
   const int64_t plane_values = kPassDepth * kPieces * 2 * kGemmPanel;
@@ -235,15 +260,28 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
   const auto pass_panels = [&](int64_t i) { return p0 + 2 * (i / passes); };
   const auto pass_np = [&](int64_t i) { return static_cast<int>(std::min<int64_t>(2, p1 - pass_panels(i))); };
   const auto pass_depth = [&](int64_t i) { return i % passes * kPassDepth; };
-  // Steps [s0, s1) of pass i split into its planes.
+  // Steps [s0, s1) of pass i split into its planes; special[i % 2]: whether a weight of the pass is
+  // not finite.
+  bool special[2] = {false, false};
   const auto split_steps = [&](int64_t i, int64_t s0, int64_t s1) NANOVLLM_AMX_FP32 {
     const int64_t d0 = pass_depth(i), d1 = std::min(kp, d0 + kPassDepth);
     const int64_t from = d0 + s0 * kTileDepth, to = std::min(d1, d0 + s1 * kTileDepth);
+    if (s0 == 0) special[i % 2] = false;
     if (from >= to) return;
     const int np = pass_np(i);
-    split_panels(packed, panels, a.k, pass_panels(i), np, from, to,
-                 planes + i % 2 * plane_values + s0 * kPieces * kTileDepth * np * kGemmPanel);
+    special[i % 2] |= split_panels(packed, panels, a.k, pass_panels(i), np, from, to,
+                                   planes + i % 2 * plane_values + s0 * kPieces * kTileDepth * np * kGemmPanel);
   };
+  // Rows [r0, r0 + m) by panels [q0, q1) on the FMA tiles (rows or panel pairs the pieces cannot hold).
+  const auto on_fma = [&](int64_t r0, int64_t m, int64_t q0, int64_t q1) {
+    GemmArgs fma = a;
+    fma.x = a.x + r0 * a.x_stride;
+    fma.y = a.y + r0 * a.y_stride;
+    fma.m = m;
+    fma.amx = false;
+    gemm_panel_range(fma, q0, q1);
+  };
+  std::vector<int64_t> special_rows;
   // Pass i's fp32 source: its panels' slice at its depths, one run of bytes.
   const auto pass_source = [&](int64_t i) -> std::span<const char> {
     const int64_t d0 = pass_depth(i), k0 = d0 / kGemmSliceDepth * kGemmSliceDepth;
@@ -254,11 +292,13 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
   _tile_loadconfig(&amx::kConfig);
   for (int64_t r0 = 0; r0 < a.m; r0 += chunk) {
     const int64_t m = std::min(chunk, a.m - r0), blocks = (m + kTileRows - 1) / kTileRows;
-    split_rows(a.x + r0 * a.x_stride, a.x_stride, m, a.k, tiles);
+    special_rows.clear();
+    split_rows(a.x + r0 * a.x_stride, a.x_stride, m, a.k, tiles, special_rows);
     float* const y = a.y + r0 * a.y_stride;
     amx::fence();
     if (pairs * passes > 1) prefetch_share(pass_source(1), 0, 1);
     split_steps(0, 0, kPassDepth / kTileDepth);
+    bool pair_special = false;  // whether a weight of this pair's passes so far is not finite
     for (int64_t i = 0; i < pairs * passes; ++i) {
       const int64_t p = pass_panels(i), d0 = pass_depth(i), d1 = std::min(kp, d0 + kPassDepth);
       const int np = pass_np(i);
@@ -266,6 +306,7 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
       const int64_t pass_steps = (d1 - d0) / kTileDepth;
       const bool first = d0 == 0, last = d1 == kp;
       const Bf16* const w = planes + i % 2 * plane_values;
+      pair_special = (first ? false : pair_special) || special[i % 2];
       amx::fence();
       for (int64_t b = 0; b < blocks; b += 2) {
         const int count = static_cast<int>(std::min<int64_t>(2, blocks - b));
@@ -308,14 +349,22 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
             std::copy_n(spill + h * kSums + r * 2 * kGemmPanel, cols, y + (first_row + r) * a.y_stride + col0);
           }
         }
+        amx::fence();  // the copy has read the spill before the next block pair's sums land in it
       }
-      if (!last || a.bias == nullptr) continue;
+      if (!last) continue;
       amx::fence();
+      if (pair_special) {
+        on_fma(r0, m, p, p + np);
+        continue;
+      }
+      if (a.bias == nullptr) continue;
       for (int64_t r = 0; r < m; ++r) {
         float* row = y + r * a.y_stride + col0;
         for (int64_t c = 0; c < cols; ++c) row[c] += a.bias[col0 + c];
       }
     }
+    amx::fence();
+    for (const int64_t r : special_rows) on_fma(r0 + r, 1, p0, p1);
   }
   _tile_release();
 }

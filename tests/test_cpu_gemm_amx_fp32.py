@@ -93,11 +93,12 @@ def test_a_row_is_the_same_wherever_it_lies_in_the_batch() -> None:
     assert torch.equal(whole[150:], tail)
 
 
-def test_nan_and_infinite_inputs_stay_in_their_rows() -> None:
-    """A row holding NaN or an infinity gives non-finite outputs (no value of it is dropped as a
-    piece's remainder), and the other rows the same bits as without it."""
+def test_rows_the_pieces_cannot_hold_take_the_fma_tiles() -> None:
+    """A row holding NaN, an infinity or a value that rounds past bf16's largest (3.4e38 < fp32's)
+    gives the FMA tiles' bits (an infinity times a zero piece would be NaN where fp32 gives the
+    infinity; 3.4e38 as bf16 is infinite); the other rows the same bits as without it."""
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(40, 256, generator=g)
+    w = torch.randn(40, 256, generator=g).bfloat16().float()  # bf16 values: their lower pieces are zero
     x = torch.randn(MIN_ROWS + 8, 256, generator=g)
     packed = _packed(w)
     clean = _gemm(x, packed, None, 40, 2, amx=True)
@@ -105,9 +106,44 @@ def test_nan_and_infinite_inputs_stay_in_their_rows() -> None:
     bad[3, 17] = float("nan")
     bad[9, 100] = float("inf")
     bad[20, 0] = -float("inf")
+    bad[30, 5] = 3.4e38
+    bad[31] = 0.0
+    bad[31, 7] = 3.4e38
     out = _gemm(bad, packed, None, 40, 2, amx=True)
-    for row in (3, 9, 20):
-        assert not out[row].isfinite().any()
-    assert out[3].isnan().all()
-    keep = [r for r in range(x.shape[0]) if r not in (3, 9, 20)]
+    fma = _gemm(bad, packed, None, 40, 2, amx=False)
+    special = (3, 9, 20, 30, 31)
+    for row in special:
+        torch.testing.assert_close(out[row], fma[row], rtol=0, atol=0, equal_nan=True)
+    assert out[3].isnan().all() and out[9].isinf().all() and out[31][w[:, 7].abs() < 1].isfinite().all()
+    keep = [r for r in range(x.shape[0]) if r not in special]
     assert torch.equal(out[keep], clean[keep])
+
+
+def test_a_panel_pair_with_an_infinite_weight_takes_the_fma_tiles() -> None:
+    """Infinite weights in one column: its panel pair's outputs are the FMA tiles' (infinities, not the
+    NaN of an infinity times zero pieces), the other pairs' the tiles' own."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(96, 300, generator=g)
+    x = torch.randn(MIN_ROWS + 20, 300, generator=g).abs()
+    clean = _gemm(x, _packed(w), None, 96, 2, amx=True)
+    w[40, 200] = float("inf")  # column 40: panel 2, the pair of panels 2 and 3 (columns 32-63)
+    packed = _packed(w)
+    out = _gemm(x, packed, None, 96, 2, amx=True)
+    fma = _gemm(x, packed, None, 96, 2, amx=False)
+    assert torch.equal(out[:, 32:64], fma[:, 32:64])
+    assert out[:, 40].isposinf().all()
+    assert torch.equal(out[:, :32], clean[:, :32]) and torch.equal(out[:, 64:], clean[:, 64:])
+
+
+def test_subnormal_weights_count_as_zero_and_leave_their_neighbours_alone() -> None:
+    """The tiles read bf16 subnormals as zero: a subnormal weight (or what is left of a tiny one) adds
+    nothing, and the weight packed beside it in a k pair keeps its value."""
+    g = torch.Generator().manual_seed(9)
+    rows, k, n = MIN_ROWS, 512, 64
+    w = torch.randn(n, k, generator=g)
+    w[:, 1::2] = torch.where(torch.rand(n, k // 2, generator=g) < 0.5, torch.tensor(1e-39), w[:, 1::2])
+    x = torch.randn(rows, k, generator=g)
+    exact = F.linear(x.double(), w.double())
+    magnitude = F.linear(x.double().abs(), w.double().abs())
+    out = _gemm(x, _packed(w), None, n, 2, amx=True)
+    assert ((out.double() - exact).abs() <= (k + 8) * U * magnitude + 1e-36).all()
