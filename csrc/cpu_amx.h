@@ -43,10 +43,12 @@ inline constexpr TileConfig kConfig = [] {
 inline void fence() { asm volatile("" ::: "memory"); }
 
 // count T of a thread's scratch `storage`, 64-byte aligned: a tile row split over two cache lines
-// loads several times slower (3-6x, B tiles from L1 to L3).
+// loads several times slower (3-6x, B tiles from L1 to L3). The scratch only grows: resized down and
+// up again (a MoE layer's experts of alternating row counts), a vector zero-fills what it regains.
 template <typename T>
 T* aligned(std::vector<T>& storage, int64_t count) {
-  storage.resize(count + 64 / sizeof(T));
+  const auto size = static_cast<size_t>(count) + 64 / sizeof(T);
+  if (storage.size() < size) storage.resize(size);
   const auto at = reinterpret_cast<uintptr_t>(storage.data());
   return reinterpret_cast<T*>((at + 63) / 64 * 64);
 }
