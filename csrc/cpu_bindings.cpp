@@ -380,7 +380,7 @@ void bind_cpu_gemm(py::module_& m) {
       "y [m, n] = x [m, k] W^T (+ bias) in fp32 on gemm_pack_cpu's copy of W (packed with the same pairs), from "
       "raw pointers (nanovllm.cpu.gemm checks the tensors; nothing here tells the layouts apart: "
       "PackedWeight.pairs does). With pairs, from amx_fp32_min_rows() rows on AMX tiles where the process "
-      "has them (the fp32 values split into bf16 pieces: within about an fp32 rounding of the FMA tiles), "
+      "has them (the fp32 values split into bf16 pieces: within fp32's rounding bound, as the FMA tiles), "
       "unless amx is false.");
   m.def("amx_fp32_min_rows", [] { return kAmxFp32MinRows; },
         "The row count from which gemm_cpu takes pair-packed fp32 weights to AMX tiles.");

@@ -134,7 +134,8 @@ void gemm_bf16_amx_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1);
 
 // gemm_panel_range for fp32 rows on pair-packed fp32 weights on AMX tiles (cpu_gemm_amx_fp32.cpp):
 // each value split into three bf16 pieces and the six products of pieces within fp32's precision
-// summed in fp32 (within about an fp32 rounding of the FMA tiles' sums). p0 even (PanelShare). Needs
+// summed in fp32 (within fp32's rounding bound of the exact product, as the FMA tiles' sums; rows and
+// panel pairs holding values the pieces cannot hold on the FMA tiles). p0 even (PanelShare). Needs
 // has_amx_bf16().
 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, int64_t p1);
 
