@@ -229,8 +229,9 @@ constexpr int64_t kPassDepth = 64;
 // Rows split and multiplied at a time: their A tiles (6 bytes a value) about 1 MB, in a core's L2
 // while every panel pair's passes go by, and at least 64, over which each pass's split is shared
 // (the split's cost is per chunk). At k = 1024 chunks of 160 rows ran 1.1x faster than of 256 (1.5
-// MB); at k = 3072 the budget alone gives 32 rows, which ran 1.2x slower than 64; at k = 512 the
-// MoE down GEMM's 512 rows 1.3x faster in chunks of 320.
+// MB); at k = 3072 the budget alone gives 32 rows, which ran 1.2x slower than 64. A GEMM of fewer than
+// twice these rows takes them in one chunk (below): at k = 512, 512 rows in one chunk or in two of
+// 256 ran within the noise of each other.
 int64_t rows_per_chunk(int64_t kp) {
   constexpr int64_t kChunkBytes = 1024 * 1024, kMinRows = 64, kTwoBlocks = 2 * kTileRows;
   return std::max(kMinRows, kChunkBytes / (kp * kPieces * static_cast<int64_t>(sizeof(Bf16))) / kTwoBlocks * kTwoBlocks);
