@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_bf16_avx512.h"
 #include "cpu_dtype.h"
 
 namespace nanovllm::amx {
@@ -115,6 +116,26 @@ NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int6
       _tile_loadd(5, a[1], kTileDepth * 2);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (P == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// A panel pair's m rows of products (`cols` columns, rows `stride` apart) plus the bias (nullable),
+// then, where y_bf16 is set, rounded into it (rows n apart). An AMX CPU has AVX512-BF16. The GEMMs'
+// epilogue on the tiles' products: gemm_bf16_amx_panel_range's bf16 output and bias, the fp32 one's bias.
+NANOVLLM_AVX512BF16 inline void finish_pair(float* out, int64_t stride, const float* bias, Bf16* y_bf16, int64_t n,
+                                              int64_t m, int64_t cols) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = out + r * stride;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 live = bf16x16::lanes(cols - c);
+      __m512 v = _mm512_maskz_loadu_ps(live, row + c);
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + c));
+      if (y_bf16 != nullptr) {
+        bf16x16::store(y_bf16 + r * n + c, v, live);
+      } else {
+        _mm512_mask_storeu_ps(row + c, live, v);
+      }
     }
   }
 }

@@ -91,25 +91,6 @@ int64_t pass_depth(int64_t blocks, int64_t k) {
 
 inline constexpr int64_t kCarryValues = 2 * kTileRows * 2 * kGemmPanel;  // a block pair's sums
 
-// A panel pair's m rows of products (`cols` columns, rows `stride` apart) plus the bias (nullable),
-// then, where y_bf16 is set, rounded into it (rows n apart). An AMX CPU has AVX512-BF16.
-NANOVLLM_AVX512BF16 void finish_pair(float* out, int64_t stride, const float* bias, Bf16* y_bf16, int64_t n,
-                                       int64_t m, int64_t cols) {
-  for (int64_t r = 0; r < m; ++r) {
-    float* row = out + r * stride;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 live = bf16x16::lanes(cols - c);
-      __m512 v = _mm512_maskz_loadu_ps(live, row + c);
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, bias + c));
-      if (y_bf16 != nullptr) {
-        bf16x16::store(y_bf16 + r * n + c, v, live);
-      } else {
-        _mm512_mask_storeu_ps(row + c, live, v);
-      }
-    }
-  }
-}
-
 // Rows packed and multiplied at a time: their A tiles about 768 KB, so that they stay in a core's L2
 // (2 MB on Sapphire Rapids) while every panel's B streams past them once. Packed whole, a 2048-row
 // prefill's A (4 MB at k = 1024) went back to L3 for each pair of panels: one thread's GEMMs of
@@ -171,7 +152,7 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
     }
     if (a.bias == nullptr && y_bf16 == nullptr) continue;
     amx::fence();
-    finish_pair(out, out_stride, a.bias == nullptr ? nullptr : a.bias + col0,
+    amx::finish_pair(out, out_stride, a.bias == nullptr ? nullptr : a.bias + col0,
                 y_bf16 == nullptr ? nullptr : y_bf16 + col0, a.n, m, cols);
   }
 }

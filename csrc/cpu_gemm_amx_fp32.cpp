@@ -247,14 +247,13 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
   // the weight again for a few rows (65 rows at k = 3072 as 64 + 1 took 2.2x the time of 64).
   const int64_t chunks = std::max<int64_t>(1, a.m / rows_per_chunk(kp));
   const int64_t chunk = ((a.m + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;
-  const int64_t chunk_rows = (chunk + kTileRows - 1) / kTileRows * kTileRows, chunk_blocks = chunk_rows / kTileRows;
   constexpr int64_t kSums = kTileRows * 2 * kGemmPanel;  // one block's sums by a pair: 2 KB
   const int64_t plane_values = kPassDepth * kPieces * 2 * kGemmPanel;
   thread_local std::vector<Bf16> tiles_storage, planes_storage;
   thread_local std::vector<float> carry_storage, spill_storage;
-  Bf16* const tiles = amx::aligned(tiles_storage, chunk_rows * kp * kPieces);
+  Bf16* const tiles = amx::aligned(tiles_storage, chunk * kp * kPieces);
   Bf16* const planes = amx::aligned(planes_storage, 2 * plane_values);  // two passes': this one's, the next's
-  float* const carry = amx::aligned(carry_storage, chunk_blocks * kSums);
+  float* const carry = amx::aligned(carry_storage, chunk / kTileRows * kSums);
   float* const spill = amx::aligned(spill_storage, 2 * kSums);
   const int64_t passes = (kp + kPassDepth - 1) / kPassDepth, pairs = (p1 - p0 + 1) / 2;
   // Pass i of a chunk: panel pair i / passes, depths from i % passes.
@@ -358,11 +357,7 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
         on_fma(r0, m, p, p + np);
         continue;
       }
-      if (a.bias == nullptr) continue;
-      for (int64_t r = 0; r < m; ++r) {
-        float* row = y + r * a.y_stride + col0;
-        for (int64_t c = 0; c < cols; ++c) row[c] += a.bias[col0 + c];
-      }
+      if (a.bias != nullptr) amx::finish_pair(y + col0, a.y_stride, a.bias + col0, nullptr, a.n, m, cols);
     }
     amx::fence();
     for (const int64_t r : special_rows) on_fma(r0 + r, 1, p0, p1);
