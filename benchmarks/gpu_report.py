@@ -11,11 +11,13 @@ Usage: python benchmarks/gpu_report.py RESULTS_DIR
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 DECODE_TARGET = 0.70  # decode kernel bandwidth / device copy bandwidth
+PYTEST_COUNTS = re.compile(r"\b\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s")
 SCHED_TARGET = 0.05  # scheduler CPU time / GPU decode step
 
 
@@ -62,8 +64,12 @@ def report(d: Path) -> str:
         lines.append(f"- Steps: {steps}")
     logs = sorted(d.glob("pytest*.txt"))
     for log in logs:
-        last = log.read_text(errors="replace").strip().splitlines()[-1:]
-        lines.append(f"- Tests ({log.stem}): {last[0] if last else '-'}")
+        text = log.read_text(errors="replace")
+        # pytest's closing count, or what the log ends with where the run was cut before it.
+        counts = [line.strip("= ") for line in text.splitlines() if PYTEST_COUNTS.search(line)]
+        tail = text.strip().splitlines()[-1:]
+        lines.append(f"- Tests ({log.stem}): {counts[-1] if counts else (tail[0] if tail else '-')}")
+        lines += [f"  - {line}" for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     if not logs:
         lines.append("- Tests: -")
     lines += ["", "| measure | value | target | verdict |", "|---|---:|---|---|"]

@@ -122,11 +122,13 @@ run() {
   echo "=== [$(( $(date +%s) - START ))s] $name: $*${log:+ > $log}"
   local t0 rc
   t0=$(date +%s)
-  # In the background plus `wait`, so that a TERM from outside runs the trap at once.
+  # In the background plus `wait`, so that a TERM from outside runs the trap at once. A step past
+  # its limit gets INT first: pytest then still lists the failures so far and its counts (on the
+  # 2026-12-04 H200 run, TERM cut the suite at 98% with ~36 failures and no names).
   if [ -n "$log" ]; then
-    timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1 &
+    timeout -s INT --kill-after=10 "$limit" "$@" > "$log" 2>&1 &
   else
-    timeout --kill-after=10 "$limit" "$@" &
+    timeout -s INT --kill-after=10 "$limit" "$@" &
   fi
   STEP_PID=$! STEP_NAME=$name STEP_T0=$t0
   wait "$STEP_PID"
@@ -231,7 +233,7 @@ fi
 # --- tests --------------------------------------------------------------------------------------
 # Each group in its own process: a sticky CUDA error (an illegal address) in one cannot fail the
 # next. faulthandler dumps the stacks of a test that hangs.
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=8 -o faulthandler_timeout=100)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=8 -o faulthandler_timeout=100)
 # The quantized GEMM's GPU tests by name: the rest of its file runs Triton's interpreter on the CPU.
 GPU_TESTS=(tests/test_kernels_cuda.py tests/test_kernels_build.py tests/test_plan_tensors.py tests/test_staging.py
            tests/test_moe_cuda.py tests/test_quant_triton.py::test_on_gpu_matches_dequantized_product

@@ -305,7 +305,9 @@ def test_sync_audit_decode_steps_wait_only_for_their_tokens(model_dir: Path) -> 
         dict(temperature=0.6, logprobs=3), dict(temperature=1.0, n=3, seed=4), dict(temperature=0.5, structured_outputs=schema),
     ]
     for i, (kw, prompt) in enumerate(zip(mixes, random_prompts([6, 11, 3, 25, 8, 14, 5, 9, 12, 7], VOCAB, seed=11))):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=24, ignore_eos=True, **kw))
+        params = SamplingParams(max_tokens=24, ignore_eos=True, **kw)
+        grammar = engine.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params, grammar=grammar)
     engine.step()  # the prefill (one step: every prompt fits the token budget)
     engine.step()  # n = 3 fans out: its children join from here on
     torch.cuda.synchronize()
