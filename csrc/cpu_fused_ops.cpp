@@ -176,13 +176,27 @@ NANOVLLM_CLONES void rms_norm_bf16(const RmsNormArgs& a, int64_t b, int64_t e) {
 NANOVLLM_CLONES void silu_f32(const SiluAndMulArgs& a, int64_t b, int64_t e) { silu_and_mul_rows<float>(a, b, e); }
 NANOVLLM_CLONES void silu_bf16(const SiluAndMulArgs& a, int64_t b, int64_t e) { silu_and_mul_rows<Bf16>(a, b, e); }
 
+using RmsNormRows = void (*)(const RmsNormArgs&, int64_t, int64_t);
+using RotaryRows = void (*)(const RotaryArgs&, int64_t, int64_t);
+
+RmsNormRows rms_norm_rows_for(CpuDtype dtype) {
+#if defined(__x86_64__)
+  if (dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) return rms_norm_bf16x16;
+#endif
+  return dtype == CpuDtype::kBFloat16 ? rms_norm_bf16 : rms_norm_f32;
+}
+
+RotaryRows rotary_rows_for(CpuDtype dtype) {
+#if defined(__x86_64__)
+  if (dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) return rotary_bf16x16;
+#endif
+  return dtype == CpuDtype::kBFloat16 ? rotary_bf16 : rotary_f32;
+}
+
 }  // namespace
 
 void rms_norm(const RmsNormArgs& a, int num_threads) {
-  auto run = a.dtype == CpuDtype::kBFloat16 ? rms_norm_bf16 : rms_norm_f32;
-#if defined(__x86_64__)
-  if (a.dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) run = rms_norm_bf16x16;
-#endif
+  const RmsNormRows run = rms_norm_rows_for(a.dtype);
   parallel_rows(a.rows, a.hidden, num_threads, [&a, run](int64_t b, int64_t e) { run(a, b, e); });
 }
 
@@ -195,12 +209,23 @@ void silu_and_mul(const SiluAndMulArgs& a, int num_threads) {
 }
 
 void rotary(const RotaryArgs& a, int num_threads) {
-  auto run = a.dtype == CpuDtype::kBFloat16 ? rotary_bf16 : rotary_f32;
-#if defined(__x86_64__)
-  if (a.dtype == CpuDtype::kBFloat16 && has_avx512_bf16()) run = rotary_bf16x16;
-#endif
+  const RotaryRows run = rotary_rows_for(a.dtype);
   parallel_rows(a.tokens, (a.q_heads + a.k_heads) * a.head_dim, num_threads,
                 [&a, run](int64_t b, int64_t e) { run(a, b, e); });
+}
+
+void norm_rotary(const RmsNormArgs& q_norm, const RmsNormArgs& k_norm, const RotaryArgs& r, int num_threads) {
+  const RmsNormRows norm = rms_norm_rows_for(r.dtype);
+  const RotaryRows rotate = rotary_rows_for(r.dtype);
+  const int64_t qh = r.q_heads, kh = r.k_heads;
+  parallel_rows(r.tokens, (qh + kh) * r.head_dim, num_threads, [&, norm, rotate](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += kNormRotaryTokens) {
+      const int64_t t1 = std::min(end, t0 + kNormRotaryTokens);
+      norm(q_norm, t0 * qh, t1 * qh);
+      norm(k_norm, t0 * kh, t1 * kh);
+      rotate(r, t0, t1);
+    }
+  });
 }
 
 }  // namespace nanovllm

@@ -50,4 +50,11 @@ struct RotaryArgs {
 inline constexpr int64_t kMaxRotaryDim = 1024;
 void rotary(const RotaryArgs& a, int num_threads);
 
+// rms_norm(q_norm), rms_norm(k_norm), then rotary(r) on their outputs (r.q, r.k), the same bits, a
+// few tokens at a time: each token's q and k rows are still in L1 when they are turned (three
+// passes over a prefill's q and k went through memory: ~8 MB at 2,048 tokens of a 16/8-head model).
+// q_norm's rows are r.tokens x r.q_heads heads, k_norm's r.tokens x r.k_heads.
+inline constexpr int64_t kNormRotaryTokens = 8;
+void norm_rotary(const RmsNormArgs& q_norm, const RmsNormArgs& k_norm, const RotaryArgs& r, int num_threads);
+
 }  // namespace nanovllm

@@ -163,6 +163,9 @@ struct Share {
 // the AVX512-BF16 pair tiles.
 class DenseExperts {
  public:
+  // down() rounds its output to bf16 itself where given y_bf16 (bf16 rows only).
+  static constexpr bool kRoundsDown = true;
+
   explicit DenseExperts(const MoeExpertsArgs& a)
       : a_(a),
         w13_bytes_(gemm_packed_elements(moe_gate_up_rows(a.layer.inter), a.layer.hidden) * weight_bytes()),
@@ -176,10 +179,15 @@ class DenseExperts {
          moe_gate_up_rows(a_.layer.inter), a_.layer.hidden, p0, p1);
   }
   template <typename A>
-  void down(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
-            int64_t p1) const {
-    gemm(x, x_stride, static_cast<const char*>(a_.w2) + e * w2_bytes_, y, y_stride, m, a_.layer.hidden,
-         moe_down_depth(a_.layer.inter, a_.bf16_pairs()), p0, p1);
+  void down(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0, int64_t p1,
+            Bf16* y_bf16 = nullptr) const {
+    const char* packed = static_cast<const char*>(a_.w2) + e * w2_bytes_;
+    const int64_t depth = moe_down_depth(a_.layer.inter, a_.bf16_pairs());
+    if constexpr (std::is_same_v<A, Bf16>) {
+      gemm(x, x_stride, packed, y, y_stride, m, a_.layer.hidden, depth, p0, p1, y_bf16);
+    } else {
+      gemm(x, x_stride, packed, y, y_stride, m, a_.layer.hidden, depth, p0, p1);
+    }
   }
 
  private:
@@ -189,8 +197,10 @@ class DenseExperts {
     gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, a_.weight_dtype, a_.pairs}, p0, p1);
   }
   void gemm(const Bf16* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
-            int64_t k, int64_t p0, int64_t p1) const {
-    gemm_bf16_panel_range({x, reinterpret_cast<const Bf16*>(packed), nullptr, y, m, n, k, x_stride, y_stride}, p0, p1);
+            int64_t k, int64_t p0, int64_t p1, Bf16* y_bf16 = nullptr) const {
+    GemmBf16Args g{x, reinterpret_cast<const Bf16*>(packed), nullptr, y, m, n, k, x_stride, y_stride};
+    g.y_bf16 = y_bf16;
+    gemm_bf16_panel_range(g, p0, p1);
   }
 
   const MoeExpertsArgs& a_;
@@ -200,6 +210,8 @@ class DenseExperts {
 // int8 / int4 experts (quant_gemm_panels): fp32 rows, or bf16 rows on the AVX512-BF16 path.
 class QuantExperts {
  public:
+  static constexpr bool kRoundsDown = false;  // quant_gemm_panels writes fp32 only
+
   explicit QuantExperts(const MoeQuantExpertsArgs& a) : a_(a) {}
 
   template <typename A>
@@ -307,8 +319,9 @@ NANOVLLM_AVX512BF16 void silu_mul_panels_x16(const float* h, Out* act, int64_t p
   }
 }
 
-// combine_rows for fp32 expert outputs into bf16 rows on AVX512-BF16 CPUs: the same roundings.
-NANOVLLM_AVX512BF16 void combine_rows_bf16x16(const float* y, int64_t y_stride, const int32_t* position,
+// combine_rows for fp32 or bf16 expert outputs into bf16 rows on AVX512-BF16 CPUs: the same roundings.
+template <typename TY>
+NANOVLLM_AVX512BF16 void combine_rows_bf16x16(const TY* y, int64_t y_stride, const int32_t* position,
                                                 const float* weights, int64_t k, Bf16* out, int64_t out_stride,
                                                 int64_t begin, int64_t end, int64_t col_begin, int64_t col_end) {
   using namespace bf16x16;
@@ -317,8 +330,14 @@ NANOVLLM_AVX512BF16 void combine_rows_bf16x16(const float* y, int64_t y_stride, 
       const __mmask16 live = lanes(col_end - c);
       __m512 acc = _mm512_setzero_ps();
       for (int64_t j = 0; j < k; ++j) {
-        const float* src = y + position[row * k + j] * y_stride + c;
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[row * k + j]), round(_mm512_maskz_loadu_ps(live, src)), acc);
+        const TY* src = y + position[row * k + j] * y_stride + c;
+        __m512 v;
+        if constexpr (std::is_same_v<TY, Bf16>) {
+          v = load(src, live);
+        } else {
+          v = round(_mm512_maskz_loadu_ps(live, src));
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[row * k + j]), v, acc);
       }
       store(out + row * out_stride + c, acc, live);
     }
@@ -369,8 +388,13 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     return Rows{xs, h, carve.take<A>(count * inter8), 0};
   };
   const int64_t rows_bytes_each = (hidden + inter8) * a_bytes + gate_up * 4;
-  Carver carve(scratch(assignments * (hidden * 4 + (by_experts ? 0 : rows_bytes_each)) + 4 * 64));
+  // bf16 rows: the down GEMM rounds the experts' outputs to bf16 itself (the combine rounds each
+  // before weighing it, so the bits are the same): half the bytes written and read back, which at
+  // 2,048 tokens is 32 MB of fp32 a layer, past the caches.
+  constexpr bool kRoundedY = Experts::kRoundsDown && std::is_same_v<A, Bf16>;
+  Carver carve(scratch(assignments * (hidden * (kRoundedY ? 6 : 4) + (by_experts ? 0 : rows_bytes_each)) + 5 * 64));
   float* const y = carve.take<float>(assignments * hidden);
+  Bf16* const y_bf16 = kRoundedY ? carve.take<Bf16>(assignments * hidden) : nullptr;
   const Rows shared = by_experts ? Rows{} : carve_rows(carve, assignments);
 
   const auto gather = [&](const Rows& w, int64_t begin, int64_t end) __attribute__((always_inline)) {
@@ -440,8 +464,12 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   };
   const auto down = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e];
-    experts.down(e, w.act + (first - w.origin) * inter8, inter8, y + first * hidden, hidden, offsets[e + 1] - first,
-                 p0, p1);
+    const A* act = w.act + (first - w.origin) * inter8;
+    if constexpr (kRoundedY) {
+      experts.down(e, act, inter8, y + first * hidden, hidden, offsets[e + 1] - first, p0, p1, y_bf16 + first * hidden);
+    } else {
+      experts.down(e, act, inter8, y + first * hidden, hidden, offsets[e + 1] - first, p0, p1);
+    }
   };
   const auto thread_part = [&](int64_t t, int64_t team) __attribute__((always_inline)) {
     if (by_experts) {
@@ -474,14 +502,24 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
 #if defined(__x86_64__)
     if constexpr (std::is_same_v<T, Bf16>) {
       if (bf16_convert) {
-        combine_rows_bf16x16(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
-                             col_end);
+        if constexpr (kRoundedY) {
+          combine_rows_bf16x16(y_bf16, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
+                               col_begin, col_end);
+        } else {
+          combine_rows_bf16x16(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
+                               col_end);
+        }
         return;
       }
     }
 #endif
-    combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
-                           col_end);
+    if constexpr (kRoundedY) {
+      combine_rows<Bf16, T>(y_bf16, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
+                            col_begin, col_end);
+    } else {
+      combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
+                             col_end);
+    }
   };
   // The gather, SiLU-and-mul and combine loops in AVX2's eight lanes where the CPU has them: in the
   // baseline's four, with bf16's rounding emulated, they were a fifth of a bf16 prefill's layer. On
