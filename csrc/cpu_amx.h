@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_bf16_avx512.h"
@@ -63,7 +64,9 @@ inline void pack_rows(const Bf16* x, int64_t x_stride, int64_t m, int64_t k, Bf1
     Bf16* dst = out + (r / kTileRows * steps * kTileRows + r % kTileRows) * kTileDepth;
     for (int64_t s = 0; s < steps; ++s, dst += kTileRows * kTileDepth) {
       if (r < m) {
-        std::copy_n(x + r * x_stride + s * kTileDepth, kTileDepth, dst);
+        // A constant size, copied inline: std::copy_n called memmove for each 64 bytes (3% of a MoE
+        // bf16 prefill, the call's small-size path waiting on the row's first load).
+        std::memcpy(dst, x + r * x_stride + s * kTileDepth, kTileDepth * sizeof(Bf16));
       } else {
         std::fill_n(dst, kTileDepth, Bf16{0});
       }
