@@ -126,8 +126,21 @@ NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int6
 // A panel pair's m rows of products (`cols` columns, rows `stride` apart) plus the bias (nullable),
 // then, where y_bf16 is set, rounded into it (rows n apart). An AMX CPU has AVX512-BF16. The GEMMs'
 // epilogue on the tiles' products: gemm_bf16_amx_panel_range's bf16 output and bias, the fp32 one's bias.
+// `stream`: whole 64-byte lines of y_bf16 are written past the caches (an output larger than they
+// hold: each line's write would first read it from memory).
 NANOVLLM_AVX512BF16 inline void finish_pair(float* out, int64_t stride, const float* bias, Bf16* y_bf16, int64_t n,
-                                              int64_t m, int64_t cols) {
+                                              int64_t m, int64_t cols, bool stream = false) {
+  if (stream && y_bf16 != nullptr && bias == nullptr && cols == 2 * 16 &&
+      reinterpret_cast<uintptr_t>(y_bf16) % 64 == 0 && n % 32 == 0) {
+    for (int64_t r = 0; r < m; ++r) {
+      const float* row = out + r * stride;
+      __m256i* line = reinterpret_cast<__m256i*>(y_bf16 + r * n);
+      _mm256_stream_si256(line, bf16x16::narrow(_mm512_loadu_ps(row)));
+      _mm256_stream_si256(line + 1, bf16x16::narrow(_mm512_loadu_ps(row + 16)));
+    }
+    _mm_sfence();  // the streamed lines reach memory before a later load of another thread's
+    return;
+  }
   for (int64_t r = 0; r < m; ++r) {
     float* row = out + r * stride;
     for (int64_t c = 0; c < cols; c += 16) {

@@ -81,8 +81,9 @@ def test_a_depth_that_32_does_not_divide_takes_the_pair_tiles() -> None:
 
 # Rounded to bf16 as the decoder stack's bf16 layers take their products: each panel pair rounded
 # out of the thread's scratch on AMX tiles. SHAPES plus rows in several chunks (k 1024: 384 rows a
-# chunk): 384 + 384 + 32 (full blocks), 384 + 21 (a last block of 5 rows).
-NARROWED_SHAPES = SHAPES + [(405, 1024, 16)]
+# chunk): 384 + 384 + 32 (full blocks), 384 + 21 (a last block of 5 rows); an output past 2 MB,
+# whose whole lines are written past the caches (its 6-row last block too).
+NARROWED_SHAPES = SHAPES + [(405, 1024, 16), (1030, 1024, 1056)]
 
 
 @pytest.mark.parametrize("rows,k,n", NARROWED_SHAPES)
