@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cpu_attention_avx2.h"
+#include "cpu_gate_up_act.h"
 #include "cpu_isa.h"
 #include "cpu_parallel.h"
 
@@ -408,6 +409,9 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
   }
   gemm_panels_range<Bf16PairTiles>({a.x, a.packed, a.bias, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
   if (a.y_bf16 != nullptr) narrow_panels(a.y, a.y_stride, a.y_bf16, a.m, a.n, p0, p1);
+  if (a.act != nullptr) {
+    for (int64_t r = 0; r < a.m; ++r) silu_mul_panels_x16(a.y + r * a.y_stride, a.act + r * (a.n / 2), p0, p1);
+  }
 #else
   (void)a;
   (void)p0;

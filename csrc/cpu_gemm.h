@@ -121,6 +121,12 @@ struct GemmBf16Args {
   // thread's (y is not written); on the pair tiles y holds the fp32 product and the thread rounds
   // its columns after.
   Bf16* y_bf16 = nullptr;
+  // Where not null, a MoE layer's gate/up product (cpu_moe.h's packing: 8 gate and 8 up columns a
+  // panel) becomes SiLU(gate) * up rounded to bf16 as the layer's own loop computes it
+  // (silu_mul_panels_x16), [m, n / 2], rows n / 2 apart, and y is scratch: on AMX tiles each block
+  // pair's rows as soon as they are summed (y is not written), on the pair tiles from y after. Not
+  // with y_bf16 or a bias.
+  Bf16* act = nullptr;
 };
 
 // gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32: on AMX

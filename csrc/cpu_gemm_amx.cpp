@@ -12,6 +12,7 @@
 
 #include "cpu_amx.h"
 #include "cpu_bf16_avx512.h"
+#include "cpu_gate_up_act.h"
 #include "cpu_gemm.h"
 
 namespace nanovllm {
@@ -105,20 +106,23 @@ int64_t rows_per_chunk(int64_t k) {
 inline constexpr int64_t kStreamedOutputBytes = 2 << 20;
 
 // A chunk's m rows against panels [p0, p1): their A tiles in `tiles` (amx::pack_rows), products into
-// y (rows a.y_stride apart); or, where a.y_bf16 is set, each pair's into `pair` (rows 2 * kGemmPanel
-// apart: 128 bytes a row, 48 KB for a chunk at k = 1024, more at a shallower k) and from there
-// rounded into y_bf16 (rows a.n apart) while they are in the thread's cache: a prefill's product in
-// fp32 went to memory and back (a layer's 512 rows x 6144 are 12 MB).
-NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, int64_t m, const Bf16* tiles,
-                                      float* spill, float* pair, float* carry, int64_t p0, int64_t p1) {
+// y (rows a.y_stride apart); or, where y_bf16 or act is set, each pair's into `pair` (rows 2 *
+// kGemmPanel apart: 128 bytes a row, 48 KB for a chunk at k = 1024, more at a shallower k) and from
+// there rounded into y_bf16 (rows a.n apart), or turned into SiLU(gate) * up in act (rows a.n / 2
+// apart), while they are in the thread's cache: a prefill's product in fp32 went to memory and back
+// (a layer's 512 rows x 6144 are 12 MB).
+NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, Bf16* act, int64_t m,
+                                      const Bf16* tiles, float* spill, float* pair, float* carry, int64_t p0,
+                                      int64_t p1) {
   const int64_t panels = gemm_panels(a.n), blocks = (m + kTileRows - 1) / kTileRows;
-  const int64_t out_stride = y_bf16 != nullptr ? 2 * kGemmPanel : a.y_stride;
+  const bool to_pair = y_bf16 != nullptr || act != nullptr;
+  const int64_t out_stride = to_pair ? 2 * kGemmPanel : a.y_stride;
   const bool stream = a.m * a.n * static_cast<int64_t>(sizeof(Bf16)) >= kStreamedOutputBytes;
   for (int64_t p = p0; p < p1; p += 2) {
     amx::fence();  // the last pair's rounding read `pair` before these tiles overwrite it
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
     const int64_t col0 = p * kGemmPanel, cols = std::min(np * kGemmPanel, a.n - col0);
-    float* const out = y_bf16 != nullptr ? pair : y + col0;  // the pair's first column
+    float* const out = to_pair ? pair : y + col0;  // the pair's first column
     // Block b: its tiles and where its products land (spill's half s where the block has fewer than
     // 16 rows or the panels run past n).
     const auto block = [&](int64_t b, int s) -> RowBlock {
@@ -143,9 +147,13 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
     // block pair's rows are finished once the next pair's multiplies are issued: the vector work
     // runs beside those tiles' and reads sums still in L1 (after the whole chunk, a 384-row chunk's
     // 48 KB came back from L2, a tenth of a MoE bf16 prefill).
-    const bool finishing = a.bias != nullptr || y_bf16 != nullptr;
+    const bool finishing = a.bias != nullptr || to_pair;
     const auto finish = [&](int64_t r0, int64_t r1) {
       amx::fence();
+      if (act != nullptr) {
+        for (int64_t r = r0; r < r1; ++r) silu_mul_panels_x16(out + r * out_stride, act + r * (a.n / 2) + col0 / 2, 0, np);
+        return;
+      }
       amx::finish_pair(out + r0 * out_stride, out_stride, a.bias == nullptr ? nullptr : a.bias + col0,
                        y_bf16 == nullptr ? nullptr : y_bf16 + r0 * a.n + col0, a.n, r1 - r0, cols, stream);
     };
@@ -184,15 +192,17 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
   const int64_t chunk_rows = (chunk + kTileRows - 1) / kTileRows * kTileRows;
   Bf16* const tiles = amx::aligned(tiles_storage, chunk_rows * a.k);
   float* const spill = amx::aligned(spill_storage, 2 * kTileRows * 2 * kGemmPanel);  // products that do not fit in y
-  float* const pair = a.y_bf16 != nullptr ? amx::aligned(pair_storage, chunk_rows * 2 * kGemmPanel) : nullptr;
+  float* const pair =
+      a.y_bf16 != nullptr || a.act != nullptr ? amx::aligned(pair_storage, chunk_rows * 2 * kGemmPanel) : nullptr;
   float* const carry = amx::aligned(carry_storage, (chunk_rows / kTileRows + 1) / 2 * kCarryValues);
   _tile_loadconfig(&amx::kConfig);
   for (int64_t r0 = 0; r0 < a.m; r0 += chunk) {
     const int64_t m = std::min(chunk, a.m - r0);
     amx::pack_rows(a.x + r0 * a.x_stride, a.x_stride, m, a.k, tiles);
     amx::fence();
-    multiply_rows(a, a.y_bf16 != nullptr ? nullptr : a.y + r0 * a.y_stride,
-                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr, m, tiles, spill, pair, carry, p0, p1);
+    multiply_rows(a, pair != nullptr ? nullptr : a.y + r0 * a.y_stride,
+                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr, a.act != nullptr ? a.act + r0 * (a.n / 2) : nullptr,
+                  m, tiles, spill, pair, carry, p0, p1);
   }
   _tile_release();
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_bf16_avx512.h"
+#include "cpu_gate_up_act.h"
 #include "cpu_gemm.h"
 #include "cpu_gemm_quant.h"
 #include "cpu_isa.h"
@@ -163,8 +164,9 @@ struct Share {
 // the AVX512-BF16 pair tiles.
 class DenseExperts {
  public:
-  // down() rounds its output to bf16 itself where given y_bf16 (bf16 rows only).
-  static constexpr bool kRoundsDown = true;
+  // With bf16 rows the GEMMs write the layer's bf16 values themselves: gate_up() SiLU(gate) * up
+  // into act, down() its output rounded into y_bf16.
+  static constexpr bool kBf16Epilogues = true;
 
   explicit DenseExperts(const MoeExpertsArgs& a)
       : a_(a),
@@ -173,10 +175,15 @@ class DenseExperts {
                   weight_bytes()) {}
 
   template <typename A>
-  void gate_up(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0,
-               int64_t p1) const {
-    gemm(x, x_stride, static_cast<const char*>(a_.w13) + e * w13_bytes_, y, y_stride, m,
-         moe_gate_up_rows(a_.layer.inter), a_.layer.hidden, p0, p1);
+  void gate_up(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0, int64_t p1,
+               Bf16* act = nullptr) const {
+    const char* packed = static_cast<const char*>(a_.w13) + e * w13_bytes_;
+    const int64_t rows = moe_gate_up_rows(a_.layer.inter);
+    if constexpr (std::is_same_v<A, Bf16>) {
+      gemm(x, x_stride, packed, y, y_stride, m, rows, a_.layer.hidden, p0, p1, nullptr, act);
+    } else {
+      gemm(x, x_stride, packed, y, y_stride, m, rows, a_.layer.hidden, p0, p1);
+    }
   }
   template <typename A>
   void down(int32_t e, const A* x, int64_t x_stride, float* y, int64_t y_stride, int64_t m, int64_t p0, int64_t p1,
@@ -197,9 +204,10 @@ class DenseExperts {
     gemm_panel_range({x, packed, nullptr, y, m, n, k, x_stride, y_stride, a_.weight_dtype, a_.pairs}, p0, p1);
   }
   void gemm(const Bf16* x, int64_t x_stride, const char* packed, float* y, int64_t y_stride, int64_t m, int64_t n,
-            int64_t k, int64_t p0, int64_t p1, Bf16* y_bf16 = nullptr) const {
+            int64_t k, int64_t p0, int64_t p1, Bf16* y_bf16 = nullptr, Bf16* act = nullptr) const {
     GemmBf16Args g{x, reinterpret_cast<const Bf16*>(packed), nullptr, y, m, n, k, x_stride, y_stride};
     g.y_bf16 = y_bf16;
+    g.act = act;
     gemm_bf16_panel_range(g, p0, p1);
   }
 
@@ -210,7 +218,7 @@ class DenseExperts {
 // int8 / int4 experts (quant_gemm_panels): fp32 rows, or bf16 rows on the AVX512-BF16 path.
 class QuantExperts {
  public:
-  static constexpr bool kRoundsDown = false;  // quant_gemm_panels writes fp32 only
+  static constexpr bool kBf16Epilogues = false;  // quant_gemm_panels writes fp32 only
 
   explicit QuantExperts(const MoeQuantExpertsArgs& a) : a_(a) {}
 
@@ -277,48 +285,6 @@ class QuantExperts {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// SiLU(g) * u as silu_and_mul_panels computes an output: for bf16 activations
-// round(round(silu(round(g))) * round(u)), for fp32 ones without the roundings.
-template <typename Out>
-NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline __m512 act_of(__m512 g, __m512 u) {
-  using namespace bf16x16;
-  if constexpr (std::is_same_v<Out, float>) {
-    return _mm512_mul_ps(silu(g), u);
-  } else {
-    g = round(g);
-    return round(_mm512_mul_ps(round(silu(g)), round(u)));
-  }
-}
-
-// The first `live` of 16 outputs of act_of<Out> into act.
-template <typename Out>
-NANOVLLM_AVX512BF16 [[gnu::always_inline]] inline void put_act(Out* act, __m512 v, __mmask16 live) {
-  if constexpr (std::is_same_v<Out, float>) {
-    _mm512_mask_storeu_ps(act, live, v);
-  } else {
-    bf16x16::store_rounded(act, v, live);
-  }
-}
-
-// One row's SiLU(gate) * up of gate/up panels [p0, p1) (h: 8 gate then 8 up columns a panel, in
-// fp32) into act (bf16 or fp32 activations), each value as the torch layer computes it:
-// silu_and_mul_panels' loop on AVX512-BF16 CPUs (bf16x16's exp and SiLU, vec_exp's steps: the same
-// bits), two panels in 16 lanes. In fp32 that loop ran scalar: a tenth of an fp32 MoE prefill on AMX.
-template <typename Out>
-NANOVLLM_AVX512BF16 void silu_mul_panels_x16(const float* h, Out* act, int64_t p0, int64_t p1) {
-  int64_t p = p0;
-  for (; p + 2 <= p1; p += 2) {
-    // Lanes of 4: gate p, up p, gate p + 1, up p + 1 (two each).
-    const __m512 a = _mm512_loadu_ps(h + p * kGemmPanel), b = _mm512_loadu_ps(h + (p + 1) * kGemmPanel);
-    put_act(act + p * kGemmPanel / 2, act_of<Out>(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee)),
-            bf16x16::kAll);
-  }
-  if (p < p1) {
-    const __m512 a = _mm512_loadu_ps(h + p * kGemmPanel);
-    put_act(act + p * kGemmPanel / 2, act_of<Out>(a, _mm512_shuffle_f32x4(a, a, 0xee)), bf16x16::lanes(kGemmPanel / 2));
-  }
-}
-
 // combine_rows for fp32 or bf16 expert outputs into bf16 rows on AVX512-BF16 CPUs: the same roundings.
 template <typename TY>
 NANOVLLM_AVX512BF16 void combine_rows_bf16x16(const TY* y, int64_t y_stride, const int32_t* position,
@@ -388,13 +354,14 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     return Rows{xs, h, carve.take<A>(count * inter8), 0};
   };
   const int64_t rows_bytes_each = (hidden + inter8) * a_bytes + gate_up * 4;
-  // bf16 rows: the down GEMM rounds the experts' outputs to bf16 itself (the combine rounds each
-  // before weighing it, so the bits are the same): half the bytes written and read back, which at
-  // 2,048 tokens is 32 MB of fp32 a layer, past the caches.
-  constexpr bool kRoundedY = Experts::kRoundsDown && std::is_same_v<A, Bf16>;
-  Carver carve(scratch(assignments * (hidden * (kRoundedY ? 6 : 4) + (by_experts ? 0 : rows_bytes_each)) + 5 * 64));
+  // bf16 rows: the GEMMs write the layer's bf16 values themselves, the same bits. The gate/up GEMM
+  // SiLU(gate) * up from its sums while they are in L1 (its fp32 product no longer goes to h and
+  // back); the down GEMM the experts' outputs rounded (the combine rounds each before weighing it):
+  // half the bytes written and read back, which at 2,048 tokens is 32 MB of fp32 a layer.
+  constexpr bool kEpilogues = Experts::kBf16Epilogues && std::is_same_v<A, Bf16>;
+  Carver carve(scratch(assignments * (hidden * (kEpilogues ? 6 : 4) + (by_experts ? 0 : rows_bytes_each)) + 5 * 64));
   float* const y = carve.take<float>(assignments * hidden);
-  Bf16* const y_bf16 = kRoundedY ? carve.take<Bf16>(assignments * hidden) : nullptr;
+  Bf16* const y_bf16 = kEpilogues ? carve.take<Bf16>(assignments * hidden) : nullptr;
   const Rows shared = by_experts ? Rows{} : carve_rows(carve, assignments);
 
   const auto gather = [&](const Rows& w, int64_t begin, int64_t end) __attribute__((always_inline)) {
@@ -416,6 +383,10 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   static_assert(std::is_same_v<T, Bf16> || !std::is_same_v<A, Bf16>, "bf16 rows of SiLU-and-mul come rounded");
   const auto gate_up_act = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e] - w.origin, m = offsets[e + 1] - offsets[e];
+    if constexpr (kEpilogues) {  // SiLU(gate) * up by the GEMM, from its sums while they are in L1
+      experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1, w.act + first * inter8);
+      return;
+    }
     experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1);
     for (int64_t r = first; r < first + m; ++r) {
 #if defined(__x86_64__)
@@ -465,7 +436,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   const auto down = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e];
     const A* act = w.act + (first - w.origin) * inter8;
-    if constexpr (kRoundedY) {
+    if constexpr (kEpilogues) {
       experts.down(e, act, inter8, y + first * hidden, hidden, offsets[e + 1] - first, p0, p1, y_bf16 + first * hidden);
     } else {
       experts.down(e, act, inter8, y + first * hidden, hidden, offsets[e + 1] - first, p0, p1);
@@ -502,7 +473,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
 #if defined(__x86_64__)
     if constexpr (std::is_same_v<T, Bf16>) {
       if (bf16_convert) {
-        if constexpr (kRoundedY) {
+        if constexpr (kEpilogues) {
           combine_rows_bf16x16(y_bf16, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
                                col_begin, col_end);
         } else {
@@ -513,7 +484,7 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
       }
     }
 #endif
-    if constexpr (kRoundedY) {
+    if constexpr (kEpilogues) {
       combine_rows<Bf16, T>(y_bf16, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
                             col_begin, col_end);
     } else {
