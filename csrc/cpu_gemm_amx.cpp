@@ -143,15 +143,17 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
         }
       }
     };
-    // Rows [r0, r1) of the pair's products finished: the bias added, or rounded into y_bf16. A
-    // block pair's rows are finished once the next pair's multiplies are issued: the vector work
-    // runs beside those tiles' and reads sums still in L1 (after the whole chunk, a 384-row chunk's
-    // 48 KB came back from L2, a tenth of a MoE bf16 prefill).
+    // Rows [r0, r1) of the pair's products finished: the bias added, rounded into y_bf16, or made
+    // SiLU(gate) * up in act. A block pair's rows are finished once the next pair's multiplies are
+    // issued: the vector work runs beside those tiles' and reads sums still in L1 (after the whole
+    // chunk, it waited on a 384-row chunk's 48 KB coming back from L2).
     const bool finishing = a.bias != nullptr || to_pair;
     const auto finish = [&](int64_t r0, int64_t r1) {
       amx::fence();
       if (act != nullptr) {
-        for (int64_t r = r0; r < r1; ++r) silu_mul_panels_x16(out + r * out_stride, act + r * (a.n / 2) + col0 / 2, 0, np);
+        for (int64_t r = r0; r < r1; ++r) {
+          silu_mul_panels_x16(out + r * out_stride, act + r * (a.n / 2) + col0 / 2, 0, np);
+        }
         return;
       }
       amx::finish_pair(out + r0 * out_stride, out_stride, a.bias == nullptr ? nullptr : a.bias + col0,
@@ -201,8 +203,8 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
     amx::pack_rows(a.x + r0 * a.x_stride, a.x_stride, m, a.k, tiles);
     amx::fence();
     multiply_rows(a, pair != nullptr ? nullptr : a.y + r0 * a.y_stride,
-                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr, a.act != nullptr ? a.act + r0 * (a.n / 2) : nullptr,
-                  m, tiles, spill, pair, carry, p0, p1);
+                  a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr,
+                  a.act != nullptr ? a.act + r0 * (a.n / 2) : nullptr, m, tiles, spill, pair, carry, p0, p1);
   }
   _tile_release();
 }

@@ -384,7 +384,8 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   const auto gate_up_act = [&](const Rows& w, int32_t e, int64_t p0, int64_t p1) __attribute__((always_inline)) {
     const int64_t first = offsets[e] - w.origin, m = offsets[e + 1] - offsets[e];
     if constexpr (kEpilogues) {  // SiLU(gate) * up by the GEMM, from its sums while they are in L1
-      experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1, w.act + first * inter8);
+      experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1,
+                      w.act + first * inter8);
       return;
     }
     experts.gate_up(e, w.xs + first * hidden, hidden, w.h + first * gate_up, gate_up, m, p0, p1);
