@@ -169,7 +169,7 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
         multiply_panels<2>(np, pair_blocks, a.packed, panels, a.k, p, k0, k1, carry + b / 2 * kCarryValues, b == 0);
         if (!last) continue;
         land(b, 2);
-        if (finishing && b > finished / kTileRows) {
+        if (finishing && b > 0) {  // the pair before this one
           finish(finished, b * kTileRows);
           finished = b * kTileRows;
         }
