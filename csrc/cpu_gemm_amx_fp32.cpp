@@ -285,7 +285,8 @@ NANOVLLM_AMX_FP32 void gemm_fp32_amx_panel_range(const GemmArgs& a, int64_t p0, 
   // Pass i's fp32 source: its panels' slice at its depths, one run of bytes.
   const auto pass_source = [&](int64_t i) -> std::span<const char> {
     const int64_t d0 = pass_depth(i), k0 = d0 / kGemmSliceDepth * kGemmSliceDepth;
-    const int64_t pair_row = pass_np(i) * kGemmPanel, depth = std::max<int64_t>(0, std::min(a.k, d0 + kPassDepth) - d0);
+    // d0 < k: a multiple of 32 below kp, k rounded up to 32.
+    const int64_t pair_row = pass_np(i) * kGemmPanel, depth = std::min(a.k, d0 + kPassDepth) - d0;
     const float* at = packed + gemm_slice_offset(panels, a.k, pass_panels(i), k0) + (d0 - k0) * pair_row;
     return {reinterpret_cast<const char*>(at), static_cast<size_t>(depth * pair_row) * sizeof(float)};
   };

@@ -471,26 +471,24 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
     }
     const PanelShare columns(down_panels, t, team);
     const int64_t col_begin = columns.begin * kGemmPanel, col_end = std::min(hidden, columns.end * kGemmPanel);
+    // The experts' outputs as the down GEMM left them: rounded to bf16 (kEpilogues) or in fp32.
+    const auto combine = [&](const auto* outputs) __attribute__((always_inline)) {
 #if defined(__x86_64__)
-    if constexpr (std::is_same_v<T, Bf16>) {
-      if (bf16_convert) {
-        if constexpr (kEpilogues) {
-          combine_rows_bf16x16(y_bf16, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
+      if constexpr (std::is_same_v<T, Bf16>) {
+        if (bf16_convert) {
+          combine_rows_bf16x16(outputs, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
                                col_begin, col_end);
-        } else {
-          combine_rows_bf16x16(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
-                               col_end);
+          return;
         }
-        return;
       }
-    }
 #endif
+      combine_rows(outputs, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
+                   col_end);
+    };
     if constexpr (kEpilogues) {
-      combine_rows<Bf16, T>(y_bf16, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows,
-                            col_begin, col_end);
+      combine(y_bf16);
     } else {
-      combine_rows<float, T>(y, hidden, position.data(), weights.data(), k, out, a.out_stride, 0, a.rows, col_begin,
-                             col_end);
+      combine(y);
     }
   };
   // The gather, SiLU-and-mul and combine loops in AVX2's eight lanes where the CPU has them: in the
