@@ -39,11 +39,13 @@ constexpr int64_t kAmxMinRows = 2;
 // from memory at 8-13 GB/s, half its rate on cached ones: the hardware prefetcher alone kept too few
 // lines in flight. The AVX-512 bf16 path asks for a panel's lines at its start (24 int4 weights of the
 // Qwen3-shaped layers, 41 MB in turn, 1.00-1.25x faster, Zen 5; 8 ahead no better). The AVX2
-// fp32 in-register path (one row) and the int16 paths ask a line per line they read, inside their
-// loops, going on past the thread's last panel into its first of the next slice (panel_ahead): from
-// memory on Zen 3 (2 threads) the int16 int4 path read the Qwen3-shaped layers 1.14x faster than
-// when asking at a panel's start, the fp32 path's int8 1.23x faster than with none (asking at a
-// panel's start: 0.81-0.89x); 2 or 8 ahead the same.
+// fp32 in-register path (one row), the int16 paths and the AVX-512 bf16 path's one int4 row ask a
+// line per line they read, inside their loops, going on past the thread's last panel into its first
+// of the next slice (panel_ahead): from memory on Zen 3 (2 threads) the int16 int4 path read the
+// Qwen3-shaped layers 1.14x faster than when asking at a panel's start, the fp32 path's int8 1.23x
+// faster than with none (asking at a panel's start: 0.81-0.89x); 2 or 8 ahead the same. The bf16
+// path's one int4 row on the Intel Xeon with AMX: a 6144 x 1024 weight from memory 1.24x faster than
+// asked for at each panel's start (240 -> 192 us; 2, 8 or 16 ahead no better); int8 no faster.
 constexpr int64_t kPrefetchPanels = 4;
 
 // Every cache line of [begin, end) asked for into L2 (the AVX-512 bf16 path, a panel at a time).
@@ -617,11 +619,12 @@ NANOVLLM_AVX512BF16 inline __m512bh bcast(const uint16_t* pair) {
 
 // R rows (x rows a.x_stride apart, pairs of bf16) against panel p's slice at k0, segment by segment, as
 // direct_slice; xsum holds these rows' segment sums, xq the rows as RowPrep::quads (null: single
-// steps only); y the rows' panel columns, ldy apart.
+// steps only); y the rows' panel columns, ldy apart. `ahead` (nullable): where a line is asked for
+// into L2 per line the quad steps read, at the same offset.
 template <int R, int Bits>
 NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segments& segs, int64_t slice, int64_t p,
                                            int64_t k0, const uint8_t* w, const uint16_t* x, const uint16_t* xq,
-                                           const float* xsum, float* y, int64_t ldy) {
+                                           const float* xsum, float* y, int64_t ldy, const uint8_t* ahead = nullptr) {
   // Accumulator sets, as dot_segment; a quad step's even and odd depths go to different sets, so up
   // to 8 rows get at least two (with one, each row's two dot products a step waited on each other:
   // 10-30%).
@@ -635,6 +638,7 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     const int64_t s0 = segs.start[sg], len = segs.start[sg + 1] - s0;
     const int64_t pairs = (len + 1) / 2;
     const uint8_t* ws = w + (s0 - k0) * kRowBytes;
+    const uint8_t* pb = ahead == nullptr ? nullptr : ahead + (s0 - k0) * kRowBytes;
     // The group's scales and zero points are loaded first, a possible cache miss the dot products hide.
     __m512 s[1], z[1];
     group_params(a, p, segs.group[sg], s, z);
@@ -662,6 +666,11 @@ NANOVLLM_AVX512BF16 void direct_slice_bf16(const QuantGemmArgs& a, const Segment
     if (Bits == 4 && xq != nullptr) {
       constexpr int kQuads = std::max(S / 2, 1);
       for (; j + 2 * kQuads <= pairs - (len & 1); j += 2 * kQuads) {
+        if (pb != nullptr) {
+          for (int64_t at = 2 * j * kRowBytes; at < 2 * (j + 2 * kQuads) * kRowBytes; at += 64) {
+            __builtin_prefetch(pb + at, 0, 2);
+          }
+        }
 #pragma GCC unroll 4
         for (int u = 0; u < kQuads; ++u) quad_step(j + 2 * u, part[(2 * u) % S], part[(2 * u + 1) % S]);
       }
@@ -696,15 +705,23 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
     const uint8_t* end = a.packed + slice_bytes(panels, kp, p0, k0, Bits) + (p1 - p0) * panel_bytes;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
+      // One int4 row: the panel kPrefetchPanels on (panel_ahead) asked for a line per line read, from
+      // the dot products' loop (the first panels at once).
+      const bool feed = Bits == 4 && a.m == 1;
       if constexpr (Bits == 4) {
-        const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
-        prefetch_l2(ahead, std::min(end, w + (kPrefetchPanels + 1) * panel_bytes));
+        if (!feed) {
+          const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
+          prefetch_l2(ahead, std::min(end, w + (kPrefetchPanels + 1) * panel_bytes));
+        } else if (p == p0 && k0 == 0) {
+          prefetch_l2(w, std::min(end, w + kPrefetchPanels * panel_bytes));
+        }
       }
+      const uint8_t* ahead = feed ? panel_ahead(a, k0, p, p0, p1) : nullptr;
       row_tiles<Isa::kTileRows>(a.m, [&]<int R>(int64_t, int64_t r) NANOVLLM_AVX512BF16 {
         direct_slice_bf16<R, Bits>(a, segs, slice, p, k0, w, a.x_bf16 + r * a.x_stride,
                                    rows.quads.empty() ? nullptr : rows.quads.data() + r * a.x_stride,
                                    rows.xsum.data() + r * segs.count(), a.y + r * a.y_stride + p * kGemmPanel,
-                                   a.y_stride);
+                                   a.y_stride, ahead);
       });
     }
   }
