@@ -705,9 +705,9 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
     const uint8_t* end = a.packed + slice_bytes(panels, kp, p0, k0, Bits) + (p1 - p0) * panel_bytes;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
-      // One int4 row: the panel kPrefetchPanels on (panel_ahead) asked for a line per line read, from
-      // the dot products' loop (the first panels at once).
-      const bool feed = Bits == 4 && a.m == 1;
+      // One int4 row taking quad steps: the panel kPrefetchPanels on (panel_ahead) asked for a line
+      // per line read, from the quad steps' loop (the first panels at once).
+      const bool feed = Bits == 4 && a.m == 1 && !rows.quads.empty();
       if constexpr (Bits == 4) {
         if (!feed) {
           const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
