@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 DECODE_TARGET = 0.70  # decode kernel bandwidth / device copy bandwidth
-PYTEST_COUNTS = re.compile(r"\b\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s")
 SCHED_TARGET = 0.05  # scheduler CPU time / GPU decode step
+PYTEST_COUNTS = re.compile(r"\b\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s")
 
 
 def load(path: Path) -> Any:
