@@ -14,9 +14,11 @@ AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This 
    such a layer on (cpu/gemm.py's choice for this CPU);
 2. counts the bytes a decode step must read: each linear layer's weight at its stored precision
    (packed values, scales and zero points for int8/int4), the LM head, and the KV cache rows the
-   attention kernel reads (context x layers x 2 x KV heads x head_dim); and its multiply-adds
-   (batch x each weight's elements; attention: batch x context x layers x 2 x heads x head_dim);
-3. times decode steps of `--batch` sequences at `--context` tokens (wall, without the profiler),
+   attention kernel reads (context x layers x 2 x KV heads x head_dim, the context the sequences'
+   mean over the timed steps: `--context` prompt tokens and those generated so far); and its
+   multiply-adds (batch x each weight's elements; attention: batch x context x layers x 2 x heads x
+   head_dim);
+3. times decode steps of `--batch` sequences of `--context`-token prompts (wall, without the profiler),
    splits them per part under torch.profiler (labels as benchmarks/profile_cpu_step.py, on the
    layers run in Python, which call the same kernels as the engine's C++ stack of them), and
    prints each part's time against its floor, and which bound sets it (bw or compute); the rest
@@ -42,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -92,16 +95,30 @@ def head_bytes(head: ParallelLMHead) -> int:
     return tensor_bytes(head.packed.data)
 
 
-def step_bytes(llm: LLM, batch: int, context: int) -> dict[str, int]:
+def mean_context(engine: Any, batch: int, steps: int) -> float:
+    """The keys a decode step's attention reads per sequence, on average over the next `steps` decode
+    steps, from the last step's plan (a decode of every sequence: its positions are the contexts less
+    one, and each step adds a token). The prompts' prefill ends at different steps (chunked), so the
+    sequences enter the timed steps with different numbers of generated tokens, and each timed run
+    starts `steps` tokens further on than the one before: counted at --context, the KV cache's bytes
+    came out 5-20% short."""
+    plan = engine.scheduler.plan
+    if plan.num_tokens != batch or len(plan.seq_ids) != batch:
+        raise RuntimeError(f"the last step ran {plan.num_tokens} tokens of {len(plan.seq_ids)} sequences, "
+                           f"not a decode of all {batch}")
+    return float(np.mean(plan.positions)) + 2 + (steps - 1) / 2
+
+
+def step_bytes(llm: LLM, batch: int, context: float) -> dict[str, int]:
     runner = llm.engine.executor.runner
     model = runner.model
     spec = runner.kv_spec
-    kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+    kv = round(batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize)
     return {"gemm": sum(linear_bytes(m) for m in model.modules() if isinstance(m, LinearBase)),
             "attention": kv, "lm_head": head_bytes(model.lm_head)}
 
 
-def step_flops(llm: LLM, batch: int, context: int) -> dict[str, int]:
+def step_flops(llm: LLM, batch: int, context: float) -> dict[str, int]:
     """Floating-point operations (2 per multiply-add) of a decode step's parts."""
     runner = llm.engine.executor.runner
     model = runner.model
@@ -109,7 +126,7 @@ def step_flops(llm: LLM, batch: int, context: int) -> dict[str, int]:
     heads = model.config.num_attention_heads
     linear = sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, LinearBase))
     return {"gemm": 2 * batch * linear,
-            "attention": 2 * batch * context * spec.num_layers * 2 * heads * spec.head_dim,
+            "attention": round(2 * batch * context * spec.num_layers * 2 * heads * spec.head_dim),
             "lm_head": 2 * batch * model.lm_head.vocab_size * model.lm_head.hidden_size}
 
 
@@ -144,8 +161,9 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
         for _ in range(2 + -(-batch * args.context // budget)):  # prefill, then decode only
             engine.step()
         bandwidth = read_bandwidth(probe, repeats=3)
-        walls = []
+        walls, contexts = [], []
         for _ in range(args.repeats):
+            contexts.append(mean_context(engine, batch, args.steps))
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
@@ -160,17 +178,19 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
                   if e.key in (*WRAPPED, "step")}
         for rid in ids:  # so that the next batch starts clean
             engine.abort_request(rid)
-        step_ms = 1000 * min(walls)
+        best = min(range(args.repeats), key=walls.__getitem__)
+        step_ms = 1000 * walls[best]
         parts_ms = {"gemm": totals.get("gemm", 0.0), "attention": totals.get("attention", 0.0),
                     "lm_head": totals.get("lm_head", 0.0)}
         # The rest of the engine's step (as timed, on the C++ stack where the model takes it).
         parts_ms["rest"] = max(0.0, step_ms - sum(parts_ms.values()))
-        nbytes = step_bytes(llm, batch, args.context)
-        flops = step_flops(llm, batch, args.context)
+        nbytes = step_bytes(llm, batch, contexts[best])
+        flops = step_flops(llm, batch, contexts[best])
         read_ms = {k: 1000 * v / bandwidth for k, v in nbytes.items()}
         compute_ms = {k: 1000 * v / rate for k, v in flops.items()}
         floor_ms = {k: max(read_ms[k], compute_ms[k]) for k in nbytes}
-        rows.append({"variant": variant, "batch": batch, "bandwidth_bytes_s": bandwidth, "step_ms": step_ms,
+        rows.append({"variant": variant, "batch": batch, "context": contexts[best],
+                     "bandwidth_bytes_s": bandwidth, "step_ms": step_ms,
                      "tok_s": batch / step_ms * 1000,
                      "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "flops": flops, "parts_ms": parts_ms,
                      "floor_parts_ms": floor_ms, "read_floor_parts_ms": read_ms,
@@ -192,7 +212,8 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         p = r["parts_ms"]
         table.append({
-            "variant": r["variant"], "batch": r["batch"], "GB/s": f"{r['bandwidth_bytes_s'] / 1e9:.1f}",
+            "variant": r["variant"], "batch": r["batch"], "context": f"{r['context']:.0f}",
+            "GB/s": f"{r['bandwidth_bytes_s'] / 1e9:.1f}",
             "tok/s": f"{r['tok_s']:.1f}",
             "step ms (floor, %)": f"{r['step_ms']:.2f} ({r['floor_ms']:.2f}, {pct(r['floor_ms'], r['step_ms'])})",
             "MB read": f"{sum(r['bytes'].values()) / 1e6:.0f}",

@@ -21,4 +21,7 @@ def test_every_part_of_the_step_is_timed(tmp_path: Path) -> None:
     assert [(r["variant"], r["batch"]) for r in rows] == [("bf16", 2), ("int4", 2)]
     for r in rows:  # a label no call passes through any more reads 0 ms
         assert all(r["parts_ms"][part] > 0 for part in ("gemm", "attention", "lm_head")), r["parts_ms"]
+        # The 16-token prompts' one prefill step and two decode steps, then two timed steps that read
+        # 19 and 20 keys: the floor counts the KV cache those read, not the prompt's 16.
+        assert r["context"] == 19.5
     assert "| int4 | 2 |" in stdout
