@@ -700,14 +700,14 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
                                      int64_t p1) {
   const int64_t panels = gemm_panels(a.n);
   const int64_t kp = padded_depth(a.k, Bits);
+  // One int4 row taking quad steps: the panel kPrefetchPanels on (panel_ahead) asked for a line per
+  // line read, from the quad steps' loop (the first panels at once).
+  const bool feed = Bits == 4 && a.m == 1 && !rows.quads.empty();
   for (int64_t k0 = 0, slice = 0; k0 < a.k; k0 += kQuantKc, ++slice) {
     const int64_t panel_bytes = std::min(kQuantKc, kp - k0) * kGemmPanel * Bits / 8;
     const uint8_t* end = a.packed + slice_bytes(panels, kp, p0, k0, Bits) + (p1 - p0) * panel_bytes;
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, kp, p, k0, Bits);
-      // One int4 row taking quad steps: the panel kPrefetchPanels on (panel_ahead) asked for a line
-      // per line read, from the quad steps' loop (the first panels at once).
-      const bool feed = Bits == 4 && a.m == 1 && !rows.quads.empty();
       if constexpr (Bits == 4) {
         if (!feed) {
           const uint8_t* ahead = w + (p == p0 ? 0 : kPrefetchPanels * panel_bytes);
@@ -791,9 +791,10 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
   for (int64_t r = 0; r < a.m; ++r) {
     const Bf16* x = a.x_bf16 + r * a.x_stride;
     for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c1 = g * group_size + group_len(g);
       __m512 sum = _mm512_setzero_ps();
-      for (int64_t c = g * group_size; c < g * group_size + group_len(g); c += 16) {
-        sum = _mm512_add_ps(sum, bf16x16::load(x + c, bf16x16::lanes(g * group_size + group_len(g) - c)));
+      for (int64_t c = g * group_size; c < c1; c += 16) {
+        sum = _mm512_add_ps(sum, bf16x16::load(x + c, bf16x16::lanes(c1 - c)));
       }
       gsum[r * groups + g] = _mm512_reduce_add_ps(sum);
     }
