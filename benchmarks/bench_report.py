@@ -59,12 +59,28 @@ def write_json(path: Path, data: Any) -> None:
     print(f"wrote {path}")
 
 
+def bandwidth_probe() -> torch.Tensor:
+    """1 GiB of fp32 ones on huge pages, as the engine's packed weights and KV cache are: on 4 KB
+    pages every 4 KB read costs a TLB miss, and a probe there read ~30% slower than the engine's own
+    memory can be read (Intel Xeon with AMX, 2 threads: 24.6 against 35 GB/s)."""
+    import torch
+
+    from nanovllm.cpu import huge_pages
+    return huge_pages.empty(1 << 28, torch.float32).fill_(1.0)
+
+
 def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
-    """Bytes per second a sum over `buf` (fp32, far larger than the caches) reads at with the
-    engine's threads, the best of `repeats`."""
+    """Bytes per second `buf` (fp32, far larger than the caches; bandwidth_probe()) reads at with the
+    engine's threads: the best of `repeats` runs of two reductions over it, a dot product and a sum.
+    Either alone can be bound by its arithmetic rather than the memory (torch's fp32 sum reads at
+    ~30 GB/s where its dot product reads at ~35 on the Intel Xeon with AMX), which made the floors
+    built on it too long (decode steps at 120% of their floor)."""
+    import torch
+
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
+        for read in (torch.sum, lambda b: torch.dot(b, b)):
+            start = time.perf_counter()
+            read(buf)
+            best = min(best, time.perf_counter() - start)
     return buf.numel() * buf.element_size() / best

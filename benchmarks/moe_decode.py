@@ -33,11 +33,10 @@ from typing import Any
 
 import torch
 
-from bench_report import machine, markdown_table, read_bandwidth, write_json
+from bench_report import bandwidth_probe, machine, markdown_table, read_bandwidth, write_json
 from profile_cpu_step import python_layers
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.cpu import huge_pages
 from nanovllm.cpu import moe as cpu_moe
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.quantization import cpu_moe as quant_moe
@@ -133,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     meter.on = False
     python_layers(llm, False)
-    # 1 GiB on huge pages, as the packed experts are
-    bandwidth = read_bandwidth(huge_pages.empty(1 << 28, torch.float32).fill_(1.0))
+    bandwidth = read_bandwidth(bandwidth_probe())
     moe_s = meter.seconds / args.steps
     threads = torch.get_num_threads()
     read = meter.bytes / args.steps

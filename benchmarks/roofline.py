@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_report import machine, markdown_table, read_bandwidth, write_json
+from bench_report import bandwidth_probe, machine, markdown_table, read_bandwidth, write_json
 from profile_cpu_step import WRAPPED, install_labels, python_layers
 
 from nanovllm import LLM, SamplingParams
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants takes {', '.join(VARIANTS)}, got {v!r}")
-    probe = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    probe = bandwidth_probe()
     bandwidth = read_bandwidth(probe)
     rate = gemm_rate()
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
