@@ -13,7 +13,7 @@ namespace nanovllm {
 
 void* DecoderStack::Scratch::at_least(int64_t n) {
   if (n > bytes) {
-    data = std::make_unique_for_overwrite<std::byte[]>(static_cast<size_t>(n));
+    data = scratch_buffer(n);
     bytes = n;
   }
   return data.get();

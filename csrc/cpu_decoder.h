@@ -18,6 +18,7 @@
 #include "cpu_attention.h"
 #include "cpu_dtype.h"
 #include "cpu_moe.h"
+#include "cpu_scratch.h"
 
 namespace nanovllm {
 
@@ -115,12 +116,12 @@ class DecoderStack {
   void linear(const DecoderLinear& w, const void* x, void* y, int64_t tokens, int num_threads);
   // A mixture-of-experts MLP: x [tokens, hidden] -> out [tokens, hidden], both in the model dtype.
   void experts(const DecoderMoe& e, const void* x, void* out, int64_t tokens, int num_threads);
-  // A buffer for this forward: kept for the next while steps are at most kKeptTokens (decode, and
-  // prefill chunks up to the CPU's default budgets: fresh buffers each 512-token step cost a dense
-  // bf16 batch prefill ~6% in page faults and cold lines), released after a longer forward (a long
-  // prefill chunk's buffers run to hundreds of MB).
+  // A buffer for this forward (csrc/cpu_scratch.h: on huge pages from 2 MiB): kept for the next
+  // while steps are at most kKeptTokens (decode, and prefill chunks up to the CPU's default budgets:
+  // fresh buffers each 512-token step cost a dense bf16 batch prefill ~6% in page faults and cold
+  // lines), released after a longer forward (a long prefill chunk's buffers run to hundreds of MB).
   struct Scratch {
-    std::unique_ptr<std::byte[]> data;
+    ScratchBuffer data;
     int64_t bytes = 0;
     void* at_least(int64_t n);
   };

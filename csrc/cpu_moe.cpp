@@ -16,6 +16,7 @@
 #include "cpu_isa.h"
 #include "cpu_math.h"
 #include "cpu_parallel.h"
+#include "cpu_scratch.h"
 
 // What has_avx512() asks for (F, BW, VL, DQ); with F alone the loops ran 3% slower (a bf16 prefill).
 #define NANOVLLM_AVX512_LOOPS __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
@@ -120,21 +121,20 @@ std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
   return position;
 }
 
-// The calling thread's scratch, 64-byte aligned, kept from call to call and grown as needed (never
-// released: a 2048-row step's layer-wide buffers are ~100 MB for the Qwen3-MoE-shaped model, a few
-// hundred MB for a Qwen3-30B-A3B-shaped one); fresh ones (mmap'ed by malloc) took ~5,000 page
-// faults per layer, every call. Slot 0 holds what the layer's team shares, slot 1 a team thread's
+// The calling thread's scratch (csrc/cpu_scratch.h: on huge pages from 2 MiB), kept from call to
+// call and grown as needed (never released: a 2048-row step's layer-wide buffers are ~100 MB for the
+// Qwen3-MoE-shaped model, a few hundred MB for a Qwen3-30B-A3B-shaped one); fresh ones (mmap'ed by
+// malloc) took ~5,000 page faults per layer, every call. Slot 0 holds what the layer's team shares, slot 1 a team thread's
 // own rows (the caller is a team thread too).
 template <int Slot = 0>
 std::byte* scratch(int64_t bytes) {
-  thread_local std::unique_ptr<std::byte[]> buffer;
+  thread_local ScratchBuffer buffer;
   thread_local int64_t size = 0;
   if (size < bytes) {
-    buffer = std::make_unique_for_overwrite<std::byte[]>(bytes + 63);
+    buffer = scratch_buffer(bytes);
     size = bytes;
   }
-  const auto at = reinterpret_cast<uintptr_t>(buffer.get());
-  return buffer.get() + ((at + 63) / 64 * 64 - at);
+  return buffer.get();
 }
 
 // Carves typed arrays, each 64-byte aligned, out of one scratch buffer.
