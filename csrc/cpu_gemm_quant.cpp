@@ -860,21 +860,22 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
       const float* const sum = c + q * kGemmPanel;
       float* const total = totals + b / 2 * kSums + q * kGemmPanel;
       const auto scaled = [&](int64_t i, __m512 add) NANOVLLM_AMX {
-        const __m512 t = _mm512_fnmadd_ps(zero, _mm512_set1_ps(xsum[(r0 + i) * ng]), _mm512_load_ps(sum + i * 2 * kGemmPanel));
-        return _mm512_fmadd_ps(s[0], t, add);
+        const __m512 row_sum = _mm512_set1_ps(xsum[(r0 + i) * ng]);
+        return _mm512_fmadd_ps(s[0], _mm512_fnmadd_ps(zero, row_sum, _mm512_load_ps(sum + i * 2 * kGemmPanel)), add);
       };
       const auto before = [&](int64_t i) NANOVLLM_AMX {
         return first ? bias[0] : _mm512_load_ps(total + i * 2 * kGemmPanel);
       };
       const int64_t rows = r1 - r0;
+      const __mmask16 live = bf16x16::lanes(cols);
       if (!last) {
         for (int64_t i = 0; i < rows; ++i) _mm512_store_ps(total + i * 2 * kGemmPanel, scaled(i, before(i)));
       } else if (a.y_bf16 != nullptr) {
         Bf16* const y = a.y_bf16 + r0 * a.y_stride + col0;
-        for (int64_t i = 0; i < rows; ++i) bf16x16::store(y + i * a.y_stride, scaled(i, before(i)), bf16x16::lanes(cols));
+        for (int64_t i = 0; i < rows; ++i) bf16x16::store(y + i * a.y_stride, scaled(i, before(i)), live);
       } else {
         float* const y = a.y + r0 * a.y_stride + col0;
-        for (int64_t i = 0; i < rows; ++i) _mm512_mask_storeu_ps(y + i * a.y_stride, bf16x16::lanes(cols), scaled(i, before(i)));
+        for (int64_t i = 0; i < rows; ++i) _mm512_mask_storeu_ps(y + i * a.y_stride, live, scaled(i, before(i)));
       }
     }
   };

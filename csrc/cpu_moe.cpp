@@ -124,8 +124,8 @@ std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
 // The calling thread's scratch (csrc/cpu_scratch.h: on huge pages from 2 MiB), kept from call to
 // call and grown as needed (never released: a 2048-row step's layer-wide buffers are ~100 MB for the
 // Qwen3-MoE-shaped model, a few hundred MB for a Qwen3-30B-A3B-shaped one); fresh ones (mmap'ed by
-// malloc) took ~5,000 page faults per layer, every call. Slot 0 holds what the layer's team shares, slot 1 a team thread's
-// own rows (the caller is a team thread too).
+// malloc) took ~5,000 page faults per layer, every call. Slot 0 holds what the layer's team shares,
+// slot 1 a team thread's own rows (the caller is a team thread too).
 template <int Slot = 0>
 std::byte* scratch(int64_t bytes) {
   thread_local ScratchBuffer buffer;
