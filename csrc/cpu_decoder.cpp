@@ -11,14 +11,6 @@
 
 namespace nanovllm {
 
-void* DecoderStack::Scratch::at_least(int64_t n) {
-  if (n > bytes) {
-    data = scratch_buffer(n);
-    bytes = n;
-  }
-  return data.get();
-}
-
 DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
                            int64_t block_size, int64_t num_blocks, const void* embedding, int64_t vocab)
     : shape_(shape), layers_(std::move(layers)), final_norm_(final_norm), block_size_(block_size),
@@ -168,7 +160,7 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   }
   norm(hidden, final_norm_, step.out);
   if (t > kKeptTokens) {
-    for (Scratch& b : scratch_) b = Scratch{};
+    for (GrowingScratch& b : scratch_) b = GrowingScratch{};
   }
 }
 

@@ -120,11 +120,6 @@ class DecoderStack {
   // while steps are at most kKeptTokens (decode, and prefill chunks up to the CPU's default budgets:
   // fresh buffers each 512-token step cost a dense bf16 batch prefill ~6% in page faults and cold
   // lines), released after a longer forward (a long prefill chunk's buffers run to hundreds of MB).
-  struct Scratch {
-    ScratchBuffer data;
-    int64_t bytes = 0;
-    void* at_least(int64_t n);
-  };
   static constexpr int64_t kKeptTokens = 2048;
   DecoderShape shape_;
   std::vector<DecoderLayerWeights> layers_;
@@ -134,7 +129,7 @@ class DecoderStack {
   int64_t vocab_;
   enum Buffer : int { kEmbedded, kResidual0, kResidual1, kNormed, kQkv, kAttnScratch, kAttnOut, kLayerOut, kGateUp, kAct,
                       kX32, kY32, kXBf16, kLogits, kLogits32, kBuffers };
-  std::array<Scratch, kBuffers> scratch_;
+  std::array<GrowingScratch, kBuffers> scratch_;
   void* buffer(Buffer b, int64_t bytes) { return scratch_[b].at_least(bytes); }
 };
 

@@ -128,13 +128,8 @@ std::vector<int32_t> inverse(const int32_t* sorted, int64_t n) {
 // slot 1 a team thread's own rows (the caller is a team thread too).
 template <int Slot = 0>
 std::byte* scratch(int64_t bytes) {
-  thread_local ScratchBuffer buffer;
-  thread_local int64_t size = 0;
-  if (size < bytes) {
-    buffer = scratch_buffer(bytes);
-    size = bytes;
-  }
-  return buffer.get();
+  thread_local GrowingScratch buffer;
+  return buffer.at_least(bytes);
 }
 
 // Carves typed arrays, each 64-byte aligned, out of one scratch buffer.

@@ -30,4 +30,12 @@ ScratchBuffer scratch_buffer(int64_t bytes) {
   return ScratchBuffer(at, ScratchUnmap{base, span});
 }
 
+std::byte* GrowingScratch::at_least(int64_t n) {
+  if (n > bytes) {
+    data = scratch_buffer(n);
+    bytes = n;
+  }
+  return data.get();
+}
+
 }  // namespace nanovllm

@@ -23,4 +23,11 @@ using ScratchBuffer = std::unique_ptr<std::byte[], ScratchUnmap>;
 // At least `bytes` of uninitialized memory, 64-byte aligned (2 MiB from 2 MiB on).
 ScratchBuffer scratch_buffer(int64_t bytes);
 
+// A scratch_buffer kept from call to call, replaced by a larger one when a call needs more.
+struct GrowingScratch {
+  ScratchBuffer data;
+  int64_t bytes = 0;
+  std::byte* at_least(int64_t n);
+};
+
 }  // namespace nanovllm
