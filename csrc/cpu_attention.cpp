@@ -332,6 +332,7 @@ struct Isa {
   // four chunks, two passes for a head of 64 (six then one and one: the one-chunk passes chained
   // each accumulator's FMAs key after key, 1.01-1.07x slower; Zen 3).
   static constexpr int kValueTile[5] = {0, 8, 4, 4, 2};
+  static constexpr bool kSmoothFeed = false;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return avx2::load8(p); }
   static V load(const Bf16* p) { return avx2::load8(p); }
@@ -367,6 +368,7 @@ struct Isa {
   static constexpr int kScoreVectors = 2;              // 16 accumulators and 8 keys of 32 registers
   static constexpr int kScoreAccumulators = 16;
   static constexpr int kValueTile[5] = {0, 8, 8, 4, 4};  // at most 16 accumulators
+  static constexpr bool kSmoothFeed = true;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const Bf16* p) {
