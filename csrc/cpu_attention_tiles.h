@@ -27,8 +27,8 @@ constexpr int kLanes = Isa::kLanes;
 // line per 64 bytes the loops load (kLoadsPerLine loads of kLanes columns), so that requests and
 // loads interleave evenly: a turn's requests in bursts of 8-16 lines (the bf16 scores' share at the
 // turn's end) held the core's line buffers while the loads behind them waited, and the memory
-// idled while the core computed (bf16 decode attention from memory 1.12-1.18x faster fed evenly;
-// Intel Xeon with AMX). Else a step per inner step (a step of the scores loads kLanes columns of
+// idled while the core computed (bf16 decode attention from memory 1.17-1.19x faster fed evenly,
+// 2 threads; Intel Xeon with AMX). Else a step per inner step (a step of the scores loads kLanes columns of
 // four or eight keys, one of the values a key's chunks) of what spreads a turn's share over the
 // steps at two query vectors a KV head (AVX2, measured on Zen 3).
 template <typename T>
