@@ -35,6 +35,11 @@ constexpr int64_t kQuadMaxRows = 64;
 // Qwen3-shaped MLP's 6144 x 1024 int4 / int8 weights from memory (Intel Xeon with AMX, 2 threads):
 // 1.1x / 1.6x the vdpbf16ps path's speed at 2 rows, 1.7x / 1.3x at 4, 3x at 8, 4x at 32; 0.86x at one.
 constexpr int64_t kAmxMinRows = 2;
+// Up to this many rows, int8 weights against bf16 rows go to the AMX int8 tiles (amx_int_path). A
+// 6144 x 1024 int8 weight (2 threads, Intel Xeon with AMX, L3-warm) against the bf16 tiles: 32 rows
+// 230 against 320 us, 64 rows 394 against 459, 128 rows 784 against 734, 512 rows 3.55 against 3.03 ms
+// (past ~100 rows each slice's rows no longer stay in L1, and the totals of every pair grow with them).
+constexpr int64_t kAmxIntMaxRows = 64;
 // How far ahead, in panels, a one-row pass asks for its weights. At one row a core read int4 weights
 // from memory at 8-13 GB/s, half its rate on cached ones: the hardware prefetcher alone kept too few
 // lines in flight. The AVX-512 bf16 path asks for a panel's lines at its start (24 int4 weights of the
@@ -727,7 +732,8 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
   }
 }
 
-#define NANOVLLM_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
+#define NANOVLLM_AMX                                                                                             \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,amx-tile,amx-bf16,amx-int8")))
 
 // Depth a group's tiles multiply between two pieces of the next group's decode: int8's group of a
 // column decoded 32 deep at a time (int8 at 32 rows from memory 1.15x faster than 128 deep); int4's
@@ -753,6 +759,41 @@ NANOVLLM_AMX void amx_segment(const Bf16* a0, const Bf16* a1, const Bf16* w, int
   float* const y[2] = {c, c + amx::kTileRows * 2 * kGemmPanel};
   const int64_t stride[2] = {2 * kGemmPanel, 2 * kGemmPanel};
   amx::store_sums<B, P>(y, stride);
+}
+
+// What the AMX paths' scaling takes for panel p and group g: its first column and live columns, the
+// group's scales and zero points (zero_offset added), and the bias where `first` (else zeros).
+struct PanelGroup {
+  int64_t col0;
+  int cols;
+  __m512 s, z, bias;
+  NANOVLLM_AMX PanelGroup(const QuantGemmArgs& a, int64_t p, int64_t g, bool first)
+      : col0(p * kGemmPanel), cols(static_cast<int>(std::min(kGemmPanel, a.n - col0))) {
+    __m512 s16[1], z16[1], b16[1];
+    group_params(a, p, g, s16, z16);
+    load_bias(a, col0, cols, first, b16);
+    s = s16[0];
+    z = z16[0];
+    bias = b16[0];
+  }
+};
+
+// Rows [r0, r0 + rows) of a panel's scaled group sums, scaled(i) row r0 + i's: into its running
+// totals (rows two panels apart) or, after the last group, into y or y_bf16 (the panel's columns).
+template <typename Scaled>
+NANOVLLM_AMX inline void put_scaled(const QuantGemmArgs& a, bool last, float* total, int64_t r0, int64_t rows,
+                                    const PanelGroup& pg, const Scaled& scaled) {
+  const int64_t col0 = pg.col0;
+  const __mmask16 live = bf16x16::lanes(pg.cols);
+  if (!last) {
+    for (int64_t i = 0; i < rows; ++i) _mm512_store_ps(total + i * 2 * kGemmPanel, scaled(i));
+  } else if (a.y_bf16 != nullptr) {
+    Bf16* const y = a.y_bf16 + r0 * a.y_stride + col0;
+    for (int64_t i = 0; i < rows; ++i) bf16x16::store(y + i * a.y_stride, scaled(i), live);
+  } else {
+    float* const y = a.y + r0 * a.y_stride + col0;
+    for (int64_t i = 0; i < rows; ++i) _mm512_mask_storeu_ps(y + i * a.y_stride, live, scaled(i));
+  }
 }
 
 // bf16 rows on AMX tiles (amx_path): each pair of panels is decoded once, a group at a time, into
@@ -850,33 +891,19 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
     const int64_t r0 = b * kTileRows, r1 = std::min(a.m, (b + 2) * kTileRows), ng = groups;
     const float* const xsum = gsum + g;
     for (int q = 0; q < np; ++q) {
-      const int64_t col0 = (p + q) * kGemmPanel;
-      const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
-      __m512 s[1], z[1], bias[1];
-      group_params(a, p + q, g, s, z);
-      load_bias(a, col0, cols, first, bias);
-      const __m512 zero = _mm512_add_ps(z[0], _mm512_set1_ps(magic));
+      const PanelGroup pg(a, p + q, g, first);
+      const __m512 zero = _mm512_add_ps(pg.z, _mm512_set1_ps(magic));
       // Row r0 + i's sums and running total (rows two panels apart).
       const float* const sum = c + q * kGemmPanel;
       float* const total = totals + b / 2 * kSums + q * kGemmPanel;
       const auto scaled = [&](int64_t i, __m512 add) NANOVLLM_AMX {
         const __m512 row_sum = _mm512_set1_ps(xsum[(r0 + i) * ng]);
-        return _mm512_fmadd_ps(s[0], _mm512_fnmadd_ps(zero, row_sum, _mm512_load_ps(sum + i * 2 * kGemmPanel)), add);
+        return _mm512_fmadd_ps(pg.s, _mm512_fnmadd_ps(zero, row_sum, _mm512_load_ps(sum + i * 2 * kGemmPanel)), add);
       };
       const auto before = [&](int64_t i) NANOVLLM_AMX {
-        return first ? bias[0] : _mm512_load_ps(total + i * 2 * kGemmPanel);
+        return first ? pg.bias : _mm512_load_ps(total + i * 2 * kGemmPanel);
       };
-      const int64_t rows = r1 - r0;
-      const __mmask16 live = bf16x16::lanes(cols);
-      if (!last) {
-        for (int64_t i = 0; i < rows; ++i) _mm512_store_ps(total + i * 2 * kGemmPanel, scaled(i, before(i)));
-      } else if (a.y_bf16 != nullptr) {
-        Bf16* const y = a.y_bf16 + r0 * a.y_stride + col0;
-        for (int64_t i = 0; i < rows; ++i) bf16x16::store(y + i * a.y_stride, scaled(i, before(i)), live);
-      } else {
-        float* const y = a.y + r0 * a.y_stride + col0;
-        for (int64_t i = 0; i < rows; ++i) _mm512_mask_storeu_ps(y + i * a.y_stride, live, scaled(i, before(i)));
-      }
+      put_scaled(a, last, total, r0, r1 - r0, pg, [&](int64_t i) NANOVLLM_AMX { return scaled(i, before(i)); });
     }
   };
   decode(p0, 0, decoded, 0, group_len(0));
@@ -924,9 +951,262 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
   _tile_release();
 }
 
+// --- bf16 rows as integers on AMX int8 tiles ------------------------------------------------------
+
+// The int path (amx_int_path): the weights' integers need no conversion, so each row of bf16
+// activations becomes 16-bit integers q times a power of two per segment (int16_block's rule: exact
+// for every value within 2^7 of the segment's largest, the others within 2^-16 of it), split into a
+// signed high byte and an unsigned low byte, q = 256 hi + lo, and int8 tiles multiply both against
+// the weights' bytes (int8 signed, int4 nibbles unsigned): two 64-deep products per 32-deep bf16 one,
+// so the tiles take as long as on the bf16 path while the weights are only reordered (one byte
+// permute per 64 weights, against seven operations per 32 to make bf16 pairs). A segment is a
+// group's part of a 256-deep slice (kQuantKc): the slices go outermost, so a slice's rows (16 KB
+// at 32 rows) stay in L1 while every pair of panels multiplies them; column-pair-outermost, each
+// pair read all of k's rows from L2, a tile load's 16 lines at a time in order with the multiplies.
+constexpr int64_t kIntDepth = 64;  // input columns of an int8 tile's row
+constexpr int64_t kIntATile = amx::kTileRows * kIntDepth;
+constexpr int64_t kIntMaxSegments = kQuantKc / kIntDepth;  // segments of a slice, at most
+
+// A slice's segments: [start[i], start[i + 1]) in group[i].
+struct IntSegments {
+  int64_t start[kIntMaxSegments + 1] = {}, group[kIntMaxSegments] = {};
+  int count = 0;
+  IntSegments(int64_t k0, int64_t k1, int64_t group_size) {
+    for (int64_t c = k0; c < k1; c = std::min(k1, (c / group_size + 1) * group_size)) {
+      start[count] = c;
+      group[count++] = c / group_size;
+    }
+    start[count] = k1;
+  }
+};
+
+// Columns [k0, k1) of rows [0, m) of x as a slice's A tiles, in blocks of 16 rows:
+// [block][(c - k0) / 64][hi, lo][16 rows][64 bytes]; the rows past m in the last block zeros.
+// f[r * kIntMaxSegments + i]: row r's power of two in segment i (NaN where it holds a NaN or an
+// infinity, 0 for zeros); xq: the sum of its integers.
+NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1, const IntSegments& segs,
+                                     int8_t* out, float* f, float* xq) {
+  const int64_t steps = (k1 - k0) / kIntDepth, blocks = (a.m + amx::kTileRows - 1) / amx::kTileRows;
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff), low = _mm512_set1_epi32(0xff);
+  const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+  const __m512 half = _mm512_set1_ps(0.5f);
+  const auto put = [&](int64_t r, int64_t c, __m512i q) NANOVLLM_AMX {
+    int8_t* at = out + (r / amx::kTileRows * steps + (c - k0) / kIntDepth) * 2 * kIntATile +
+                 r % amx::kTileRows * kIntDepth + (c - k0) % kIntDepth;
+    _mm_store_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(at + kIntATile), _mm512_cvtepi32_epi8(_mm512_and_si512(q, low)));
+  };
+  for (int64_t r = 0; r < blocks * amx::kTileRows; ++r) {
+    if (r >= a.m) {
+      for (int64_t c = k0; c < k1; c += 16) put(r, c, _mm512_setzero_si512());
+      continue;
+    }
+    const Bf16* x = a.x_bf16 + r * a.x_stride;
+    for (int i = 0; i < segs.count; ++i) {
+      const int64_t c0 = segs.start[i], c1 = segs.start[i + 1];
+      // The largest magnitude's bits: bf16 magnitudes order as integers.
+      __m512i most = _mm512_setzero_si512();
+      for (int64_t c = c0; c < c1; c += 32) {
+        most = _mm512_max_epu16(most, _mm512_and_si512(_mm512_loadu_si512(x + c), magnitude));
+      }
+      most = _mm512_max_epu32(_mm512_and_si512(most, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(most, 16));
+      const int exponent = static_cast<int>(_mm512_reduce_max_epu32(most) >> 7);  // the largest < 2^(exponent - 126)
+      if (exponent < 15 || exponent > 254) {  // zero, tiny, infinite or NaN: the scalar rule
+        int16_t q[kIntDepth * kIntMaxSegments];
+        int32_t sum = 0;
+        f[r * kIntMaxSegments + i] = int16_block(x + c0, c1 - c0, q, sum);
+        xq[r * kIntMaxSegments + i] = static_cast<float>(sum);
+        for (int64_t c = c0; c < c1; c += 16) {
+          put(r, c, _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c - c0))));
+        }
+        continue;
+      }
+      // x * 2^(141 - exponent) is exact; rounded half away from zero, as int16_block.
+      const __m512 up = _mm512_set1_ps(std::bit_cast<float>(static_cast<uint32_t>(268 - exponent) << 23));
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t c = c0; c < c1; c += 16) {
+        const __m512 v = _mm512_mul_ps(bf16x16::load(x + c), up);
+        const __m512 away = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+            _mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(half), 0xEA));  // sign | 0.5
+        const __m512i q = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvttps_epi32(_mm512_add_ps(v, away))));
+        sum = _mm512_add_epi32(sum, q);
+        put(r, c, q);
+      }
+      f[r * kIntMaxSegments + i] = std::bit_cast<float>(static_cast<uint32_t>(exponent - 14) << 23);  // 2^(e - 141)
+      xq[r * kIntMaxSegments + i] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+    }
+  }
+}
+
+// Four depths of a panel's int8 weights (64 bytes, [4][16]) as a row of an int8 B tile ([16][4]:
+// each column's four bytes together).
+NANOVLLM_AMX inline __m512i weight_quads(const uint8_t* w) {
+  // byte 4c + i <- depth i's column c, at 16 i + c
+  const __m512i index = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11,
+                                        58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53,
+                                        37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32,
+                                        16, 0);
+  return _mm512_permutexvar_epi8(index, _mm512_loadu_si512(w));
+}
+
+// For one block of 16 rows and `steps` 64-deep steps: C0/C1 (panels 0/1) = hi x B, C2/C3 = lo x B,
+// A from `a` (each step's hi and lo tiles), B from w (each step 16 quad rows, a row's P panels' 64
+// bytes together); between() after each step. The sums go to c: [hi, lo][16 rows][32 columns].
+template <int P, typename Between>
+NANOVLLM_AMX void int_segment(const int8_t* a, const int8_t* w, int64_t steps, int32_t* c, const Between& between) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (P == 2) _tile_zero(1);
+  if constexpr (P == 2) _tile_zero(3);
+  constexpr int64_t kStride = P * 64;
+  for (int64_t d = 0; d < steps; ++d, a += 2 * kIntATile, w += amx::kTileRows * kStride) {
+    _tile_loadd(6, w, kStride);
+    _tile_loadd(4, a, kIntDepth);
+    _tile_loadd(5, a + kIntATile, kIntDepth);
+    if constexpr (P == 2) _tile_loadd(7, w + 64, kStride);
+    _tile_dpbssd(0, 4, 6);  // signed hi x signed weights
+    _tile_dpbusd(2, 5, 6);  // unsigned lo x signed weights
+    if constexpr (P == 2) _tile_dpbssd(1, 4, 7);
+    if constexpr (P == 2) _tile_dpbusd(3, 5, 7);
+    between();
+  }
+  constexpr int64_t kRow = 2 * kGemmPanel * 4;
+  _tile_stored(0, c, kRow);
+  _tile_stored(2, c + amx::kTileRows * 2 * kGemmPanel, kRow);
+  if constexpr (P == 2) _tile_stored(1, c + kGemmPanel, kRow);
+  if constexpr (P == 2) _tile_stored(3, c + amx::kTileRows * 2 * kGemmPanel + kGemmPanel, kRow);
+}
+
+// panels_amx on int8 tiles, a slice at a time: each pair of panels' slice reordered into quads
+// (weight_quads, the next pair's between the tiles' steps), then for each segment and block of 16
+// rows the tiles sum hi x q and lo x q, and the group's scale and zero point apply to
+// f (256 sum_hi + sum_lo - z sum q), f the row's power of two in the segment, summed over the slices
+// in fp32 totals per pair (every row by 32 columns).
+NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
+  using amx::kTileRows;
+  const int64_t panels = gemm_panels(a.n), blocks = (a.m + kTileRows - 1) / kTileRows;
+  const int64_t group_size = std::min(a.group_size, a.k), pairs = (p1 - p0 + 1) / 2;
+  const int64_t rows_padded = blocks * kTileRows, slices = (a.k + kQuantKc - 1) / kQuantKc;
+  thread_local std::vector<int8_t> tiles_storage, decoded_storage;
+  thread_local std::vector<float> row_storage, sums_storage;
+  int8_t* const tiles = amx::aligned(tiles_storage, rows_padded * kQuantKc * 2);
+  constexpr int64_t kSliceBytes = kQuantKc * 2 * kGemmPanel;  // a pair's slice, reordered
+  int8_t* const decoded = amx::aligned(decoded_storage, 2 * kSliceBytes);
+  // The rows' powers of two and sums per segment, for two slices: the last segment of a slice is
+  // scaled after the next slice's first is multiplied.
+  const int64_t row_params = rows_padded * kIntMaxSegments;
+  float* const row_area = amx::aligned(row_storage, 4 * row_params);
+  constexpr int64_t kSums = 2 * kTileRows * 2 * kGemmPanel;  // a block's [hi, lo][16][32]
+  // Two segments' int32 sums, then each pair's totals (rows x 32 columns), starting a line before a
+  // multiple of 4 KB past the sums as panels_amx's.
+  float* const sum_area = amx::aligned(sums_storage, 3 * kSums + pairs * rows_padded * 2 * kGemmPanel);
+  int32_t* const sums = reinterpret_cast<int32_t*>(sum_area);
+  float* const totals = sum_area + 3 * kSums - kGemmPanel;
+  // Quad rows [r0, r1) of the slice at k0 of the pair at panel p into w: row R (depths k0 + 4R ..
+  // k0 + 4R + 3) of panel q at (R * np + q) * 64 bytes. The pair after it (or the thread's first
+  // pair of the next slice) is asked for into L2 as the weights are read, a line per 64 bytes.
+  constexpr int64_t kRowBytes = 4 * kGemmPanel;  // a quad row's packed bytes
+  const auto decode = [&](int64_t p, int64_t k0, int8_t* w, int64_t r0, int64_t r1) NANOVLLM_AMX {
+    const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
+    const int64_t after_p = p + 2 < p1 ? p + 2 : p0, after_k = p + 2 < p1 ? k0 : k0 + kQuantKc;
+    for (int q = 0; q < np; ++q) {
+      const uint8_t* ws = a.packed + slice_bytes(panels, a.k, p + q, k0, 8);
+      const uint8_t* next = after_k < a.k && after_p + q < p1
+                                ? a.packed + slice_bytes(panels, a.k, after_p + q, after_k, 8)
+                                : nullptr;
+      const int64_t next_rows = next == nullptr ? 0 : (std::min(kQuantKc, a.k - after_k) + 3) / 4;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (r < next_rows && r * kRowBytes % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + r * kRowBytes), _MM_HINT_T1);
+        _mm512_store_si512(w + (r * np + q) * 64, weight_quads(ws + r * kRowBytes));
+      }
+    }
+  };
+  // Segment i's sums (group g) of block b by the pair at p, scaled and added to the bias (the first
+  // segment) or the pair's totals, into y after the last.
+  const auto scale = [&](const int32_t* c, int64_t sl, int64_t b, int i, int64_t g, bool first, bool last, int64_t p,
+                         int np) NANOVLLM_AMX {
+    const int64_t r0 = b * kTileRows, rows = std::min(a.m, r0 + kTileRows) - r0;
+    const float* const fr = row_area + sl % 2 * 2 * row_params + r0 * kIntMaxSegments + i;
+    const float* const qr = fr + row_params;
+    const __m512 shift = _mm512_set1_ps(256.0f);
+    for (int q = 0; q < np; ++q) {
+      const PanelGroup pg(a, p + q, g, first);
+      const int32_t* const hi = c + q * kGemmPanel;
+      const int32_t* const lo = hi + kTileRows * 2 * kGemmPanel;
+      float* const total = totals + ((p - p0) / 2 * rows_padded + r0) * 2 * kGemmPanel + q * kGemmPanel;
+      const auto scaled = [&](int64_t j) NANOVLLM_AMX {
+        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + j * 2 * kGemmPanel)), shift,
+                                           _mm512_cvtepi32_ps(_mm512_load_si512(lo + j * 2 * kGemmPanel)));
+        const __m512 before = first ? pg.bias : _mm512_load_ps(total + j * 2 * kGemmPanel);
+        return _mm512_fmadd_ps(_mm512_mul_ps(pg.s, _mm512_set1_ps(fr[j * kIntMaxSegments])),
+                               _mm512_fnmadd_ps(pg.z, _mm512_set1_ps(qr[j * kIntMaxSegments]), sum), before);
+      };
+      put_scaled(a, last, total, r0, rows, pg, scaled);
+    }
+  };
+  struct Pending {
+    int64_t sl, b, g, p;
+    int i, np;
+    bool first, last;
+  } pending{};
+  int64_t done = 0;  // segments multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
+  int64_t turn = 0;  // pair slices multiplied so far: the current one's decode in decoded[turn % 2]
+  decode(p0, 0, decoded, 0, (std::min(kQuantKc, a.k) + 3) / 4);
+  amx::fence();
+  _tile_loadconfig(&amx::kConfig);
+  for (int64_t sl = 0; sl < slices; ++sl) {
+    const int64_t k0 = sl * kQuantKc, k1 = std::min(a.k, k0 + kQuantKc);
+    const IntSegments segs(k0, k1, group_size);
+    float* const f = row_area + sl % 2 * 2 * row_params;
+    pack_slice_int(a, k0, k1, segs, tiles, f, f + row_params);
+    const int64_t slice_steps = (k1 - k0) / kIntDepth;
+    for (int64_t p = p0; p < p1; p += 2, ++turn) {
+      const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
+      const int8_t* w = decoded + turn % 2 * kSliceBytes;
+      // The next pair's slice: this pair's (or the next slice's first pair).
+      const bool more = p + 2 < p1 || sl + 1 < slices;
+      const int64_t next_p = p + 2 < p1 ? p + 2 : p0, next_k = p + 2 < p1 ? k0 : k0 + kQuantKc;
+      const int64_t next_rows = more ? (std::min(kQuantKc, a.k - next_k) + 3) / 4 : 0;
+      int8_t* const next_w = decoded + (turn + 1) % 2 * kSliceBytes;
+      const int64_t calls = blocks * slice_steps;
+      int64_t call = 0;
+      // One part of the next pair's decode after each step of the tiles, for an even pace of requests.
+      const auto between = [&]() NANOVLLM_AMX {
+        if (next_rows > 0) decode(next_p, next_k, next_w, call * next_rows / calls, (call + 1) * next_rows / calls);
+        ++call;
+      };
+      for (int i = 0; i < segs.count; ++i) {
+        const int64_t s0 = (segs.start[i] - k0) / kIntDepth, s1 = (segs.start[i + 1] - k0) / kIntDepth;
+        const bool first = sl == 0 && i == 0, last = sl + 1 == slices && i + 1 == segs.count;
+        for (int64_t b = 0; b < blocks; ++b, ++done) {
+          const int8_t* at = tiles + (b * slice_steps + s0) * 2 * kIntATile;
+          const int8_t* ws = w + s0 * kTileRows * np * 64;
+          int32_t* c = sums + done % 2 * kSums;
+          if (np == 2) int_segment<2>(at, ws, s1 - s0, c, between);
+          if (np == 1) int_segment<1>(at, ws, s1 - s0, c, between);
+          amx::fence();
+          if (done > 0) {
+            scale(sums + (done - 1) % 2 * kSums, pending.sl, pending.b, pending.i, pending.g, pending.first,
+                  pending.last, pending.p, pending.np);
+          }
+          pending = {sl, b, segs.group[i], p, i, np, first, last};
+        }
+      }
+    }
+  }
+  amx::fence();
+  if (done > 0) {
+    scale(sums + (done - 1) % 2 * kSums, pending.sl, pending.b, pending.i, pending.g, pending.first, pending.last,
+          pending.p, pending.np);
+  }
+  _tile_release();
+}
+
 NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
-                                  int64_t p1, bool amx) {
-  if (amx) {
+                                  int64_t p1, bool amx, bool amx_int) {
+  if (amx_int) {
+    panels_amx_int(a, p0, p1);
+  } else if (amx) {
     if (a.bits == 8) {
       panels_amx<8>(a, p0, p1);
     } else {
@@ -1070,6 +1350,15 @@ bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
          has_amx_bf16() && a.k % 32 == 0 && (a.group_size % 32 == 0 || a.group_size >= a.k);
 }
 
+// bf16 activations as integers on AMX int8 tiles (panels_amx_int): int8 weights where amx_path takes
+// them, up to kAmxIntMaxRows rows, where the steps (k, every group) are
+// multiples of 64 (a segment's 256 columns at most keep its int32 sums far from overflow). int4's nibbles on these tiles (nibbles widened to bytes, a scaling per group of
+// 128) ran no faster than its bf16 pairs: 1.04x slower at 32 rows in the Qwen3-shaped decode step.
+bool amx_int_path(const QuantGemmArgs& a, QuantIsa isa) {
+  return a.bits == 8 && a.m <= kAmxIntMaxRows && amx_path(a, isa) && a.k % 64 == 0 &&
+         (a.group_size % 64 == 0 || a.group_size >= a.k);
+}
+
 // bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the
 // decode of the weights for fp32 FMAs bounds one row on AVX2, integer multiply-adds of pairs of
 // weights with pairs of activations take fewer operations.
@@ -1086,7 +1375,7 @@ void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const R
 #if defined(__x86_64__)
   if (a.x_bf16 != nullptr) {
     if (rows.xq_block == 0) {
-      quant_avx512::run_bf16(a, segs, rows, p0, p1, amx_path(a, isa));
+      quant_avx512::run_bf16(a, segs, rows, p0, p1, amx_path(a, isa), amx_int_path(a, isa));
     } else {
       quant_avx2::run_int16(a, segs, rows, p0, p1);
     }

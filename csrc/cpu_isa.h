@@ -19,7 +19,9 @@ struct CpuIsa {
   // Cooper Lake, SPR; every CPU with BF16 has BW, VL and DQ, which those loops' masked moves and
   // vfpclassps need, but a VM may hide them).
   bool avx512_bf16 = false;
-  bool amx_bf16 = false;     // AMX tiles with bf16 products, granted to the process (Sapphire Rapids on)
+  // AMX tiles with bf16 and int8 products, granted to the process (Sapphire Rapids on), and AVX512-VBMI's
+  // byte permutes (which every AMX CPU has: the quantized GEMM's int8 path reorders weights with them).
+  bool amx_bf16 = false;
 };
 
 // Linux hands the tile registers' state (8 KB a thread) only to a process that asks for it, once.
@@ -45,7 +47,7 @@ inline const CpuIsa& cpu_isa() {
                    __builtin_cpu_supports("avx512dq");
     found.avx512_bf16 = found.avx512 && __builtin_cpu_supports("avx512bf16");
     found.amx_bf16 = found.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-                     amx_granted();
+                     __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi") && amx_granted();
 #endif
     return found;
   }();

@@ -213,6 +213,64 @@ def test_int16_rows_round_half_away_from_zero(bits: int, exponents: tuple[int, i
     assert ((y.double() - expected).abs() <= 1e-6 * summed_magnitudes(x, w, p.zero_offset)).all()
 
 
+def amx_int_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The AMX int path's activations, the rule written here in float64: each segment (a group's part of
+    a 256-deep slice) as multiples of 2^(e - 15), e the frexp exponent of its largest magnitude, rounded
+    half away from zero; NaN throughout a segment holding a NaN or an infinity."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    k = x.shape[1]
+    bounds = sorted({0, k} | set(range(0, k, 256)) | set(range(0, k, group)))
+    for c0, c1 in zip(bounds, bounds[1:]):
+        seg = x[:, c0:c1].double()
+        most = seg.abs().amax(dim=1)
+        step = torch.ldexp(torch.ones_like(most), torch.frexp(most.float()).exponent.long() - 15).double()
+        step = torch.where(most.isfinite(), step, float("nan"))
+        q = torch.trunc(seg / step[:, None] + 0.5 * torch.sign(seg)).clamp(-32767, 32767)
+        out[:, c0:c1] = torch.where(most[:, None] == 0, 0.0, q * step[:, None])
+    return out
+
+
+@pytest.mark.skipif(not cpu_kernel.isa_supported("amx"), reason="the CPU lacks AMX tiles")
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_weights_on_amx_int8_tiles(symmetric: bool) -> None:
+    """int8 weights against 2-64 bf16 rows on an AMX CPU: the rows as 16-bit integers per segment
+    (amx_int_rows: values within 2^7 of their segment's largest exact, an outlier coarsening its own
+    segment only), each a signed high and an unsigned low byte on int8 tiles, so the product of those
+    integers to fp32 summation; which is not the bf16 tiles' result on rows with outliers. Groups across
+    slices (192, 384), a partial last slice, rows of zeros, tiny rows, a NaN or an infinity (NaN in
+    every output of the row), partial blocks of 16 rows and an odd panel at the end."""
+    for i, (rows, k, n, group) in enumerate([(2, 64, 16, 64), (17, 512, 40, 512), (32, 1024, 100, 128),
+                                             (33, 640, 33, 192), (64, 768, 48, 384), (50, 320, 20, 64)]):
+        w = random_quantized(n, k, 8, group, symmetric, seed=80 + i)
+        p = cpu_kernel.pack(w)
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        x[0, k // 3] = 3000.0  # an outlier: its segment's small values round
+        if rows > 4:
+            x[1] *= 2.0**-120  # tiny: the scalar form of the rule
+            x[2] = 0.0
+            x[3, min(k - 1, 300)] = float("nan")
+            x[4, 5] = float("inf")
+        bias = torch.randn(n, generator=g)
+        y = torch.empty(rows, n)
+        _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
+                            bias.data_ptr(), y.data_ptr(), rows, n, k, k, n, group, 8, p.zero_offset, 0, 2, x.data_ptr())
+        xr = amx_int_rows(x, group)
+        expected = F.linear(xr, w.dequantize(torch.float64), bias.double())
+        finite = xr.isfinite().all(dim=1)
+        assert y[~finite].isnan().all(), i
+        bound = 1e-6 * summed_magnitudes(x[finite].float(), w, p.zero_offset) + 1e-6 * bias.abs().double()
+        assert ((y[finite].double() - expected[finite]).abs() <= bound).all(), i
+        exact = F.linear(x[finite].double(), w.dequantize(torch.float64), bias.double())
+        assert not torch.allclose(y[finite].double()[0], exact[0], rtol=0, atol=1e-7 * exact[0].abs().max().item()), i
+        for threads in (1, 3):  # threads split the panels, never a sum
+            y_t = torch.empty(rows, n)
+            _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(),
+                                0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y_t.data_ptr(), rows, n,
+                                k, k, n, group, 8, p.zero_offset, 0, threads, x.data_ptr())
+            assert torch.equal(y_t.nan_to_num(), y.nan_to_num()), (i, threads)
+
+
 GUARDED_ROWS = """
 import ctypes, mmap, sys, torch
 from quant_helpers import random_quantized
