@@ -987,18 +987,31 @@ struct IntSegments {
 NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1, const IntSegments& segs,
                                      int8_t* out, float* f, float* xq) {
   const int64_t steps = (k1 - k0) / kIntDepth, blocks = (a.m + amx::kTileRows - 1) / amx::kTileRows;
-  const __m512i magnitude = _mm512_set1_epi16(0x7fff), low = _mm512_set1_epi32(0xff);
-  const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+  const __m512i magnitude = _mm512_set1_epi16(0x7fff), low = _mm512_set1_epi16(0xff), ones = _mm512_set1_epi16(1);
+  const __m512i floor = _mm512_set1_epi16(-32767);
   const __m512 half = _mm512_set1_ps(0.5f);
-  const auto put = [&](int64_t r, int64_t c, __m512i q) NANOVLLM_AMX {
-    int8_t* at = out + (r / amx::kTileRows * steps + (c - k0) / kIntDepth) * 2 * kIntATile +
-                 r % amx::kTileRows * kIntDepth + (c - k0) % kIntDepth;
-    _mm_store_si128(reinterpret_cast<__m128i*>(at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
-    _mm_store_si128(reinterpret_cast<__m128i*>(at + kIntATile), _mm512_cvtepi32_epi8(_mm512_and_si512(q, low)));
+  // The saturating packs below work 128-bit lane by lane: byte 16 L + 4 j + i of their result is
+  // column 16 j + 4 L + i of the 64 (q[j]'s lane L); one byte permute puts the columns in order.
+  alignas(64) int8_t order_bytes[64];
+  for (int n = 0; n < 64; ++n) order_bytes[n] = static_cast<int8_t>(16 * (n % 16 / 4) + 4 * (n / 16) + n % 4);
+  const __m512i order = _mm512_load_si512(order_bytes);
+  // 64 columns' integers from c (q[j]: columns c + 16 j ..; |q| <= 32768) into row r's hi and lo A
+  // tiles, their sum returned in int32 lanes: packed to int16 (saturating: 32768 becomes 32767) and
+  // held at -32767 (as int16_block), then the high bytes to int8 and the low ones to uint8.
+  const auto put64 = [&](int64_t r, int64_t c, const __m512i (&q)[4]) NANOVLLM_AMX {
+    const __m512i w01 = _mm512_max_epi16(_mm512_packs_epi32(q[0], q[1]), floor);
+    const __m512i w23 = _mm512_max_epi16(_mm512_packs_epi32(q[2], q[3]), floor);
+    const __m512i hi = _mm512_packs_epi16(_mm512_srai_epi16(w01, 8), _mm512_srai_epi16(w23, 8));
+    const __m512i lo = _mm512_packus_epi16(_mm512_and_si512(w01, low), _mm512_and_si512(w23, low));
+    int8_t* at = out + (r / amx::kTileRows * steps + (c - k0) / kIntDepth) * 2 * kIntATile + r % amx::kTileRows * kIntDepth;
+    _mm512_store_si512(at, _mm512_permutexvar_epi8(order, hi));
+    _mm512_store_si512(at + kIntATile, _mm512_permutexvar_epi8(order, lo));
+    return _mm512_add_epi32(_mm512_madd_epi16(w01, ones), _mm512_madd_epi16(w23, ones));
   };
   for (int64_t r = 0; r < blocks * amx::kTileRows; ++r) {
     if (r >= a.m) {
-      for (int64_t c = k0; c < k1; c += 16) put(r, c, _mm512_setzero_si512());
+      const __m512i zeros[4] = {};
+      for (int64_t c = k0; c < k1; c += kIntDepth) put64(r, c, zeros);
       continue;
     }
     const Bf16* x = a.x_bf16 + r * a.x_stride;
@@ -1012,25 +1025,31 @@ NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1,
       most = _mm512_max_epu32(_mm512_and_si512(most, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(most, 16));
       const int exponent = static_cast<int>(_mm512_reduce_max_epu32(most) >> 7);  // the largest < 2^(exponent - 126)
       if (exponent < 15 || exponent > 254) {  // zero, tiny, infinite or NaN: the scalar rule
-        int16_t q[kIntDepth * kIntMaxSegments];
+        int16_t q16[kIntDepth * kIntMaxSegments];
         int32_t sum = 0;
-        f[r * kIntMaxSegments + i] = int16_block(x + c0, c1 - c0, q, sum);
+        f[r * kIntMaxSegments + i] = int16_block(x + c0, c1 - c0, q16, sum);
         xq[r * kIntMaxSegments + i] = static_cast<float>(sum);
-        for (int64_t c = c0; c < c1; c += 16) {
-          put(r, c, _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c - c0))));
+        for (int64_t c = c0; c < c1; c += kIntDepth) {
+          __m512i q[4];
+          for (int j = 0; j < 4; ++j) {
+            q[j] = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + c - c0 + 16 * j)));
+          }
+          put64(r, c, q);
         }
         continue;
       }
       // x * 2^(141 - exponent) is exact; rounded half away from zero, as int16_block.
       const __m512 up = _mm512_set1_ps(std::bit_cast<float>(static_cast<uint32_t>(268 - exponent) << 23));
       __m512i sum = _mm512_setzero_si512();
-      for (int64_t c = c0; c < c1; c += 16) {
-        const __m512 v = _mm512_mul_ps(bf16x16::load(x + c), up);
-        const __m512 away = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-            _mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(half), 0xEA));  // sign | 0.5
-        const __m512i q = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvttps_epi32(_mm512_add_ps(v, away))));
-        sum = _mm512_add_epi32(sum, q);
-        put(r, c, q);
+      for (int64_t c = c0; c < c1; c += kIntDepth) {
+        __m512i q[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m512 v = _mm512_mul_ps(bf16x16::load(x + c + 16 * j), up);
+          const __m512 away = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+              _mm512_castps_si512(v), _mm512_set1_epi32(INT32_MIN), _mm512_castps_si512(half), 0xEA));  // sign | 0.5
+          q[j] = _mm512_cvttps_epi32(_mm512_add_ps(v, away));
+        }
+        sum = _mm512_add_epi32(sum, put64(r, c, q));
       }
       f[r * kIntMaxSegments + i] = std::bit_cast<float>(static_cast<uint32_t>(exponent - 14) << 23);  // 2^(e - 141)
       xq[r * kIntMaxSegments + i] = static_cast<float>(_mm512_reduce_add_epi32(sum));
