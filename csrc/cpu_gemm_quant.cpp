@@ -732,8 +732,9 @@ NANOVLLM_AVX512BF16 void panels_bf16(const QuantGemmArgs& a, const Segments& seg
   }
 }
 
-#define NANOVLLM_AMX                                                                                             \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,amx-tile,amx-bf16,amx-int8")))
+#define NANOVLLM_AMX                                                                     \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma," \
+                        "amx-tile,amx-bf16,amx-int8")))
 
 // Depth a group's tiles multiply between two pieces of the next group's decode: int8's group of a
 // column decoded 32 deep at a time (int8 at 32 rows from memory 1.15x faster than 128 deep); int4's
@@ -957,9 +958,9 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
 // activations becomes 16-bit integers q times a power of two per segment (int16_block's rule: exact
 // for every value within 2^7 of the segment's largest, the others within 2^-16 of it), split into a
 // signed high byte and an unsigned low byte, q = 256 hi + lo, and int8 tiles multiply both against
-// the weights' bytes (int8 signed, int4 nibbles unsigned): two 64-deep products per 32-deep bf16 one,
-// so the tiles take as long as on the bf16 path while the weights are only reordered (one byte
-// permute per 64 weights, against seven operations per 32 to make bf16 pairs). A segment is a
+// the weights' signed bytes: two 64-deep products per 32-deep bf16 one, so the tiles take as long as
+// on the bf16 path while the weights are only reordered (one byte permute per 64 weights, against
+// seven operations per 32 to make bf16 pairs). A segment is a
 // group's part of a 256-deep slice (kQuantKc): the slices go outermost, so a slice's rows (16 KB
 // at 32 rows) stay in L1 while every pair of panels multiplies them; column-pair-outermost, each
 // pair read all of k's rows from L2, a tile load's 16 lines at a time in order with the multiplies.
@@ -984,8 +985,8 @@ struct IntSegments {
 // [block][(c - k0) / 64][hi, lo][16 rows][64 bytes]; the rows past m in the last block zeros.
 // f[r * kIntMaxSegments + i]: row r's power of two in segment i (NaN where it holds a NaN or an
 // infinity, 0 for zeros); xq: the sum of its integers.
-NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1, const IntSegments& segs,
-                                     int8_t* out, float* f, float* xq) {
+NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1, const IntSegments& segs, int8_t* out,
+                                 float* f, float* xq) {
   const int64_t steps = (k1 - k0) / kIntDepth, blocks = (a.m + amx::kTileRows - 1) / amx::kTileRows;
   const __m512i magnitude = _mm512_set1_epi16(0x7fff), low = _mm512_set1_epi16(0xff), ones = _mm512_set1_epi16(1);
   const __m512i floor = _mm512_set1_epi16(-32767);
@@ -1003,7 +1004,8 @@ NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1,
     const __m512i w23 = _mm512_max_epi16(_mm512_packs_epi32(q[2], q[3]), floor);
     const __m512i hi = _mm512_packs_epi16(_mm512_srai_epi16(w01, 8), _mm512_srai_epi16(w23, 8));
     const __m512i lo = _mm512_packus_epi16(_mm512_and_si512(w01, low), _mm512_and_si512(w23, low));
-    int8_t* at = out + (r / amx::kTileRows * steps + (c - k0) / kIntDepth) * 2 * kIntATile + r % amx::kTileRows * kIntDepth;
+    int8_t* const at =
+        out + (r / amx::kTileRows * steps + (c - k0) / kIntDepth) * 2 * kIntATile + r % amx::kTileRows * kIntDepth;
     _mm512_store_si512(at, _mm512_permutexvar_epi8(order, hi));
     _mm512_store_si512(at + kIntATile, _mm512_permutexvar_epi8(order, lo));
     return _mm512_add_epi32(_mm512_madd_epi16(w01, ones), _mm512_madd_epi16(w23, ones));
@@ -1135,7 +1137,7 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
                                 : nullptr;
       const int64_t next_rows = next == nullptr ? 0 : (std::min(kQuantKc, a.k - after_k) + 3) / 4;
       for (int64_t r = r0; r < r1; ++r) {
-        if (r < next_rows && r * kRowBytes % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(next + r * kRowBytes), _MM_HINT_T1);
+        if (r < next_rows) _mm_prefetch(reinterpret_cast<const char*>(next + r * kRowBytes), _MM_HINT_T1);
         _mm512_store_si512(w + (r * np + q) * 64, weight_quads(ws + r * kRowBytes));
       }
     }
@@ -1370,9 +1372,10 @@ bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
 }
 
 // bf16 activations as integers on AMX int8 tiles (panels_amx_int): int8 weights where amx_path takes
-// them, up to kAmxIntMaxRows rows, where the steps (k, every group) are
-// multiples of 64 (a segment's 256 columns at most keep its int32 sums far from overflow). int4's nibbles on these tiles (nibbles widened to bytes, a scaling per group of
-// 128) ran no faster than its bf16 pairs: 1.04x slower at 32 rows in the Qwen3-shaped decode step.
+// them, up to kAmxIntMaxRows rows, where the steps (k, every group) are multiples of 64 (a segment's
+// 256 columns at most keep its int32 sums far from overflow). int4 on these tiles (nibbles widened to
+// bytes, a scaling per group of 128 with two sums a value) ran no faster than as bf16 pairs: the
+// Qwen3-shaped decode step of 32 1.04x slower.
 bool amx_int_path(const QuantGemmArgs& a, QuantIsa isa) {
   return a.bits == 8 && a.m <= kAmxIntMaxRows && amx_path(a, isa) && a.k % 64 == 0 &&
          (a.group_size % 64 == 0 || a.group_size >= a.k);
