@@ -184,6 +184,22 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
         assert torch.equal(y, cpu_kernel.linear(x.float(), p, None)), k
 
 
+def int16_rounded(x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """Rows of x as the 16-bit integer paths take them, the rule written here in float64: the columns
+    [bounds[i], bounds[i + 1]) as multiples of 2^(e - 15), e the frexp exponent of their largest
+    magnitude, rounded half away from zero; zeros stay zero, and NaN throughout a range holding a NaN or
+    an infinity."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for c0, c1 in zip(bounds, bounds[1:]):
+        seg = x[:, c0:c1].double()
+        most = seg.abs().amax(dim=1)
+        step = torch.ldexp(torch.ones_like(most), torch.frexp(most.float()).exponent.long() - 15).double()
+        step = torch.where(most.isfinite(), step, float("nan"))
+        q = torch.trunc(seg / step[:, None] + 0.5 * torch.sign(seg)).clamp(-32767, 32767)
+        out[:, c0:c1] = torch.where(most[:, None] == 0, 0.0, q * step[:, None])
+    return out
+
+
 @pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("exponents", [(-6, 6), (-134, -108), (100, 118)])
@@ -203,31 +219,17 @@ def test_int16_rows_round_half_away_from_zero(bits: int, exponents: tuple[int, i
     x = torch.randn(k // block, block, generator=g) * 2.0**-12 * largest[:, None]
     x[:, 7] = largest * torch.where(torch.rand(k // block, generator=g) < 0.5, -1.0, 1.0)
     x = x.reshape(1, k).to(torch.bfloat16)
-    blocks = x.double().reshape(-1, block)
-    step = torch.ldexp(torch.ones(k // block, dtype=torch.float64),
-                       torch.frexp(blocks.abs().amax(dim=1).float()).exponent - 15)
-    q = torch.trunc(blocks / step[:, None] + 0.5 * torch.sign(blocks)).clamp(-32767, 32767)
-    expected = F.linear((q * step[:, None]).reshape(1, k), w.dequantize(torch.float64))
+    expected = F.linear(int16_rounded(x, list(range(0, k + 1, block))), w.dequantize(torch.float64))
     y = torch.empty(1, n)
     int16_call(x, p, y)
     assert ((y.double() - expected).abs() <= 1e-6 * summed_magnitudes(x, w, p.zero_offset)).all()
 
 
 def amx_int_rows(x: torch.Tensor, group: int) -> torch.Tensor:
-    """The AMX int path's activations, the rule written here in float64: each segment (a group's part of
-    a 256-deep slice) as multiples of 2^(e - 15), e the frexp exponent of its largest magnitude, rounded
-    half away from zero; NaN throughout a segment holding a NaN or an infinity."""
-    out = torch.empty(x.shape, dtype=torch.float64)
+    """The AMX int path's activations: int16_rounded over its segments (a group's part of a 256-deep
+    slice)."""
     k = x.shape[1]
-    bounds = sorted({0, k} | set(range(0, k, 256)) | set(range(0, k, group)))
-    for c0, c1 in zip(bounds, bounds[1:]):
-        seg = x[:, c0:c1].double()
-        most = seg.abs().amax(dim=1)
-        step = torch.ldexp(torch.ones_like(most), torch.frexp(most.float()).exponent.long() - 15).double()
-        step = torch.where(most.isfinite(), step, float("nan"))
-        q = torch.trunc(seg / step[:, None] + 0.5 * torch.sign(seg)).clamp(-32767, 32767)
-        out[:, c0:c1] = torch.where(most[:, None] == 0, 0.0, q * step[:, None])
-    return out
+    return int16_rounded(x, sorted({0, k} | set(range(0, k, 256)) | set(range(0, k, group))))
 
 
 @pytest.mark.skipif(not cpu_kernel.isa_supported("amx"), reason="the CPU lacks AMX tiles")
@@ -252,9 +254,15 @@ def test_int8_weights_on_amx_int8_tiles(symmetric: bool) -> None:
             x[3, min(k - 1, 300)] = float("nan")
             x[4, 5] = float("inf")
         bias = torch.randn(n, generator=g)
-        y = torch.empty(rows, n)
-        _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
-                            bias.data_ptr(), y.data_ptr(), rows, n, k, k, n, group, 8, p.zero_offset, 0, 2, x.data_ptr())
+
+        def product(threads: int) -> torch.Tensor:
+            y = torch.empty(rows, n)
+            _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(),
+                                0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n,
+                                k, k, n, group, 8, p.zero_offset, 0, threads, x.data_ptr())
+            return y
+
+        y = product(2)
         xr = amx_int_rows(x, group)
         expected = F.linear(xr, w.dequantize(torch.float64), bias.double())
         finite = xr.isfinite().all(dim=1)
@@ -264,11 +272,7 @@ def test_int8_weights_on_amx_int8_tiles(symmetric: bool) -> None:
         exact = F.linear(x[finite].double(), w.dequantize(torch.float64), bias.double())
         assert not torch.allclose(y[finite].double()[0], exact[0], rtol=0, atol=1e-7 * exact[0].abs().max().item()), i
         for threads in (1, 3):  # threads split the panels, never a sum
-            y_t = torch.empty(rows, n)
-            _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(),
-                                0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y_t.data_ptr(), rows, n,
-                                k, k, n, group, 8, p.zero_offset, 0, threads, x.data_ptr())
-            assert torch.equal(y_t.nan_to_num(), y.nan_to_num()), (i, threads)
+            assert torch.equal(product(threads).nan_to_num(), y.nan_to_num()), (i, threads)
 
 
 GUARDED_ROWS = """
