@@ -909,6 +909,9 @@ void bind_cpu_decoder(py::module_& m) {
            py::arg("dtype"), py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("inter"), py::arg("eps"), py::arg("scale"), py::arg("block_size"), py::arg("num_blocks"),
            py::arg("layers"), py::arg("final_norm"), py::arg("embedding"), py::arg("vocab"))
+      .def("adopt_buffers", &DecoderStack::adopt_buffers, py::arg("other"),
+           "Take the buffers `other` grew (a stack built again for a new KV cache); `other` keeps none.")
+      .def_property_readonly("buffer_bytes", &DecoderStack::buffer_bytes, "bytes of the buffers it keeps now")
       .def(
           "forward",
           [](DecoderStack& stack, uintptr_t input_ids, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,

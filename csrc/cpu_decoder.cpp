@@ -16,6 +16,16 @@ DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWe
     : shape_(shape), layers_(std::move(layers)), final_norm_(final_norm), block_size_(block_size),
       num_blocks_(num_blocks), embedding_(embedding), vocab_(vocab) {}
 
+void DecoderStack::adopt_buffers(DecoderStack& other) {
+  for (size_t b = 0; b < scratch_.size(); ++b) scratch_[b] = std::exchange(other.scratch_[b], GrowingScratch{});
+}
+
+int64_t DecoderStack::buffer_bytes() const {
+  int64_t total = 0;
+  for (const GrowingScratch& b : scratch_) total += b.bytes;
+  return total;
+}
+
 void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_t m, int num_threads) {
   const bool bf16 = shape_.dtype == CpuDtype::kBFloat16;
   // fp32 rows of x: x itself in an fp32 model, else widened into scratch.

@@ -104,6 +104,10 @@ class DecoderStack {
                int64_t block_size, int64_t num_blocks, const void* embedding, int64_t vocab);
   // Not reentrant: a forward uses the stack's buffers (one runner thread calls it).
   void forward(const DecoderStep& step, int num_threads);
+  // Takes the buffers `other` grew, leaving it none: a stack built again for a new KV cache keeps
+  // what the one before grew (the CPU runner's warm-up prefill runs before the cache exists).
+  void adopt_buffers(DecoderStack& other);
+  int64_t buffer_bytes() const;  // of the buffers kept now
   const DecoderShape& shape() const { return shape_; }
   const std::vector<DecoderLayerWeights>& layers() const { return layers_; }
   // The caches' geometry, which every forward's block tables and slots are checked against.

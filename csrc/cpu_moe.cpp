@@ -354,7 +354,10 @@ void experts_typed(const MoeLayerArgs& a, const Experts& experts, int num_thread
   // back); the down GEMM the experts' outputs rounded (the combine rounds each before weighing it):
   // half the bytes written and read back, which at 2,048 tokens is 32 MB of fp32 a layer.
   constexpr bool kEpilogues = Experts::kBf16Epilogues && std::is_same_v<A, Bf16>;
-  Carver carve(scratch(assignments * (hidden * (kEpilogues ? 6 : 4) + (by_experts ? 0 : rows_bytes_each)) + 5 * 64));
+  // Room for the rows shared by panels whichever way this call goes: a buffer sized by the first
+  // call's way grew (all of its pages again) at the first call of the other, and the runner's warm-up
+  // prefill (every token the same, a few experts: by experts) would not have sized it.
+  Carver carve(scratch(assignments * (hidden * (kEpilogues ? 6 : 4) + rows_bytes_each) + 5 * 64));
   float* const y = carve.take<float>(assignments * hidden);
   Bf16* const y_bf16 = kEpilogues ? carve.take<Bf16>(assignments * hidden) : nullptr;
   const Rows shared = by_experts ? Rows{} : carve_rows(carve, assignments);

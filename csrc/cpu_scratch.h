@@ -20,7 +20,8 @@ struct ScratchUnmap {
 };
 using ScratchBuffer = std::unique_ptr<std::byte[], ScratchUnmap>;
 
-// At least `bytes` of uninitialized memory, 64-byte aligned (2 MiB from 2 MiB on).
+// At least `bytes` of uninitialized memory, 64-byte aligned (2 MiB from 2 MiB on), its pages
+// populated (zeroed by the kernel now, where Linux has MADV_POPULATE_WRITE).
 ScratchBuffer scratch_buffer(int64_t bytes);
 
 // A scratch_buffer kept from call to call, replaced by a larger one when a call needs more.

@@ -87,9 +87,13 @@ def test_stack_follows_a_new_kv_cache(root: Path) -> None:
         runner = llm.engine.executor.runner
         runner.release_kv_cache()
         assert decoder_model(llm).layer_stack() is None  # no cache bound: the layers would raise
+        grown = first.stack.buffer_bytes
+        assert grown > 0
         runner.allocate_kv_cache(80)
         second = decoder_model(llm).layer_stack()
         assert second is not None and second is not first
+        # The buffers the first stack grew go to the second, not grown again from nothing.
+        assert (second.stack.buffer_bytes, first.stack.buffer_bytes) == (grown, 0)
         assert generate(llm, True) == before
     finally:
         llm.engine.shutdown()

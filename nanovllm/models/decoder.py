@@ -219,7 +219,11 @@ class DecoderModel(nn.Module):
         if not layers or layers[0].attn.k_cache.numel() == 0:
             return None
         if self._stack is None or not cpu_stack.same_caches(self._stack[0], layers):
-            self._stack = (cpu_stack.cache_refs(layers), cpu_stack.build(layers, self.norm, self.embed_tokens))
+            before = self._stack[1] if self._stack is not None else None
+            stack = cpu_stack.build(layers, self.norm, self.embed_tokens)
+            if stack is not None and before is not None:
+                stack.stack.adopt_buffers(before.stack)
+            self._stack = (cpu_stack.cache_refs(layers), stack)
         return self._stack[1]
 
 
