@@ -199,6 +199,11 @@ class DecoderStack:
                  scale: float, block_size: int, num_blocks: int, layers: list[DecoderLayer],
                  final_norm: int, embedding: int, vocab: int) -> None:
         """`embedding`: the token embedding [vocab, hidden] in the model dtype, for forward's ids."""
+    def adopt_buffers(self, other: DecoderStack) -> None:
+        """Take the buffers `other` grew (a stack built again for a new KV cache); `other` keeps none."""
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers it keeps now."""
     def forward(self, input_ids: int, out: int, positions: int, slot_mapping: int, slot_tokens: int,
                 block_tables: int, block_table_stride: int, context_lens: int, cu_seqlens_q: int, num_seqs: int,
                 num_tokens: int, num_threads: int = 1) -> None:
