@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_amx.h"
@@ -1127,15 +1128,21 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
   // k0 + 4R + 3) of panel q at (R * np + q) * 64 bytes. The pair after it (or the thread's first
   // pair of the next slice) is asked for into L2 as the weights are read, a line per 64 bytes.
   constexpr int64_t kRowBytes = 4 * kGemmPanel;  // a quad row's packed bytes
+  // The quad rows of the slice at k0; the pair slice the thread takes after the pair at p's at k0
+  // (the next pair's, or the next slice's first pair's).
+  const auto quad_rows = [&](int64_t k0) { return (std::min(kQuantKc, a.k - k0) + 3) / 4; };
+  const auto after = [&](int64_t p, int64_t k0) {
+    return p + 2 < p1 ? std::pair<int64_t, int64_t>{p + 2, k0} : std::pair<int64_t, int64_t>{p0, k0 + kQuantKc};
+  };
   const auto decode = [&](int64_t p, int64_t k0, int8_t* w, int64_t r0, int64_t r1) NANOVLLM_AMX {
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
-    const int64_t after_p = p + 2 < p1 ? p + 2 : p0, after_k = p + 2 < p1 ? k0 : k0 + kQuantKc;
+    const auto [after_p, after_k] = after(p, k0);
     for (int q = 0; q < np; ++q) {
       const uint8_t* ws = a.packed + slice_bytes(panels, a.k, p + q, k0, 8);
       const uint8_t* next = after_k < a.k && after_p + q < p1
                                 ? a.packed + slice_bytes(panels, a.k, after_p + q, after_k, 8)
                                 : nullptr;
-      const int64_t next_rows = next == nullptr ? 0 : (std::min(kQuantKc, a.k - after_k) + 3) / 4;
+      const int64_t next_rows = next == nullptr ? 0 : quad_rows(after_k);
       for (int64_t r = r0; r < r1; ++r) {
         if (r < next_rows) _mm_prefetch(reinterpret_cast<const char*>(next + r * kRowBytes), _MM_HINT_T1);
         _mm512_store_si512(w + (r * np + q) * 64, weight_quads(ws + r * kRowBytes));
@@ -1171,8 +1178,12 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
     bool first, last;
   } pending{};
   int64_t done = 0;  // segments multiplied so far: the last one's sums wait in sums[(done - 1) % 2]
+  const auto scale_pending = [&]() NANOVLLM_AMX {
+    scale(sums + (done - 1) % 2 * kSums, pending.sl, pending.b, pending.i, pending.g, pending.first, pending.last,
+          pending.p, pending.np);
+  };
   int64_t turn = 0;  // pair slices multiplied so far: the current one's decode in decoded[turn % 2]
-  decode(p0, 0, decoded, 0, (std::min(kQuantKc, a.k) + 3) / 4);
+  decode(p0, 0, decoded, 0, quad_rows(0));
   amx::fence();
   _tile_loadconfig(&amx::kConfig);
   for (int64_t sl = 0; sl < slices; ++sl) {
@@ -1185,9 +1196,8 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
       const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
       const int8_t* w = decoded + turn % 2 * kSliceBytes;
       // The next pair's slice: this pair's (or the next slice's first pair).
-      const bool more = p + 2 < p1 || sl + 1 < slices;
-      const int64_t next_p = p + 2 < p1 ? p + 2 : p0, next_k = p + 2 < p1 ? k0 : k0 + kQuantKc;
-      const int64_t next_rows = more ? (std::min(kQuantKc, a.k - next_k) + 3) / 4 : 0;
+      const auto [next_p, next_k] = after(p, k0);
+      const int64_t next_rows = next_k < a.k ? quad_rows(next_k) : 0;
       int8_t* const next_w = decoded + (turn + 1) % 2 * kSliceBytes;
       const int64_t calls = blocks * slice_steps;
       int64_t call = 0;
@@ -1206,20 +1216,14 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
           if (np == 2) int_segment<2>(at, ws, s1 - s0, c, between);
           if (np == 1) int_segment<1>(at, ws, s1 - s0, c, between);
           amx::fence();
-          if (done > 0) {
-            scale(sums + (done - 1) % 2 * kSums, pending.sl, pending.b, pending.i, pending.g, pending.first,
-                  pending.last, pending.p, pending.np);
-          }
+          if (done > 0) scale_pending();
           pending = {sl, b, segs.group[i], p, i, np, first, last};
         }
       }
     }
   }
   amx::fence();
-  if (done > 0) {
-    scale(sums + (done - 1) % 2 * kSums, pending.sl, pending.b, pending.i, pending.g, pending.first, pending.last,
-          pending.p, pending.np);
-  }
+  if (done > 0) scale_pending();
   _tile_release();
 }
 
@@ -1371,14 +1375,13 @@ bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
          has_amx_bf16() && a.k % 32 == 0 && (a.group_size % 32 == 0 || a.group_size >= a.k);
 }
 
-// bf16 activations as integers on AMX int8 tiles (panels_amx_int): int8 weights where amx_path takes
-// them, up to kAmxIntMaxRows rows, where the steps (k, every group) are multiples of 64 (a segment's
+// bf16 activations as integers on AMX int8 tiles (panels_amx_int), where amx_path takes the call too:
+// int8 weights, up to kAmxIntMaxRows rows, where the steps (k, every group) are multiples of 64 (a segment's
 // 256 columns at most keep its int32 sums far from overflow). int4 on these tiles (nibbles widened to
 // bytes, a scaling per group of 128 with two sums a value) ran no faster than as bf16 pairs: the
 // Qwen3-shaped decode step of 32 1.04x slower.
-bool amx_int_path(const QuantGemmArgs& a, QuantIsa isa) {
-  return a.bits == 8 && a.m <= kAmxIntMaxRows && amx_path(a, isa) && a.k % 64 == 0 &&
-         (a.group_size % 64 == 0 || a.group_size >= a.k);
+bool amx_int_path(const QuantGemmArgs& a) {
+  return a.bits == 8 && a.m <= kAmxIntMaxRows && a.k % 64 == 0 && (a.group_size % 64 == 0 || a.group_size >= a.k);
 }
 
 // bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the
@@ -1397,7 +1400,8 @@ void run_isa(const QuantGemmArgs& a, QuantIsa isa, const Segments& segs, const R
 #if defined(__x86_64__)
   if (a.x_bf16 != nullptr) {
     if (rows.xq_block == 0) {
-      quant_avx512::run_bf16(a, segs, rows, p0, p1, amx_path(a, isa), amx_int_path(a, isa));
+      const bool amx = amx_path(a, isa);
+      quant_avx512::run_bf16(a, segs, rows, p0, p1, amx, amx && amx_int_path(a));
     } else {
       quant_avx2::run_int16(a, segs, rows, p0, p1);
     }
