@@ -39,8 +39,8 @@ constexpr double kWholeImbalance = 0.05;
 
 // The chosen experts cut into a team's contiguous shares (thread t's [first(t, team), first(t + 1,
 // team))) whose costs (rows + kWeightRows each) cut the total as evenly as the experts' boundaries
-// allow: the test of whether experts taken whole balance the team (handed out one at a time, as
-// they are, they balance at least as well).
+// allow: the test of whether experts taken whole balance the team (they are then handed out one at
+// a time, most_rows_first, which balanced a decode step's threads better than these shares).
 class ExpertShares {
  public:
   ExpertShares(const std::vector<int32_t>& chosen, const std::vector<int32_t>& offsets) : prefix_(chosen.size() + 1, 0) {
