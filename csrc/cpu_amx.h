@@ -127,9 +127,10 @@ NANOVLLM_AMX_TILES inline void multiply(const Bf16* (&a)[2], const Bf16* w, int6
 // then, where y_bf16 is set, rounded into it (rows n apart). An AMX CPU has AVX512-BF16. The GEMMs'
 // epilogue on the tiles' products: gemm_bf16_amx_panel_range's bf16 output and bias, the fp32 one's bias.
 // `stream`: whole 64-byte lines of y_bf16 are written past the caches (an output larger than they
-// hold: each line's write would first read it from memory).
+// hold: each line's write would first read it from memory). `round`: without y_bf16, the fp32
+// products are stored rounded to bf16's precision (GemmBf16Args::round_y).
 NANOVLLM_AVX512BF16 inline void finish_pair(float* out, int64_t stride, const float* bias, Bf16* y_bf16, int64_t n,
-                                              int64_t m, int64_t cols, bool stream = false) {
+                                              int64_t m, int64_t cols, bool stream = false, bool round = false) {
   if (stream && y_bf16 != nullptr && bias == nullptr && cols == 2 * 16 &&
       reinterpret_cast<uintptr_t>(y_bf16) % 64 == 0 && n % 32 == 0) {
     for (int64_t r = 0; r < m; ++r) {
@@ -150,7 +151,7 @@ NANOVLLM_AVX512BF16 inline void finish_pair(float* out, int64_t stride, const fl
       if (y_bf16 != nullptr) {
         bf16x16::store(y_bf16 + r * n + c, v, live);
       } else {
-        _mm512_mask_storeu_ps(row + c, live, v);
+        _mm512_mask_storeu_ps(row + c, live, round ? bf16x16::round(v) : v);
       }
     }
   }

@@ -399,6 +399,15 @@ void narrow_panels(const float* y, int64_t y_stride, Bf16* out, int64_t m, int64
   if (c0 >= c1) return;
   for (int64_t r = 0; r < m; ++r) narrow_n(y + r * y_stride + c0, out + r * n + c0, c1 - c0);
 }
+
+// The same columns rounded to bf16's precision in place (GemmBf16Args::round_y).
+void round_panels(float* y, int64_t y_stride, int64_t m, int64_t n, int64_t p0, int64_t p1) {
+  const int64_t c0 = p0 * kGemmPanel, c1 = std::min(n, p1 * kGemmPanel);
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = y + r * y_stride;
+    for (int64_t c = c0; c < c1; ++c) row[c] = round_to<Bf16>(row[c]);
+  }
+}
 }  // namespace
 
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
@@ -409,6 +418,7 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
   }
   gemm_panels_range<Bf16PairTiles>({a.x, a.packed, a.bias, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
   if (a.y_bf16 != nullptr) narrow_panels(a.y, a.y_stride, a.y_bf16, a.m, a.n, p0, p1);
+  if (a.round_y) round_panels(a.y, a.y_stride, a.m, a.n, p0, p1);
   if (a.act != nullptr) {
     for (int64_t r = 0; r < a.m; ++r) silu_mul_panels_x16(a.y + r * a.y_stride, a.act + r * (a.n / 2), p0, p1);
   }
@@ -466,16 +476,8 @@ void gemm_bf16_narrowed(const GemmBf16Args& a, Bf16* y_bf16, int num_threads) {
 
 void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
   if (a.m == 0) return;
+  // bf16 rows: the logits rounded as a bf16 F.linear's output.
   const bool bf16_rows = a.x_dtype == CpuDtype::kBFloat16;
-  // Columns [p0, p1) panels of every row, rounded as a bf16 F.linear's output.
-  const auto rounded = [&a, bf16_rows](int64_t p0, int64_t p1) {
-    if (!bf16_rows) return;
-    const int64_t c0 = p0 * kGemmPanel, c1 = std::min(a.n, p1 * kGemmPanel);
-    for (int64_t r = 0; r < a.m; ++r) {
-      float* row = a.y + r * a.y_stride;
-      for (int64_t c = c0; c < c1; ++c) row[c] = round_to<Bf16>(row[c]);
-    }
-  };
   // The rows as the GEMM takes them: converted where x is the other dtype (fp32 rows rounded to bf16,
   // as cpu/gemm.py's bf16_rows; bf16 rows widened, exactly).
   const auto rows = [&a, bf16_rows]<typename To>(std::vector<To>& storage) {
@@ -485,11 +487,9 @@ void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
   if (a.pairs && a.packed_dtype == CpuDtype::kBFloat16) {
     std::vector<Bf16> narrowed;
     const auto [x, stride] = rows(narrowed);
-    const GemmBf16Args g{x, static_cast<const Bf16*>(a.packed), nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride};
-    parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&](int64_t p0, int64_t p1) {
-      gemm_bf16_panel_range(g, p0, p1);
-      rounded(p0, p1);
-    });
+    GemmBf16Args g{x, static_cast<const Bf16*>(a.packed), nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride};
+    g.round_y = bf16_rows;
+    parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&](int64_t p0, int64_t p1) { gemm_bf16_panel_range(g, p0, p1); });
     return;
   }
   std::vector<float> widened;
@@ -497,7 +497,7 @@ void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
   const GemmArgs g{x, a.packed, nullptr, a.y, a.m, a.n, a.k, stride, a.y_stride, a.packed_dtype, a.pairs};
   parallel_gemm_panels(g, num_threads, [&](int64_t p0, int64_t p1) {
     gemm_panel_range(g, p0, p1);
-    rounded(p0, p1);
+    if (bf16_rows) round_panels(a.y, a.y_stride, a.m, a.n, p0, p1);
   });
 }
 

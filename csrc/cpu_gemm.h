@@ -127,6 +127,9 @@ struct GemmBf16Args {
   // pair's rows as soon as they are summed (y is not written), on the pair tiles from y after. Not
   // with y_bf16 or a bias.
   Bf16* act = nullptr;
+  // The fp32 products in y rounded to bf16's precision (a bf16 F.linear's output, widened): an LM
+  // head's logits. On AMX tiles each panel pair's as soon as its rows are summed, while in L1.
+  bool round_y = false;
 };
 
 // gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32: on AMX

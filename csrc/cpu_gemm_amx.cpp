@@ -143,11 +143,11 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
         }
       }
     };
-    // Rows [r0, r1) of the pair's products finished: the bias added, rounded into y_bf16, or made
-    // SiLU(gate) * up in act. A block pair's rows are finished once the next pair's multiplies are
+    // Rows [r0, r1) of the pair's products finished: the bias added, rounded into y_bf16 (or in
+    // place: round_y), or made SiLU(gate) * up in act. A block pair's rows are finished once the next pair's multiplies are
     // issued: the vector work runs beside those tiles' and reads sums still in L1 (after the whole
     // chunk, it waited on a 384-row chunk's 48 KB coming back from L2).
-    const bool finishing = a.bias != nullptr || to_pair;
+    const bool finishing = a.bias != nullptr || to_pair || a.round_y;
     const auto finish = [&](int64_t r0, int64_t r1) {
       amx::fence();
       if (act != nullptr) {
@@ -157,7 +157,7 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
         return;
       }
       amx::finish_pair(out + r0 * out_stride, out_stride, a.bias == nullptr ? nullptr : a.bias + col0,
-                       y_bf16 == nullptr ? nullptr : y_bf16 + r0 * a.n + col0, a.n, r1 - r0, cols, stream);
+                       y_bf16 == nullptr ? nullptr : y_bf16 + r0 * a.n + col0, a.n, r1 - r0, cols, stream, a.round_y);
     };
     const int64_t pass = pass_depth(blocks, a.k);
     for (int64_t k0 = 0; k0 < a.k; k0 += pass) {

@@ -298,15 +298,18 @@ PAIRS = [False, pytest.param(True, marks=pytest.mark.skipif(
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 33])
 @pytest.mark.parametrize("pairs", PAIRS)
+@pytest.mark.parametrize("k", [72, 96])
 def test_lm_head_logits_in_one_call_equal_the_linear_then_float(dtype: torch.dtype, weight_dtype: torch.dtype,
-                                                                rows: int, pairs: bool) -> None:
+                                                                rows: int, pairs: bool, k: int) -> None:
     """cpu_gemm.logits (gemm_logits_cpu) is `_gemm(rows).float()` bit for bit (no NaN here): bf16 rows
     give fp32 logits rounded to bf16, as F.linear's bf16 output widened, on fp32 or bf16 weights
-    (fp32 rows on a pair-packed bf16 weight rounded to bf16 first); rows read in place at their stride."""
+    (fp32 rows on a pair-packed bf16 weight rounded to bf16 first); rows read in place at their stride.
+    A depth of 96 takes AMX tiles for bf16 pairs where the CPU has them (which round each panel pair's
+    logits as they are summed), 72 the pair tiles."""
     if pairs and weight_dtype == torch.bfloat16 and not _cpu.has_avx512_bf16():
         pytest.skip("bf16 pairs need AVX512-BF16")
-    g = torch.Generator().manual_seed(rows + 7)
-    k, n = 72, 1000  # n cut ragged by the 16-column panels
+    g = torch.Generator().manual_seed(rows + k)
+    n = 1000  # cut ragged by the 16-column panels
     weight = torch.randn(n, k, generator=g).to(weight_dtype)
     packed = cpu_gemm.prepack(weight, "avx2")
     assert isinstance(packed, cpu_gemm.PackedWeight)
