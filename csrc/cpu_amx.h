@@ -11,10 +11,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_bf16_avx512.h"
 #include "cpu_dtype.h"
+#include "cpu_gemm.h"
 
 namespace nanovllm::amx {
 
@@ -156,6 +158,39 @@ NANOVLLM_AVX512BF16 inline void finish_pair(float* out, int64_t stride, const fl
     }
   }
 }
+
+// GCC 12's AVX-512 max and extracts start from _mm512_undefined_*(), which -Wmaybe-uninitialized
+// reports once inlined (a known false positive), as in cpu_bf16_avx512.h.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// Rows [0, m) of a panel pair's products (`cols` columns from column col0, rows `stride` floats
+// apart) compared into best[row] (GemmBf16Args::best): a larger value than the row's best so far
+// takes its place with the first column holding it; NaNs are passed over.
+NANOVLLM_AVX512BF16 inline void best_of_pair(const float* out, int64_t stride, int64_t m, int64_t cols, int64_t col0,
+                                               RowBest* best) {
+  const __mmask16 live0 = bf16x16::lanes(cols), live1 = cols > 16 ? bf16x16::lanes(cols - 16) : 0;
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = out + r * stride;
+    const __m512 v0 = _mm512_maskz_loadu_ps(live0, row), v1 = _mm512_maskz_loadu_ps(live1, row + 16);
+    const __mmask16 ok0 = _mm512_mask_cmp_ps_mask(live0, v0, v0, _CMP_ORD_Q);
+    const __mmask16 ok1 = _mm512_mask_cmp_ps_mask(live1, v1, v1, _CMP_ORD_Q);
+    const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(ok0, lowest, v0),
+                                                          _mm512_mask_blend_ps(ok1, lowest, v1)));
+    RowBest& b = best[r];
+    if (!(most > b.value || (b.index < 0 && most == b.value))) continue;  // -inf: taken once seen
+    const __m512 target = _mm512_set1_ps(most);
+    const __mmask16 at0 = _mm512_mask_cmp_ps_mask(ok0, v0, target, _CMP_EQ_OQ);
+    const __mmask16 at1 = _mm512_mask_cmp_ps_mask(ok1, v1, target, _CMP_EQ_OQ);
+    if (at0 != 0) {
+      b = {most, col0 + __builtin_ctz(at0)};
+    } else if (at1 != 0) {
+      b = {most, col0 + 16 + __builtin_ctz(at1)};
+    }
+  }
+}
+#pragma GCC diagnostic pop
 
 // C[2 * b + q] loaded from y[b] + q * 16, rows stride[b] floats apart: store_sums' inverse.
 template <int B, int P>

@@ -332,6 +332,22 @@ void check_gemm_weights(const std::string& what, CpuDtype weights, bool pairs) {
   }
 }
 
+// An LM head call's arguments (gemm_logits_cpu, gemm_greedy_cpu), checked; y null, y_stride n.
+GemmLogitsArgs checked_head_args(const std::string& what, uintptr_t x, int64_t x_dtype, uintptr_t packed,
+                                 int64_t packed_dtype, bool pairs, int64_t m, int64_t n, int64_t k, int64_t x_stride) {
+  const CpuDtype rows = checked_dtype(x_dtype, "x_dtype");
+  const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
+  if (pairs && weights == CpuDtype::kBFloat16) {
+    check_gemm_bf16_weights(what, k);
+  } else {
+    check_gemm_weights(what, weights, pairs);
+  }
+  if (m < 0 || n < 1 || k < 1 || x_stride < k) value_error(what + ": bad sizes");
+  if (m > 0 && (!x || !packed)) value_error("null pointer passed to " + what);
+  return {reinterpret_cast<const void*>(x), rows, reinterpret_cast<const void*>(packed), weights, pairs, nullptr,
+          m, n, k, x_stride, n};
+}
+
 void bind_cpu_gemm(py::module_& m) {
   m.def("has_avx2_fma", &has_avx2_fma, "Whether this CPU runs the AVX2 + FMA kernels (gemm_cpu, attention tiles).");
   m.def("gemm_packed_elements", [](int64_t n, int64_t k) {
@@ -415,17 +431,12 @@ void bind_cpu_gemm(py::module_& m) {
       "gemm_logits_cpu",
       [](uintptr_t x, int64_t x_dtype, uintptr_t packed, int64_t packed_dtype, bool pairs, uintptr_t y, int64_t m,
          int64_t n, int64_t k, int64_t x_stride, int64_t y_stride, int64_t num_threads) {
-        const CpuDtype rows = checked_dtype(x_dtype, "x_dtype");
-        const CpuDtype weights = checked_dtype(packed_dtype, "packed_dtype");
-        if (pairs && weights == CpuDtype::kBFloat16) {
-          check_gemm_bf16_weights("gemm_logits_cpu", k);
-        } else {
-          check_gemm_weights("gemm_logits_cpu", weights, pairs);
-        }
-        if (m < 0 || n < 1 || k < 1 || x_stride < k || y_stride < n) value_error("gemm_logits_cpu: bad sizes");
-        if (m > 0 && (!x || !packed || !y)) value_error("null pointer passed to gemm_logits_cpu");
-        const GemmLogitsArgs a{reinterpret_cast<const void*>(x), rows, reinterpret_cast<const void*>(packed), weights,
-                               pairs, reinterpret_cast<float*>(y), m, n, k, x_stride, y_stride};
+        GemmLogitsArgs a =
+            checked_head_args("gemm_logits_cpu", x, x_dtype, packed, packed_dtype, pairs, m, n, k, x_stride);
+        if (y_stride < n) value_error("gemm_logits_cpu: bad sizes");
+        if (m > 0 && !y) value_error("null pointer passed to gemm_logits_cpu");
+        a.y = reinterpret_cast<float*>(y);
+        a.y_stride = y_stride;
         py::gil_scoped_release release;
         gemm_logits(a, clamp_threads(num_threads));
       },
@@ -434,6 +445,21 @@ void bind_cpu_gemm(py::module_& m) {
       "An LM head's fp32 logits y [m, n] from rows x [m, k] (fp32 0 / bf16 1) on gemm_pack_cpu's copy of its "
       "weight (with pairs: fp32 for gemm_cpu's, bf16 for gemm_bf16_cpu's), each rounded to bf16 where x is bf16 "
       "(cpu/gemm.py's linear, then .float()), from raw pointers (nanovllm.cpu.gemm checks the tensors).");
+  m.def(
+      "gemm_greedy_cpu",
+      [](uintptr_t x, int64_t x_dtype, uintptr_t packed, int64_t packed_dtype, bool pairs, uintptr_t ids, int64_t m,
+         int64_t n, int64_t k, int64_t x_stride, int64_t num_threads) {
+        const GemmLogitsArgs a =
+            checked_head_args("gemm_greedy_cpu", x, x_dtype, packed, packed_dtype, pairs, m, n, k, x_stride);
+        if (m > 0 && !ids) value_error("null pointer passed to gemm_greedy_cpu");
+        py::gil_scoped_release release;
+        gemm_greedy(a, reinterpret_cast<int64_t*>(ids), clamp_threads(num_threads));
+      },
+      py::arg("x"), py::arg("x_dtype"), py::arg("packed"), py::arg("packed_dtype"), py::arg("pairs"), py::arg("ids"),
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("num_threads") = 1,
+      "The argmax of each row of gemm_logits_cpu's logits into ids [m] (int64; the first largest, NaNs passed "
+      "over, 0 for a row of NaNs), without writing the logits where it can (bf16 rows on AMX tiles), from raw "
+      "pointers (nanovllm.cpu.gemm checks the tensors).");
 }
 
 // Whether every group of input columns starts on an even column: int4 values and bf16 activations

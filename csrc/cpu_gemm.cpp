@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "cpu_gate_up_act.h"
 #include "cpu_isa.h"
 #include "cpu_parallel.h"
+#include "cpu_sampler.h"
 
 #define NANOVLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bf16")))
 #define NANOVLLM_AVX512F __attribute__((target("avx512f")))
@@ -410,9 +412,18 @@ void round_panels(float* y, int64_t y_stride, int64_t m, int64_t n, int64_t p0, 
 }
 }  // namespace
 
+bool amx_takes(const GemmBf16Args& a) {
+#if defined(__x86_64__)
+  return a.amx && a.k % 32 == 0 && has_amx_bf16();
+#else
+  (void)a;
+  return false;
+#endif
+}
+
 void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 #if defined(__x86_64__)
-  if (a.amx && a.k % 32 == 0 && has_amx_bf16()) {
+  if (amx_takes(a)) {
     gemm_bf16_amx_panel_range(a, p0, p1);
     return;
   }
@@ -430,14 +441,24 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
 }
 
 namespace {
+// The threads an m x k x n GEMM's panel pairs are worth.
+int64_t panel_pairs_team(int64_t n, int64_t m, int64_t k, int num_threads) {
+  return rows_team((gemm_panels(n) + 1) / 2, m * k * 2 * kGemmPanel, num_threads);
+}
+
 // The n columns' panels split over the team by PanelShare (at even panels, where the pair layouts'
-// tiles start), on as many threads as the pairs' work is worth.
+// tiles start), on panel_pairs_team's threads: run(p0, p1), or run(p0, p1, thread) (thread i's
+// panels come before thread i + 1's).
 template <typename Run>
 void parallel_panel_pairs(int64_t n, int64_t m, int64_t k, int num_threads, const Run& run) {
   const int64_t panels = gemm_panels(n);
-  parallel_team(rows_team((panels + 1) / 2, m * k * 2 * kGemmPanel, num_threads), [&run, panels](int64_t i, int64_t team) {
+  parallel_team(panel_pairs_team(n, m, k, num_threads), [&run, panels](int64_t i, int64_t team) {
     const PanelShare share(panels, i, team);
-    run(share.begin, share.end);
+    if constexpr (std::is_invocable_v<Run, int64_t, int64_t, int64_t>) {
+      run(share.begin, share.end, i);
+    } else {
+      run(share.begin, share.end);
+    }
   });
 }
 
@@ -499,6 +520,38 @@ void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
     gemm_panel_range(g, p0, p1);
     if (bf16_rows) round_panels(a.y, a.y_stride, a.m, a.n, p0, p1);
   });
+}
+
+void gemm_greedy(const GemmLogitsArgs& a, int64_t* ids, int num_threads) {
+  if (a.m == 0) return;
+  GemmBf16Args g{static_cast<const Bf16*>(a.x), static_cast<const Bf16*>(a.packed), nullptr, nullptr, a.m, a.n, a.k,
+                 a.x_stride, a.n};
+  g.round_y = true;
+  if (a.x_dtype == CpuDtype::kBFloat16 && a.pairs && a.packed_dtype == CpuDtype::kBFloat16 && amx_takes(g)) {
+    // Each thread's best of its panels, then the threads' in column order.
+    const int64_t team = panel_pairs_team(a.n, a.m, a.k, num_threads);
+    std::vector<RowBest> parts(team * a.m);
+    parallel_panel_pairs(a.n, a.m, a.k, num_threads, [&](int64_t p0, int64_t p1, int64_t i) {
+      GemmBf16Args mine = g;
+      mine.best = parts.data() + i * a.m;
+      gemm_bf16_panel_range(mine, p0, p1);
+    });
+    for (int64_t r = 0; r < a.m; ++r) {
+      RowBest b;
+      for (int64_t i = 0; i < team; ++i) {
+        const RowBest& c = parts[i * a.m + r];
+        if (c.index >= 0 && (b.index < 0 || c.value > b.value)) b = c;
+      }
+      ids[r] = std::max<int64_t>(b.index, 0);
+    }
+    return;
+  }
+  std::vector<float> logits(a.m * a.n);
+  GemmLogitsArgs full = a;
+  full.y = logits.data();
+  full.y_stride = a.n;
+  gemm_logits(full, num_threads);
+  argmax_rows({logits.data(), a.m, a.n, a.n}, ids, num_threads);
 }
 
 }  // namespace nanovllm

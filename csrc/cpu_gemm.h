@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "cpu_dtype.h"
 
@@ -107,6 +108,13 @@ struct PanelShare {
         end(std::min(panels, (panels + 1) / 2 * (thread + 1) / team * 2)) {}
 };
 
+// A row's greedy token over the logits compared so far, as cpu_sampler's argmax picks it: the
+// largest value (a NaN never counts, -inf does) and the first column holding it (-1: none yet).
+struct RowBest {
+  float value = -std::numeric_limits<float>::infinity();
+  int64_t index = -1;
+};
+
 struct GemmBf16Args {
   const Bf16* x;       // [m, k], rows x_stride apart
   const Bf16* packed;  // gemm_pack's output for a bf16 [n, k] weight, with pairs
@@ -130,7 +138,14 @@ struct GemmBf16Args {
   // The fp32 products in y rounded to bf16's precision (a bf16 F.linear's output, widened): an LM
   // head's logits. On AMX tiles each panel pair's as soon as its rows are summed, while in L1.
   bool round_y = false;
+  // Where not null, on AMX tiles only (amx_takes): y is not written, and each row's largest product
+  // (rounded where round_y) over the panels of the call and its first column are kept in best[row],
+  // updated from each panel pair's products while they are in L1 (gemm_greedy's heads).
+  RowBest* best = nullptr;
 };
+
+// Whether gemm_bf16_panel_range takes AMX tiles for a.
+bool amx_takes(const GemmBf16Args& a);
 
 // gemm_panel_range for bf16 rows of x on pair-packed bf16 weights, products summed in fp32: on AMX
 // tiles (gemm_bf16_amx_panel_range), or the pair tiles (two products per vdpbf16ps lane: twice an
@@ -177,6 +192,14 @@ struct GemmLogitsArgs {
 // The Python path spent two conversion passes and three allocations around the GEMM, each a torch
 // call on caches the weights had just flushed (tens of us a decode step).
 void gemm_logits(const GemmLogitsArgs& a, int num_threads);
+
+// The same head's greedy tokens without its logits, for a step whose rows all sample greedily and
+// want nothing else of them: ids[r] the first column of row r's largest logit (the logits
+// gemm_logits gives, NaNs passed over, 0 for a row of NaNs: cpu_sampler's argmax_rows). a.y is not
+// read. bf16 rows on AMX tiles compare each panel pair's logits while they are in L1 and store none
+// (a decode step of 32 rows wrote 4 MB of them, and read them back to pick its tokens); elsewhere
+// they go through a scratch and argmax_rows.
+void gemm_greedy(const GemmLogitsArgs& a, int64_t* ids, int num_threads);
 
 // The part of gemm(a) that writes output columns [p0 * kGemmPanel, p1 * kGemmPanel), on the calling
 // thread: for kernels that split the work of several GEMMs over their own team (cpu_moe.cpp). With

@@ -111,11 +111,11 @@ inline constexpr int64_t kStreamedOutputBytes = 2 << 20;
 // there rounded into y_bf16 (rows a.n apart), or turned into SiLU(gate) * up in act (rows a.n / 2
 // apart), while they are in the thread's cache: a prefill's product in fp32 went to memory and back
 // (a layer's 512 rows x 6144 are 12 MB).
-NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, Bf16* act, int64_t m,
-                                      const Bf16* tiles, float* spill, float* pair, float* carry, int64_t p0,
-                                      int64_t p1) {
+NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, Bf16* act, RowBest* best,
+                                      int64_t m, const Bf16* tiles, float* spill, float* pair, float* carry,
+                                      int64_t p0, int64_t p1) {
   const int64_t panels = gemm_panels(a.n), blocks = (m + kTileRows - 1) / kTileRows;
-  const bool to_pair = y_bf16 != nullptr || act != nullptr;
+  const bool to_pair = y_bf16 != nullptr || act != nullptr || best != nullptr;
   const int64_t out_stride = to_pair ? 2 * kGemmPanel : a.y_stride;
   const bool stream = a.m * a.n * static_cast<int64_t>(sizeof(Bf16)) >= kStreamedOutputBytes;
   for (int64_t p = p0; p < p1; p += 2) {
@@ -144,7 +144,7 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
       }
     };
     // Rows [r0, r1) of the pair's products finished: the bias added, rounded into y_bf16 (or in
-    // place: round_y), or made SiLU(gate) * up in act. A block pair's rows are finished once the next pair's multiplies are
+    // place: round_y), made SiLU(gate) * up in act, or compared into best. A block pair's rows are finished once the next pair's multiplies are
     // issued: the vector work runs beside those tiles' and reads sums still in L1 (after the whole
     // chunk, it waited on a 384-row chunk's 48 KB coming back from L2).
     const bool finishing = a.bias != nullptr || to_pair || a.round_y;
@@ -154,6 +154,14 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
         for (int64_t r = r0; r < r1; ++r) {
           silu_mul_panels_x16(out + r * out_stride, act + r * (a.n / 2) + col0 / 2, 0, np);
         }
+        return;
+      }
+      if (best != nullptr) {
+        if (a.bias != nullptr || a.round_y) {
+          amx::finish_pair(out + r0 * out_stride, out_stride, a.bias == nullptr ? nullptr : a.bias + col0, nullptr,
+                           a.n, r1 - r0, cols, false, a.round_y);
+        }
+        amx::best_of_pair(out + r0 * out_stride, out_stride, r1 - r0, cols, col0, best + r0);
         return;
       }
       amx::finish_pair(out + r0 * out_stride, out_stride, a.bias == nullptr ? nullptr : a.bias + col0,
@@ -194,8 +202,9 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
   const int64_t chunk_rows = (chunk + kTileRows - 1) / kTileRows * kTileRows;
   Bf16* const tiles = amx::aligned(tiles_storage, chunk_rows * a.k);
   float* const spill = amx::aligned(spill_storage, 2 * kTileRows * 2 * kGemmPanel);  // products that do not fit in y
-  float* const pair =
-      a.y_bf16 != nullptr || a.act != nullptr ? amx::aligned(pair_storage, chunk_rows * 2 * kGemmPanel) : nullptr;
+  float* const pair = a.y_bf16 != nullptr || a.act != nullptr || a.best != nullptr
+                          ? amx::aligned(pair_storage, chunk_rows * 2 * kGemmPanel)
+                          : nullptr;
   float* const carry = amx::aligned(carry_storage, (chunk_rows / kTileRows + 1) / 2 * kCarryValues);
   _tile_loadconfig(&amx::kConfig);
   for (int64_t r0 = 0; r0 < a.m; r0 += chunk) {
@@ -204,7 +213,8 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
     amx::fence();
     multiply_rows(a, pair != nullptr ? nullptr : a.y + r0 * a.y_stride,
                   a.y_bf16 != nullptr ? a.y_bf16 + r0 * a.n : nullptr,
-                  a.act != nullptr ? a.act + r0 * (a.n / 2) : nullptr, m, tiles, spill, pair, carry, p0, p1);
+                  a.act != nullptr ? a.act + r0 * (a.n / 2) : nullptr, a.best != nullptr ? a.best + r0 : nullptr, m,
+                  tiles, spill, pair, carry, p0, p1);
   }
   _tile_release();
 }

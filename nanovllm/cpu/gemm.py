@@ -173,19 +173,49 @@ def logits(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """An LM head's fp32 logits `[m, out_features]` of 2-D fp32 or bf16 rows: `_gemm(rows, packed, None)`
     then `.float()` (bf16 rows give logits rounded to bf16, as F.linear's), the same bits but a NaN's
     (a NaN stays a NaN), in one call (gemm_logits_cpu) without the conversions' passes and tensors."""
-    if rows.dim() != 2 or rows.shape[1] != packed.in_features:
-        raise ValueError(f"rows of shape {tuple(rows.shape)} for a weight of {packed.in_features} inputs")
-    if rows.dtype not in KERNEL_DTYPES or not rows.is_cpu:
+    _check_head_rows(rows, packed)
+    if not takes_head_rows(rows):
         return _gemm(rows, packed, None).float()
-    stride = _row_stride(rows)
-    if stride is None:
-        rows, stride = rows.contiguous(), rows.shape[1]
+    rows, stride = _head_rows(rows)
     m, n = rows.shape[0], packed.out_features
     y = torch.empty((m, n), dtype=torch.float32)
     _cpu.gemm_logits_cpu(rows.data_ptr(), KERNEL_DTYPES[rows.dtype], packed.data.data_ptr(),
                          KERNEL_DTYPES[packed.data.dtype], packed.pairs, y.data_ptr(), m, n, packed.in_features,
                          stride, n, torch.get_num_threads())
     return y
+
+
+def greedy(rows: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """The greedy token of each row, int64 `[m]`: `cpu_sampler.argmax(logits(rows, packed))` (the first
+    largest logit, NaNs passed over), in one call (gemm_greedy_cpu) that on AMX tiles never writes the
+    logits. Rows as `takes_head_rows` says."""
+    _check_head_rows(rows, packed)
+    if not takes_head_rows(rows):
+        raise ValueError(f"greedy takes fp32 or bf16 rows on the CPU, not {rows.dtype} on {rows.device}")
+    rows, stride = _head_rows(rows)
+    ids = torch.empty(rows.shape[0], dtype=torch.int64)
+    _cpu.gemm_greedy_cpu(rows.data_ptr(), KERNEL_DTYPES[rows.dtype], packed.data.data_ptr(),
+                         KERNEL_DTYPES[packed.data.dtype], packed.pairs, ids.data_ptr(), rows.shape[0],
+                         packed.out_features, packed.in_features, stride, torch.get_num_threads())
+    return ids
+
+
+def takes_head_rows(rows: torch.Tensor) -> bool:
+    """Whether `logits` and `greedy` take 2-D rows in one C++ call: fp32 or bf16 on the CPU."""
+    return rows.dtype in KERNEL_DTYPES and rows.is_cpu
+
+
+def _check_head_rows(rows: torch.Tensor, packed: PackedWeight) -> None:
+    if rows.dim() != 2 or rows.shape[1] != packed.in_features:
+        raise ValueError(f"rows of shape {tuple(rows.shape)} for a weight of {packed.in_features} inputs")
+
+
+def _head_rows(rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The rows as the head's C++ calls read them, and their stride (a contiguous copy where needed)."""
+    stride = _row_stride(rows)
+    if stride is None:
+        return rows.contiguous(), rows.shape[1]
+    return rows, stride
 
 
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:

@@ -266,6 +266,11 @@ class DecoderForCausalLM(nn.Module):
         (None on a tensor-parallel rank other than 0)."""
         return self.lm_head.logits(hidden)
 
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden `[S, H]` -> each row's greedy token, int64 `[S]`, without the logits where the head
+        can (ParallelLMHead.greedy); None where it cannot."""
+        return self.lm_head.greedy(hidden)
+
     def set_attention_backend(self, name: str) -> None:
         for module in self.modules():
             if isinstance(module, Attention):

@@ -113,7 +113,7 @@ class ModelRunner:
         self.drafter: DraftProposer | None = None
         if tp is None or tp.rank == 0:
             self.token_sampler = TokenSampler(self.logits, device, self.model_config.vocab_size, eos_token_ids,
-                                              self.max_num_seqs)
+                                              self.max_num_seqs, greedy=self.greedy)
             if config.draft_model_config is not None:
                 self.drafter = DraftProposer(config, device, self.dtype, backend)
         # Under tensor parallelism every rank computes its share of the LM head for the same rows:
@@ -339,3 +339,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows])
         assert logits is not None, "logits are gathered on rank 0 only"
         return logits
+
+    @inference
+    def greedy(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+        """The greedy token of each of the hidden-state rows `rows`, int64 `[rows]`, without the
+        logits where the model's head can (compute_greedy); None where it cannot (a head sharded
+        over tensor-parallel ranks among them): take `logits` then."""
+        if self.before_logits is not None:
+            return None
+        return self.model.compute_greedy(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows])

@@ -43,6 +43,7 @@ from nanovllm.worker.inference import inference
 from nanovllm.worker.step import PromptLogprobRows, RunnerOutput, SchedulerOutput
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, "np.ndarray | None"], torch.Tensor]
+GreedyFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
@@ -57,12 +58,15 @@ class _PromptLogprobs:
 
 class TokenSampler:
     def __init__(self, logits: LogitsFn, device: torch.device, vocab_size: int, eos_token_ids: Sequence[int],
-                 max_rows: int) -> None:
+                 max_rows: int, greedy: GreedyFn | None = None) -> None:
         """`logits(hidden, rows, host_rows)`: the fp32 logits of hidden-state rows (host_rows None:
         the step's sample indices). `max_rows`
         bounds the rows of one logits call beyond the step's samples (the memory profile
-        reserved that many: max_num_seqs)."""
+        reserved that many: max_num_seqs). `greedy(hidden, rows)`: the rows' argmax tokens without
+        the logits, or None where the model cannot give them so; taken for a step whose rows all
+        sample greedily and want nothing else of their logits."""
         self._logits = logits
+        self._greedy = greedy
         self.device = device
         self.max_rows = max_rows
         self.state = SamplingState(device, vocab_size, list(eos_token_ids))
@@ -110,9 +114,17 @@ class TokenSampler:
             out = self._verify(plan, hidden, sids)
             out.prompt_logprobs = prompt_logprobs
             return out
+        state = self.state
+        if self._greedy is not None and not (state.users.sampled or state.users.processed or state.users.logprobs
+                                             or self._children):
+            tokens = self._greedy(hidden, sample_indices)
+            if tokens is not None:  # the same tokens as the sampler's argmax of the logits below
+                host, = to_host(tokens)
+                host = host.astype(np.int32)
+                return RunnerOutput(sids, host, None, [], None, _NO_ROWS, state.record(sids, tokens, host),
+                                    prompt_logprobs)
         raw = self._logits(hidden, sample_indices, None)
         rows, raw, repeats = self._fan_rows(sids, raw) if self._children else (sids, raw, None)
-        state = self.state
         lp_rows, wanted = _NO_ROWS, _NO_ROWS
         if state.users.logprobs:
             wanted = state.rows.logprobs[rows]
