@@ -44,7 +44,9 @@ WRAPPED: dict[str, tuple[type, tuple[str, ...]]] = {
     "rotary": (rotary_embedding.RotaryEmbedding, ("forward",)),
     "activation": (activation.SiluAndMul, ("forward",)),
     "moe experts": (fused_moe.FusedMoE, ("forward",)),  # routing, experts, combine; the router's GEMM is "gemm"
-    "lm_head": (embed_head.ParallelLMHead, ("logits",)),  # compute_logits' entry: one C++ call on CPU
+    # compute_logits' entry, one C++ call on CPU; an all-greedy step's tokens come from `greedy`
+    # (the argmax with them: "sampling" then has no call).
+    "lm_head": (embed_head.ParallelLMHead, ("logits", "greedy")),
     "sampling": (sampler.Sampler, ("__call__",)),
 }
 
