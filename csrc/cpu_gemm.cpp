@@ -1,7 +1,9 @@
 #include "cpu_gemm.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -427,6 +429,7 @@ void gemm_bf16_panel_range(const GemmBf16Args& a, int64_t p0, int64_t p1) {
     gemm_bf16_amx_panel_range(a, p0, p1);
     return;
   }
+  assert(a.best == nullptr);  // AMX tiles only (GemmBf16Args::best)
   gemm_panels_range<Bf16PairTiles>({a.x, a.packed, a.bias, a.y, a.m, a.n, a.k, a.x_stride, a.y_stride}, p0, p1);
   if (a.y_bf16 != nullptr) narrow_panels(a.y, a.y_stride, a.y_bf16, a.m, a.n, p0, p1);
   if (a.round_y) round_panels(a.y, a.y_stride, a.m, a.n, p0, p1);
@@ -524,10 +527,11 @@ void gemm_logits(const GemmLogitsArgs& a, int num_threads) {
 
 void gemm_greedy(const GemmLogitsArgs& a, int64_t* ids, int num_threads) {
   if (a.m == 0) return;
-  GemmBf16Args g{static_cast<const Bf16*>(a.x), static_cast<const Bf16*>(a.packed), nullptr, nullptr, a.m, a.n, a.k,
-                 a.x_stride, a.n};
+  const bool bf16_pairs = a.x_dtype == CpuDtype::kBFloat16 && a.pairs && a.packed_dtype == CpuDtype::kBFloat16;
+  GemmBf16Args g{bf16_pairs ? static_cast<const Bf16*>(a.x) : nullptr, static_cast<const Bf16*>(a.packed), nullptr,
+                 nullptr, a.m, a.n, a.k, a.x_stride, a.n};
   g.round_y = true;
-  if (a.x_dtype == CpuDtype::kBFloat16 && a.pairs && a.packed_dtype == CpuDtype::kBFloat16 && amx_takes(g)) {
+  if (bf16_pairs && amx_takes(g)) {
     // Each thread's best of its panels, then the threads' in column order.
     const int64_t team = panel_pairs_team(a.n, a.m, a.k, num_threads);
     std::vector<RowBest> parts(team * a.m);
@@ -546,12 +550,12 @@ void gemm_greedy(const GemmLogitsArgs& a, int64_t* ids, int num_threads) {
     }
     return;
   }
-  std::vector<float> logits(a.m * a.n);
+  const auto logits = std::make_unique_for_overwrite<float[]>(a.m * a.n);
   GemmLogitsArgs full = a;
-  full.y = logits.data();
+  full.y = logits.get();
   full.y_stride = a.n;
   gemm_logits(full, num_threads);
-  argmax_rows({logits.data(), a.m, a.n, a.n}, ids, num_threads);
+  argmax_rows({logits.get(), a.m, a.n, a.n}, ids, num_threads);
 }
 
 }  // namespace nanovllm

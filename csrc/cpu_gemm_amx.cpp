@@ -106,11 +106,11 @@ int64_t rows_per_chunk(int64_t k) {
 inline constexpr int64_t kStreamedOutputBytes = 2 << 20;
 
 // A chunk's m rows against panels [p0, p1): their A tiles in `tiles` (amx::pack_rows), products into
-// y (rows a.y_stride apart); or, where y_bf16 or act is set, each pair's into `pair` (rows 2 *
+// y (rows a.y_stride apart); or, where y_bf16, act or best is set, each pair's into `pair` (rows 2 *
 // kGemmPanel apart: 128 bytes a row, 48 KB for a chunk at k = 1024, more at a shallower k) and from
-// there rounded into y_bf16 (rows a.n apart), or turned into SiLU(gate) * up in act (rows a.n / 2
-// apart), while they are in the thread's cache: a prefill's product in fp32 went to memory and back
-// (a layer's 512 rows x 6144 are 12 MB).
+// there rounded into y_bf16 (rows a.n apart), turned into SiLU(gate) * up in act (rows a.n / 2
+// apart), or compared into best (each row's largest and its column), while they are in the thread's
+// cache: a prefill's product in fp32 went to memory and back (a layer's 512 rows x 6144 are 12 MB).
 NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_bf16, Bf16* act, RowBest* best,
                                       int64_t m, const Bf16* tiles, float* spill, float* pair, float* carry,
                                       int64_t p0, int64_t p1) {
@@ -144,9 +144,10 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
       }
     };
     // Rows [r0, r1) of the pair's products finished: the bias added, rounded into y_bf16 (or in
-    // place: round_y), made SiLU(gate) * up in act, or compared into best. A block pair's rows are finished once the next pair's multiplies are
-    // issued: the vector work runs beside those tiles' and reads sums still in L1 (after the whole
-    // chunk, it waited on a 384-row chunk's 48 KB coming back from L2).
+    // place: round_y), made SiLU(gate) * up in act, or compared into best. A block pair's rows are
+    // finished once the next pair's multiplies are issued: the vector work runs beside those tiles'
+    // and reads sums still in L1 (after the whole chunk, it waited on a 384-row chunk's 48 KB coming
+    // back from L2).
     const bool finishing = a.bias != nullptr || to_pair || a.round_y;
     const auto finish = [&](int64_t r0, int64_t r1) {
       amx::fence();
@@ -158,8 +159,8 @@ NANOVLLM_AMX_TILES void multiply_rows(const GemmBf16Args& a, float* y, Bf16* y_b
       }
       if (best != nullptr) {
         if (a.bias != nullptr || a.round_y) {
-          amx::finish_pair(out + r0 * out_stride, out_stride, a.bias == nullptr ? nullptr : a.bias + col0, nullptr,
-                           a.n, r1 - r0, cols, false, a.round_y);
+          const float* bias = a.bias == nullptr ? nullptr : a.bias + col0;
+          amx::finish_pair(out + r0 * out_stride, out_stride, bias, nullptr, a.n, r1 - r0, cols, false, a.round_y);
         }
         amx::best_of_pair(out + r0 * out_stride, out_stride, r1 - r0, cols, col0, best + r0);
         return;

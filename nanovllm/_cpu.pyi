@@ -97,6 +97,11 @@ def gemm_logits_cpu(x: int, x_dtype: int, packed: int, packed_dtype: int, pairs:
     its weight (pairs: fp32 for gemm_cpu's tiles, bf16 for gemm_bf16_cpu's), each rounded to bf16 where
     x is bf16: cpu/gemm.py's linear on the rows, then .float()."""
 
+def gemm_greedy_cpu(x: int, x_dtype: int, packed: int, packed_dtype: int, pairs: bool, ids: int, m: int, n: int,
+                    k: int, x_stride: int, num_threads: int = 1) -> None:
+    """The argmax of each row of gemm_logits_cpu's logits into ids [m] (int64: the first largest, NaNs
+    passed over, 0 for a row of NaNs), without writing the logits on AMX tiles (bf16 rows)."""
+
 def quant_isa_supported(isa: int) -> bool:
     """Whether this CPU runs quant_gemm_cpu with `isa` (0 auto, 1 portable C++, 2 AVX2, 3 AVX-512, 4 AVX-512
     with bf16 activations on AMX tiles)."""

@@ -6,12 +6,12 @@ sample greedily and want nothing else of their logits."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from nanovllm import LLM, SamplingParams, _cpu
+from nanovllm import LLM, RequestOutput, SamplingParams, _cpu
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 from nanovllm.cpu import KERNEL_DTYPES
 from nanovllm.cpu import gemm as cpu_gemm
@@ -19,35 +19,37 @@ from nanovllm.cpu import sampler as cpu_sampler
 
 pytestmark = pytest.mark.skipif(not _cpu.has_avx2_fma(), reason="the head's GEMM needs AVX2 + FMA")
 
-N = 1000  # columns cut ragged by the 16-column panels, over two threads' shares
+N = 1010  # columns cut ragged by the 16-column panels (the last pair 18 wide), over two threads' shares
+TIES = (3, 700, 998, 1008)  # equal weight rows: across panel pairs, threads and the last pair's halves
 
 
-def head(k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, cpu_gemm.PackedWeight]:
+def head(k: int, dtype: torch.dtype, seed: int, n: int = N) -> tuple[torch.Tensor, cpu_gemm.PackedWeight]:
     g = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(N, k, generator=g) * 0.1).to(dtype)
-    weight[700] = weight[3]  # a tie across panels and threads: the first column must win
-    weight[998] = weight[3]
+    weight = torch.randn(n, k, generator=g) * 0.1
+    for column in TIES:
+        if column < n:
+            weight[column] = weight[TIES[0]]
+    weight = weight.to(dtype)
     packed = cpu_gemm.prepack(weight, "avx2")
     assert isinstance(packed, cpu_gemm.PackedWeight)
     return weight, packed
 
 
-def rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def rows(m: int, k: int, dtype: torch.dtype, seed: int, weight: torch.Tensor) -> torch.Tensor:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 2
     if m >= 5:
         x[1] = float("nan")  # every logit NaN: token 0
         x[2] = 0.0  # every logit 0: the first column
         x[3, 0] = float("inf")  # infinite logits of both signs, NaN where a weight is 0
-        x[4, :] = 0.0
-        x[4, 1] = 1.0  # column 3's tie with 700 and 998 decides
+        x[4] = weight[TIES[0]].float() * 8  # its largest logit in every tied column: the first wins
     return x.to(dtype)
 
 
 def greedy_ids(x: torch.Tensor, packed: cpu_gemm.PackedWeight, threads: int) -> torch.Tensor:
     ids = torch.full((x.shape[0],), -7, dtype=torch.int64)
     _cpu.gemm_greedy_cpu(x.data_ptr(), KERNEL_DTYPES[x.dtype], packed.data.data_ptr(),
-                         KERNEL_DTYPES[packed.data.dtype], packed.pairs, ids.data_ptr(), x.shape[0], N, x.shape[1],
-                         x.stride(0), threads)
+                         KERNEL_DTYPES[packed.data.dtype], packed.pairs, ids.data_ptr(), x.shape[0],
+                         packed.out_features, x.shape[1], x.stride(0), threads)
     return ids
 
 
@@ -57,11 +59,11 @@ def greedy_ids(x: torch.Tensor, packed: cpu_gemm.PackedWeight, threads: int) -> 
 @pytest.mark.parametrize("k", [72, 96])
 def test_greedy_tokens_equal_the_argmax_of_the_logits(dtype: torch.dtype, weight_dtype: torch.dtype, m: int,
                                                       k: int) -> None:
-    _, packed = head(k, weight_dtype, seed=m + k)
-    x = rows(m, k, dtype, seed=m)
+    weight, packed = head(k, weight_dtype, seed=m + k)
+    x = rows(m, k, dtype, seed=m, weight=weight)
     expected = cpu_sampler.argmax(cpu_gemm.logits(x, packed))
-    if m >= 5:
-        assert expected[1] == 0 and expected[2] == 0  # the cases meant: a row of NaNs, a row of ties
+    if m >= 5:  # the cases meant: a row of NaNs, a row of ties at 0, a tie at its largest logit
+        assert expected[1] == 0 and expected[2] == 0 and expected[4] == TIES[0]
     for threads in (1, 2, 3):
         assert torch.equal(greedy_ids(x, packed, threads), expected), threads
     assert torch.equal(cpu_gemm.greedy(x, packed), expected)
@@ -70,61 +72,78 @@ def test_greedy_tokens_equal_the_argmax_of_the_logits(dtype: torch.dtype, weight
     assert torch.equal(cpu_gemm.greedy(strided, packed), expected)
 
 
+def test_greedy_tokens_over_row_chunks() -> None:
+    """A depth whose rows the AMX path packs and multiplies in several chunks (32 rows at 12,288)."""
+    weight, packed = head(12288, torch.bfloat16, seed=3, n=200)
+    x = rows(70, 12288, torch.bfloat16, seed=4, weight=weight)
+    expected = cpu_sampler.argmax(cpu_gemm.logits(x, packed))
+    assert torch.equal(greedy_ids(x, packed, 2), expected)
+
+
 def test_greedy_rejects_bad_rows_and_sizes() -> None:
-    _, packed = head(96, torch.bfloat16, seed=1)
+    _, packed = head(96, torch.float32, seed=1)
     with pytest.raises(ValueError, match="96 inputs"):
         cpu_gemm.greedy(torch.randn(2, 95), packed)
     with pytest.raises(ValueError, match="float64"):
         cpu_gemm.greedy(torch.randn(2, 96, dtype=torch.float64), packed)
     x = torch.randn(2, 96)
     ids = torch.empty(2, dtype=torch.int64)
-    data = packed.data.data_ptr()
+    data, pairs = packed.data.data_ptr(), packed.pairs
     with pytest.raises(ValueError, match="bad sizes"):
-        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 1, True, ids.data_ptr(), 2, N, 96, 95)
+        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 0, pairs, ids.data_ptr(), 2, N, 96, 95)
     with pytest.raises(ValueError, match="null pointer"):
-        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 1, True, 0, 2, N, 96, 96)
+        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 0, pairs, 0, 2, N, 96, 96)
     with pytest.raises(ValueError, match="x_dtype"):
-        _cpu.gemm_greedy_cpu(x.data_ptr(), 4, data, 1, True, ids.data_ptr(), 2, N, 96, 96)
+        _cpu.gemm_greedy_cpu(x.data_ptr(), 4, data, 0, pairs, ids.data_ptr(), 2, N, 96, 96)
 
 
-# A head of 4096 x 64 (262,144 weights) is packed for our GEMM (cpu_gemm.PREPACK_MIN_WEIGHTS).
+# A bf16 model whose head is packed for our GEMM (the "avx2" head kernel packs any size).
 SPEC = TinyModelSpec(vocab_size=4096, hidden_size=64, intermediate_size=128, seed=5)
 PROMPTS = [list(range(3, 40)), [7] * 20, list(range(100, 161))]
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
     path = create_model_dir(tmp_path_factory.mktemp("greedy_head") / "m", spec=SPEC, tokenizer_vocab=4096)
-    engine = LLM(str(path), dtype="bfloat16", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32)
+    # No prefix caching: every run schedules the prompts alike, chunked by the 32-token budget.
+    engine = LLM(str(path), dtype="bfloat16", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32,
+                 enable_prefix_caching=False)
     yield engine
     engine.engine.shutdown()
 
 
+def tokens(outs: list[RequestOutput]) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def test_the_engine_takes_the_greedy_head_only_for_all_greedy_steps(llm: LLM,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    model = llm.engine.executor.runner.model
-    assert isinstance(model.lm_head.packed, cpu_gemm.PackedWeight)
-    calls: list[int] = []
+    runner = llm.engine.executor.runner
+    assert runner.model.has_greedy_head()
+    sampler = runner.token_sampler
+    users: list[tuple[int, int, int]] = []  # the live sequences' features at each greedy-head call
     greedy = cpu_gemm.greedy
-    monkeypatch.setattr(cpu_gemm, "greedy", lambda x, p: calls.append(x.shape[0]) or greedy(x, p))
+
+    def spy(x: torch.Tensor, packed: cpu_gemm.PackedWeight) -> torch.Tensor:
+        u = sampler.state.users
+        users.append((u.sampled, u.logprobs, u.processed))
+        return greedy(x, packed)
+
+    monkeypatch.setattr(cpu_gemm, "greedy", spy)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-    def tokens(outs: list) -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in outs]
-
     fused = tokens(llm.generate(PROMPTS, params, use_tqdm=False))
-    assert calls, "an all-greedy step did not take the greedy head"
-    sampler = llm.engine.executor.runner.token_sampler
+    assert users, "an all-greedy step did not take the greedy head"
     taken, sampler._greedy = sampler._greedy, None
     try:
         assert tokens(llm.generate(PROMPTS, params, use_tqdm=False)) == fused  # through the logits
     finally:
         sampler._greedy = taken
-    calls.clear()
-    # Steps where a row samples, or wants logprobs, need the logits: never the greedy head.
+    # A step where a live sequence samples, wants logprobs or has a processor needs the logits.
+    users.clear()
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)
-    llm.generate(PROMPTS, [params, sampled, params], use_tqdm=False)
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
-    outs = llm.generate(PROMPTS, [params, with_logprobs, params], use_tqdm=False)
-    assert not calls
-    assert tokens(outs) == fused
+    penalized = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)
+    for other in (sampled, with_logprobs, penalized):
+        outs = llm.generate(PROMPTS, [params, other, params], use_tqdm=False)
+        assert tokens(outs)[0] == fused[0] and tokens(outs)[2] == fused[2]
+    assert all(u == (0, 0, 0) for u in users), users

@@ -84,12 +84,16 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = self(hidden)
         return None if logits is None else logits.float()
 
+    def takes_greedy(self) -> bool:
+        """Whether `greedy` can give tokens at all: the head whole on this rank and packed for our GEMM."""
+        return self.tp is None and isinstance(self.packed, cpu_gemm.PackedWeight)
+
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of each row, int64 `[S]` (cpu_sampler.argmax of `logits(hidden)`), in one
         C++ call that does not keep the logits (cpu_gemm.greedy); None where the head does not take
-        that call (sharded, not packed for our GEMM, or rows it does not read): take `logits` then."""
-        if (self.tp is None and isinstance(self.packed, cpu_gemm.PackedWeight) and hidden.dim() == 2
-                and cpu_gemm.takes_head_rows(hidden)):
+        that call (not `takes_greedy`, or rows it does not read): take `logits` then."""
+        if self.takes_greedy() and hidden.dim() == 2 and cpu_gemm.takes_head_rows(hidden):
+            assert isinstance(self.packed, cpu_gemm.PackedWeight)
             return cpu_gemm.greedy(hidden, self.packed)
         return None
 

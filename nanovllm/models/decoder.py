@@ -266,6 +266,10 @@ class DecoderForCausalLM(nn.Module):
         (None on a tensor-parallel rank other than 0)."""
         return self.lm_head.logits(hidden)
 
+    def has_greedy_head(self) -> bool:
+        """Whether `compute_greedy` can give tokens (ParallelLMHead.takes_greedy)."""
+        return self.lm_head.takes_greedy()
+
     def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden `[S, H]` -> each row's greedy token, int64 `[S]`, without the logits where the head
         can (ParallelLMHead.greedy); None where it cannot."""

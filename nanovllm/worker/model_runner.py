@@ -112,8 +112,11 @@ class ModelRunner:
         # Speculative decoding's draft model runs on rank 0 alone, whole (it is small).
         self.drafter: DraftProposer | None = None
         if tp is None or tp.rank == 0:
+            # A head that can give greedy tokens without logits (ours, whole on this rank): asked first
+            # in the steps that need nothing else.
+            greedy = self.greedy if self.model.has_greedy_head() else None
             self.token_sampler = TokenSampler(self.logits, device, self.model_config.vocab_size, eos_token_ids,
-                                              self.max_num_seqs, greedy=self.greedy)
+                                              self.max_num_seqs, greedy=greedy)
             if config.draft_model_config is not None:
                 self.drafter = DraftProposer(config, device, self.dtype, backend)
         # Under tensor parallelism every rank computes its share of the LM head for the same rows:
@@ -343,8 +346,6 @@ class ModelRunner:
     @inference
     def greedy(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         """The greedy token of each of the hidden-state rows `rows`, int64 `[rows]`, without the
-        logits where the model's head can (compute_greedy); None where it cannot (a head sharded
-        over tensor-parallel ranks among them): take `logits` then."""
-        if self.before_logits is not None:
-            return None
+        logits (compute_greedy; a model whose head has_greedy_head, never sharded, so no rank waits
+        on `before_logits`); None where the head does not read the rows: take `logits` then."""
         return self.model.compute_greedy(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows])
