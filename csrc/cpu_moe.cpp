@@ -48,13 +48,6 @@ class ExpertShares {
       prefix_[i + 1] = prefix_[i] + offsets[chosen[i] + 1] - offsets[chosen[i]] + kWeightRows;
     }
   }
-  int64_t first(int64_t t, int64_t team) const {
-    const int64_t goal = prefix_.back() * t / team;
-    const auto at = std::lower_bound(prefix_.begin(), prefix_.end(), goal);
-    int64_t i = at - prefix_.begin();
-    if (i > 0 && goal - prefix_[i - 1] < prefix_[i] - goal) --i;  // the nearer boundary
-    return i;
-  }
   // Whether no share of `team` costs more than kWholeImbalance over an even split.
   bool even(int64_t team) const {
     int64_t most = 0;
@@ -63,6 +56,14 @@ class ExpertShares {
   }
 
  private:
+  int64_t first(int64_t t, int64_t team) const {
+    const int64_t goal = prefix_.back() * t / team;
+    const auto at = std::lower_bound(prefix_.begin(), prefix_.end(), goal);
+    int64_t i = at - prefix_.begin();
+    if (i > 0 && goal - prefix_[i - 1] < prefix_[i] - goal) --i;  // the nearer boundary
+    return i;
+  }
+
   std::vector<int64_t> prefix_;
 };
 
