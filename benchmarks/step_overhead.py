@@ -3,7 +3,8 @@
 The model is as small as a model can be (1 layer, hidden 32, vocab 512), so a step's time is
 almost all host work: scheduling, sampling, logits processing, token bookkeeping, detokenization
 and outputs. Every scenario runs through `LLM.generate`; a timer around `ModelRunner.forward` and
-`ModelRunner.logits` separates the model from the rest:
+the LM head (`ModelRunner.logits`, or `ModelRunner.greedy` in all-greedy steps) separates the model
+from the rest:
 
     step_us     median wall time of `LLMEngine.step()` over the decode-only steps at full batch
     forward_us  median time inside the model (forward + logits) in those steps
@@ -54,13 +55,15 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 class ForwardTimer:
-    """Wraps the runner's model calls (the forward, and the LM head as the token sampler calls it)
-    and adds up the time spent in them; `restore()` puts them back."""
+    """Wraps the runner's model calls (the forward, and the LM head as the token sampler calls it:
+    for logits, or for an all-greedy step's tokens) and adds up the time spent in them; `restore()`
+    puts them back."""
 
     def __init__(self, runner: Any) -> None:
         self.total = 0.0
-        self._saved = [(obj, name, getattr(obj, name)) for obj, name in ((runner, "forward"),
-                                                                         (runner.token_sampler, "_logits"))]
+        sampler = runner.token_sampler
+        calls = [(runner, "forward"), (sampler, "_logits")] + ([(sampler, "_greedy")] if sampler._greedy else [])
+        self._saved = [(obj, name, getattr(obj, name)) for obj, name in calls]
         for obj, name, fn in self._saved:
             setattr(obj, name, self._timed(fn))
 
