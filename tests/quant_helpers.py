@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import torch
+import json
+import shutil
+from pathlib import Path
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nanovllm.entrypoints.quantize import LINEAR
 from nanovllm.layers.quantization.packing import pack_int32
 from nanovllm.layers.quantization.weights import QuantizedWeight, signed_range
 
@@ -47,3 +54,21 @@ def gptq_tensors(w: QuantizedWeight, g_idx: torch.Tensor, zero_offset: int) -> d
     return {"qweight": pack_int32(w.qweight.t().to(torch.int32) + off, w.bits, 0),
             "qzeros": pack_int32((zeros + off - zero_offset).t(), w.bits, 1),
             "scales": w.scales.t().to(torch.float16).contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
+def write_checkpoint(src: Path, out: Path, quantization_config: dict, convert) -> Path:  # noqa: ANN001
+    """A copy of src whose linear weights `convert(name, weight)` replaces by checkpoint tensors."""
+    shutil.copytree(src, out)
+    raw = json.loads((src / "config.json").read_text())
+    raw["quantization_config"] = quantization_config
+    (out / "config.json").write_text(json.dumps(raw))
+    tensors = {}
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118
+            match = LINEAR.match(name)
+            if match is None:
+                tensors[name] = f.get_tensor(name)
+            else:
+                tensors.update({f"{match.group(1)}.{k}": v for k, v in convert(name, f.get_tensor(name)).items()})
+    save_file(tensors, str(out / "model.safetensors"))
+    return out

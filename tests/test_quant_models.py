@@ -16,14 +16,13 @@ import pytest
 import torch
 import transformers
 from engine_helpers import assert_greedy_matches, random_prompts
-from quant_helpers import awq_tensors, gptq_tensors
+from quant_helpers import awq_tensors, gptq_tensors, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir
 from nanovllm.entrypoints.cli import main as cli_main
-from nanovllm.entrypoints.quantize import LINEAR
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.quantization.weights import QuantizedWeight, quantize_rtn
@@ -193,24 +192,6 @@ def test_greedy_agrees_with_the_unquantized_model_where_the_margin_exceeds_the_e
     assert decisive >= 8
 
 
-def _write_checkpoint(src: Path, out: Path, quantization_config: dict, convert) -> Path:  # noqa: ANN001
-    """A copy of src whose linear weights `convert(name, weight)` replaces by checkpoint tensors."""
-    shutil.copytree(src, out)
-    raw = json.loads((src / "config.json").read_text())
-    raw["quantization_config"] = quantization_config
-    (out / "config.json").write_text(json.dumps(raw))
-    tensors = {}
-    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
-        for name in f.keys():  # noqa: SIM118
-            match = LINEAR.match(name)
-            if match is None:
-                tensors[name] = f.get_tensor(name)
-            else:
-                tensors.update({f"{match.group(1)}.{k}": v for k, v in convert(name, f.get_tensor(name)).items()})
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
-
-
 def write_dense(src: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
     """A dense copy of src with the given (dequantized) linear weights: transformers' oracle."""
     shutil.copytree(src, out)
@@ -251,7 +232,7 @@ def test_awq_and_gptq_checkpoints_match_transformers_on_their_weights(fmt: str, 
     else:
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": symmetric,
               "checkpoint_format": "gptq"}
-    ckpt = _write_checkpoint(src, root / fmt, qc, convert)
+    ckpt = write_checkpoint(src, root / fmt, qc, convert)
     oracle = write_dense(src, root / f"{fmt}-dense", dequantized)
     ours = our_dense_weights(ckpt)
     assert {f"{module}.weight" for module in ours} == dequantized.keys()  # experts included

@@ -87,8 +87,9 @@ def checkpoint_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
     return targets
 
 
-def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the safetensors files in `model_dir`."""
+def load_weights(model: DecoderForCausalLM, model_dir: str | Path, skipped: tuple[str, ...] = ()) -> None:
+    """Fill every parameter of `model` from the safetensors files in `model_dir`; tensors whose names
+    end with one of `skipped` are passed over (QuantConfig.skipped_tensors)."""
     files = find_weight_files(model_dir)
     targets = checkpoint_targets(model)
     params = dict(model.named_parameters())
@@ -101,7 +102,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path) -> None:
             raise ValueError(f"cannot read safetensors file {file}: {e}") from e
         with handle as f:
             for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
-                if name in ignored_names or name.endswith(model.ignored_checkpoint_suffixes):
+                if name in ignored_names or name.endswith((*model.ignored_checkpoint_suffixes, *skipped)):
                     continue
                 target = targets.get(name)
                 if target is None and _zero_bias_of_unbiased_layer(name, targets, f):
@@ -168,9 +169,9 @@ def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torc
     model = build_model(config, dtype, device, attn_backend, tp)
     if quant is not None:
         prepare_model(model, quant)
-    load_weights(model, config.model_dir)
+    load_weights(model, config.model_dir, quant.skipped_tensors if quant is not None else ())
     if quant is not None:
-        finish_model(model, quant, torch.device(device))
+        finish_model(model, quant, torch.device(device), config.torch_dtype)
     return model
 
 

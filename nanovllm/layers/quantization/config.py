@@ -29,6 +29,10 @@ CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq")
 # AutoAWQ and GPTQModel leave the routers dense too, without always listing them.
 MOE_ROUTERS = (r"re:.*\.mlp\.gate$", r"re:.*\.block_sparse_moe\.gate$")
 UNQUANTIZED_MODULES = ("lm_head", *MOE_ROUTERS)
+# The attention layers' KV cache scales of a checkpoint with a kv_cache_scheme (compressed-tensors'
+# names, and llm-compressor's older output scales of k_proj / v_proj).
+KV_CACHE_SCALES = (".self_attn.k_scale", ".self_attn.v_scale", ".self_attn.q_scale", ".k_proj.output_scale",
+                   ".v_proj.output_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,20 +47,33 @@ class WeightScheme:
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     method: str  # "compressed-tensors" | "awq" | "gptq" | "rtn" (quantized at load time)
-    # (targets, scheme) per compressed-tensors config group; one entry matching everything otherwise
-    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]
+    # (targets, scheme) per compressed-tensors target or GPTQ `dynamic` rule, then the method's
+    # default; scheme None: stored unquantized (a GPTQ "-:" rule). scheme_for picks among them.
+    groups: tuple[tuple[tuple[str, ...], WeightScheme | None], ...]
     ignore: tuple[str, ...] = ()
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # format details (GPTQ's zero offset)
+    # When set, only the modules whose names contain one of these are quantized (GPTQ's
+    # modules_in_block_to_quantize).
+    only: tuple[str, ...] = ()
+    # Checkpoint tensors (name suffixes) that are not read: a compressed-tensors kv_cache_scheme's
+    # scales, for a KV cache nanovllm keeps in the model's dtype (as vLLM's kv_cache_dtype="auto").
+    skipped_tensors: tuple[str, ...] = ()
 
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of the checkpoint's linear module `module` (e.g. "model.layers.0.mlp.up_proj"),
-        None when it is stored unquantized."""
-        if any(_matches(pattern, module) for pattern in self.ignore):
+        None when it is stored unquantized. Of the targets that match it, a name beats a regex and a
+        regex beats the class ("Linear"), as compressed-tensors and vLLM pick; among equals the first."""
+        if any(_match_rank(pattern, module) is not None for pattern in self.ignore):
             return None
+        if self.only and not any(name in module for name in self.only):
+            return None
+        best: tuple[int, WeightScheme | None] | None = None
         for targets, scheme in self.groups:
-            if any(_matches(t, module) for t in targets):
-                return scheme
-        return None
+            for target in targets:
+                rank = _match_rank(target, module)
+                if rank is not None and (best is None or rank < best[0]):
+                    best = (rank, scheme)
+        return None if best is None else best[1]
 
     def tensor_names(self, scheme: WeightScheme) -> tuple[str, ...]:
         """The checkpoint tensors (name suffixes) of one quantized linear module."""
@@ -86,12 +103,25 @@ def _group(scheme: WeightScheme, in_features: int) -> int:
     return in_features if scheme.group_size is None else scheme.group_size
 
 
-def _matches(pattern: str, module: str) -> bool:
-    """compressed-tensors' matching: "re:<regex>" from the start of the name, "Linear" (the class of
-    every layer nanovllm quantizes), or the module name itself (or a suffix of it at a dot)."""
+def _match_rank(pattern: str, module: str) -> int | None:
+    """How `pattern` matches `module` as compressed-tensors matches targets: 0 the module's name (or a
+    suffix of it at a dot), 1 "re:<regex>" from the start of the name, 2 "Linear" (the class of every
+    layer nanovllm quantizes); None when it does not."""
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return pattern == "Linear" or module == pattern or module.endswith("." + pattern)
+        return 1 if re.match(pattern[3:], module) is not None else None
+    if pattern == "Linear":
+        return 2
+    return 0 if module == pattern or module.endswith("." + pattern) else None
+
+
+def _containing(names: Any, where: str, what: str) -> tuple[str, ...]:
+    """AWQ's and GPTQ's modules_to_not_convert: each entry leaves every module whose name contains
+    it unquantized (vLLM's, AutoAWQ's and GPTQModel's reading), as regex targets."""
+    if names is None:
+        return ()
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: {what} modules_to_not_convert must be a list of names, got {names!r}")
+    return tuple(f"re:.*{re.escape(n)}" for n in names)
 
 
 def load_time_config(name: str) -> QuantConfig:
@@ -157,7 +187,7 @@ def _bits(value: Any, where: str, what: str, field: str = "bits") -> int:
 
 def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     top_format = qc.get("format")
-    groups = []
+    schemes: dict[str, WeightScheme] = {}
     config_groups = qc.get("config_groups") or {}
     if not isinstance(config_groups, dict):
         raise ValueError(f"{where}: compressed-tensors config_groups must be an object, got {config_groups!r}")
@@ -184,12 +214,22 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
         actorder = w.get("actorder")
         if actorder not in (None, False, "group", "weight", "static", "dynamic"):
             raise ValueError(f"{where}: {what}: actorder {actorder!r} is not supported")
+        # "dynamic" is compressed-tensors' other name for "group": a g_idx is stored.
         scheme = WeightScheme(_bits(w.get("num_bits", 8), where, what, "num_bits"), group_size,
-                              bool(w.get("symmetric", True)), actorder == "group")
-        groups.append((tuple(group.get("targets") or ()), scheme))
-    if not groups:
+                              bool(w.get("symmetric", True)), actorder in ("group", "dynamic"))
+        # A target named again by a later group takes that group's scheme (compressed-tensors).
+        for target in group.get("targets") or ():
+            schemes[target] = scheme
+    if not config_groups:
         raise ValueError(f"{where}: compressed-tensors quantization_config has no config_groups")
-    config = QuantConfig("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()))
+    _refuse_online_transforms(qc.get("transform_config"), where)
+    sparsity = qc.get("sparsity_config")
+    if isinstance(sparsity, dict) and sparsity.get("format", "dense") != "dense":
+        raise ValueError(f"{where}: compressed-tensors sparsity_config with format {sparsity.get('format')!r} is "
+                         "not supported (dense weights only)")
+    config = QuantConfig("compressed-tensors", tuple(((t,), s) for t, s in schemes.items()),
+                         tuple(qc.get("ignore") or ()),
+                         skipped_tensors=KV_CACHE_SCALES if qc.get("kv_cache_scheme") is not None else ())
     if config.scheme_for("lm_head") is not None:
         raise ValueError(f"{where}: a quantized LM head is not supported (ignore 'lm_head' when quantizing)")
     return config
@@ -206,18 +246,63 @@ def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
         raise ValueError(f"{where}: AWQ with {bits}-bit weights is not supported (GEMM packing is 4-bit)")
     scheme = WeightScheme(bits, _group_size(qc.get("group_size", qc.get("q_group_size", 128)), where, "AWQ"),
                           symmetric=False)
-    return QuantConfig("awq", ((("Linear",), scheme),), (*(qc.get("modules_to_not_convert") or ()), *MOE_ROUTERS))
+    return QuantConfig("awq", ((("Linear",), scheme),),
+                       (*_containing(qc.get("modules_to_not_convert"), where, "AWQ"), *MOE_ROUTERS))
 
 
 def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-    bits = _bits(qc.get("bits", 4), where, "GPTQ")
     if qc.get("lm_head"):
         raise ValueError(f"{where}: a quantized LM head (GPTQ lm_head=true) is not supported")
-    scheme = WeightScheme(bits, _group_size(qc.get("group_size", 128), where, "GPTQ"), bool(qc.get("sym", True)),
-                          bool(qc.get("desc_act", False)))
+
+    def scheme(fields: Mapping[str, Any], base: Mapping[str, Any], what: str) -> WeightScheme:
+        def field(name: str, default: Any) -> Any:
+            return fields.get(name, base.get(name, default))
+        return WeightScheme(_bits(field("bits", 4), where, what), _group_size(field("group_size", 128), where, what),
+                            bool(field("sym", True)), bool(field("desc_act", False)))
+
+    rules: list[tuple[tuple[str, ...], WeightScheme | None]] = []
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise ValueError(f"{where}: GPTQ dynamic must be an object of regex rules, got {dynamic!r}")
+    # GPTQModel's per-module rules, the first whose regex matches (from the start) deciding: "-:" a
+    # module stored unquantized, "+:" (or none) the module's bits, group_size, sym, desc_act.
+    for pattern, fields in dynamic.items():
+        what = f"GPTQ dynamic rule {pattern!r}"
+        regex = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise ValueError(f"{where}: {what} is not a valid regex: {e}") from e
+        if not isinstance(fields, dict):
+            raise ValueError(f"{where}: {what} must map to an object of overrides, got {fields!r}")
+        rules.append(((f"re:{regex}",), None if pattern.startswith("-:") else scheme(fields, qc, what)))
+    rules.append((("Linear",), scheme({}, qc, "GPTQ")))
+    # Only the modules these name are quantized (transformers' and optimum's GPTQ configs; vLLM's
+    # reading: a module whose name contains one).
+    only = qc.get("modules_in_block_to_quantize") or ()
+    names = [n for block in only for n in (block if isinstance(block, (list, tuple)) else [block])]
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: GPTQ modules_in_block_to_quantize must be lists of module names, got {only!r}")
     # gptq (v1) stores every zero point minus one; gptq_v2 stores it as it is.
-    return QuantConfig("gptq", ((("Linear",), scheme),), (*(qc.get("modules_to_not_convert") or ()), *MOE_ROUTERS),
-                       {"zero_offset": 1 if fmt == "gptq" else 0})
+    return QuantConfig("gptq", tuple(rules), (*_containing(qc.get("modules_to_not_convert"), where, "GPTQ"),
+                                              *MOE_ROUTERS),
+                       {"zero_offset": 1 if fmt == "gptq" else 0}, only=tuple(names))
+
+
+def _refuse_online_transforms(transforms: Any, where: str) -> None:
+    """compressed-tensors' transform_config: rotations folded into the weights (weight_input,
+    weight_output) need nothing at run time; any other location applies to activations as the model
+    runs (QuIP, SpinQuant online rotations), which nanovllm does not: refused by name."""
+    if not transforms:
+        return
+    groups = transforms.get("config_groups") if isinstance(transforms, dict) else None
+    for name, group in (groups or {}).items():
+        for apply in (group or {}).get("apply") or ():
+            location = (apply or {}).get("location")
+            if location not in ("weight_input", "weight_output"):
+                raise ValueError(f"{where}: compressed-tensors transform_config group {name!r} applies a "
+                                 f"{group.get('type')!r} transform at {location!r}, to activations at run time: "
+                                 "not supported (only transforms folded into the weights)")

@@ -137,12 +137,12 @@ class QuantizedExperts:
         set_weight_loader(w2, lambda p, loaded, sid=None: self.w2[sid].tensor_loader(tensor)(p, loaded, None))
         return w13, w2
 
-    def quantize(self, layer: FusedMoE, device: torch.device) -> None:
-        """Round each expert's dense weights to nearest (the load-time schemes)."""
+    def quantize(self, layer: FusedMoE, device: torch.device, scale_dtype: torch.dtype) -> None:
+        """Round each expert's dense weights to nearest (the load-time schemes), scales in `scale_dtype`."""
         for e, (w13, w2) in enumerate(zip(layer.w13_weight, layer.w2_weight)):
             for quant, weight in ((self.w13[e], w13), (self.w2[e], w2)):
                 quant.set_weight(quantize_rtn(weight, self.scheme.bits, self.scheme.group_size,
-                                              self.scheme.symmetric, scale_dtype=weight.dtype), device)
+                                              self.scheme.symmetric, scale_dtype=scale_dtype), device)
 
     def finish(self, device: torch.device) -> None:
         for quant in (*self.w13, *self.w2):
@@ -258,9 +258,11 @@ def prepare_model(model: nn.Module, config: QuantConfig) -> int:
     return count
 
 
-def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) -> int:
+def finish_model(model: nn.Module, config: QuantConfig, device: torch.device, scale_dtype: torch.dtype) -> int:
     """After loading: every quantized layer's weight unpacked (or, for a load-time scheme,
-    quantized from the dense weight just loaded). Returns how many layers are quantized."""
+    quantized from the dense weight just loaded, its scales rounded to `scale_dtype`: the
+    checkpoint's dtype, as `nanovllm quantize` writes them, whatever dtype the model runs in).
+    Returns how many layers are quantized."""
     count = 0
     for name, layer in _linear_layers(model):
         quant = layer.quant
@@ -273,7 +275,7 @@ def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) ->
             quant = QuantizedLinear(shards, layer.input_size, config, scheme)
             try:
                 weight = quantize_rtn(layer.weight, scheme.bits, scheme.group_size, scheme.symmetric,
-                                      scale_dtype=layer.weight.dtype)
+                                      scale_dtype=scale_dtype)
             except ValueError as e:
                 raise ValueError(f"quantizing {name}: {e}") from e
             _drop_dense_weight(layer)
@@ -290,7 +292,7 @@ def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) ->
         if config.method == "rtn":
             experts = QuantizedExperts(moe, checkpoint_module(model, name), config, scheme)
             try:
-                experts.quantize(moe, device)
+                experts.quantize(moe, device, scale_dtype)
             except ValueError as e:
                 raise ValueError(f"quantizing the experts of {name}: {e}") from e
             _drop_dense_experts(moe)
