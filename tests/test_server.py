@@ -249,6 +249,63 @@ def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     assert tokens == [t.token for t in content]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_without_generation_scores_the_prompt(server: ServerProcess, llm: LLM, stream: bool) -> None:
+    """echo with max_tokens 0 (OpenAI's legacy completions, vLLM's echo without generation): the
+    prompt and its logprobs, nothing generated, no completion tokens counted."""
+    prompt = "The quick brown fox jumps"
+    ids = llm.get_tokenizer().encode(prompt)
+    expected = llm.generate(prompt, greedy(1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs
+    assert expected is not None and len(expected) == len(ids)
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2}
+    choices: dict[int, dict[str, Any]] = {}
+    if stream:
+        usage = None
+        with httpx.stream("POST", f"{server.base_url}/completions", timeout=60,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for c in chunk["choices"]:
+                        got = choices.setdefault(c["index"], {"text": "", "token_logprobs": []})
+                        got["text"] += c["text"]
+                        got["token_logprobs"] += (c["logprobs"] or {}).get("token_logprobs") or []
+                        got["finish_reason"] = c["finish_reason"] or got.get("finish_reason")
+    else:
+        r = httpx.post(f"{server.base_url}/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        choices = {c["index"]: {**c, "token_logprobs": c["logprobs"]["token_logprobs"]} for c in r.json()["choices"]}
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert sorted(choices) == [0, 1]
+    for c in choices.values():
+        assert c["text"] == prompt and c["finish_reason"] == "length"
+        assert c["token_logprobs"][0] is None and len(c["token_logprobs"]) == len(ids)
+        for tid, got, entry in zip(ids[1:], c["token_logprobs"][1:], expected[1:]):
+            assert entry is not None and got == pytest.approx(entry[tid].logprob, abs=1e-4)
+    server.wait_blocks_free()
+
+
+def test_n_null_and_truncated_prompts(server: ServerProcess, client: openai.OpenAI, llm: LLM) -> None:
+    """n: null is 1 (OpenAI's "integer or null"); vLLM's truncate_prompt_tokens keeps the prompt's
+    last k tokens, in both routes."""
+    for path, body in (("/completions", {"prompt": "hi"}), ("/chat/completions", CHAT_OK)):
+        r = httpx.post(f"{server.base_url}{path}", json={**body, "model": MODEL, "n": None, "max_tokens": 2})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    ids = llm.get_tokenizer().encode("word " * 40)
+    assert len(ids) > 10
+    r = client.completions.create(model=MODEL, prompt="word " * 40, max_tokens=6, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 10})
+    assert r.usage is not None and r.usage.prompt_tokens == 10
+    kept = llm.generate({"prompt_token_ids": ids[-10:]}, greedy(6), use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == kept.text
+    chat = client.chat.completions.create(model=MODEL, messages=chat_messages(("user", "word " * 40)), max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 7
+
+
 def test_vllm_sampling_extras(client: openai.OpenAI) -> None:
     base: dict[str, Any] = {"model": MODEL, "prompt": "Hello", "temperature": 0}
     r = client.completions.create(max_tokens=40, extra_body={"ignore_eos": True}, **base)
@@ -372,6 +429,22 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
      400, "max_tokens"),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("best_of other than n", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("stream_options without a stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    # vLLM options that would change the output and that this server does not implement
+    ("use_beam_search", "/v1/completions", {"prompt": "hi", "n": 2, "use_beam_search": True}, 400, "use_beam_search"),
+    ("allowed_token_ids", "/v1/completions", {"prompt": "hi", "allowed_token_ids": [77]}, 400, "allowed_token_ids"),
+    ("bad_words", "/v1/completions", {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
+    ("logits_processors", "/v1/completions", {"prompt": "hi", "logits_processors": ["m.p"]}, 400, "logits_processors"),
+    ("prompt_embeds", "/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ("spaces_between_special_tokens", "/v1/completions", {"prompt": "hi", "spaces_between_special_tokens": False},
+     400, "spaces_between_special_tokens"),
+    ("chat: bad_words", "/v1/chat/completions", {**CHAT_OK, "bad_words": ["x"]}, 400, "bad_words"),
+    ("truncate_prompt_tokens = 0", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("max_tokens = 0 with echo, over max_model_len", "/v1/completions",
+     {"prompt": list(range(1, 513)), "max_tokens": 0, "echo": True}, 400, "prompt"),
     ("chat: no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("chat: message without role", "/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages"),
     ("chat: image content", "/v1/chat/completions",

@@ -90,7 +90,8 @@ def test_queue_limit_answers_503(server: ServerProcess) -> None:
 
 
 def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`nanovllm serve` takes the key from NANOVLLM_API_KEY when --api-key is absent."""
+    """`nanovllm serve` takes the key from NANOVLLM_API_KEY (else vLLM's VLLM_API_KEY) when --api-key
+    is absent."""
     from nanovllm.entrypoints.openai import api_server
 
     seen: dict[str, Any] = {}
@@ -121,3 +122,6 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.delenv("NANOVLLM_API_KEY")
     assert cli.main(["serve", str(tmp_path)]) == 0
     assert seen["config"].api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-env")  # a vLLM deployment's key: never left unused
+    assert cli.main(["serve", str(tmp_path)]) == 0
+    assert seen["config"].api_key == "vllm-env"

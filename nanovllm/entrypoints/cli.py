@@ -230,8 +230,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     llm = _make_llm(args, model)  # without a model: LLM() says the built-in model's weights are random
     names = args.served_model_name or [BUILTIN_NAME if model is None else model]
     path = resolve_builtin(model) if model is not None else str(default_model_dir())  # what the engine loaded
+    # vLLM's deployments give the key as VLLM_API_KEY: read too, so that one never leaves the server open.
+    api_key = args.api_key or os.environ.get("NANOVLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     config = ServerConfig(model_path=path, served_model_names=names, host=args.host, port=args.port,
-                          api_key=args.api_key or os.environ.get("NANOVLLM_API_KEY") or None,
+                          api_key=api_key,
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
                           access_log=not args.disable_access_log, max_request_bytes=args.max_request_bytes,
                           trust_request_chat_template=args.trust_request_chat_template,
@@ -307,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only, %(default)s)")
     serve.add_argument("--port", type=int, default=8000, help="checked before the model loads (default: %(default)s)")
     serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $NANOVLLM_API_KEY)")
+                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $NANOVLLM_API_KEY, else "
+                            "$VLLM_API_KEY)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the name(s) clients pass as `model` (default: MODEL_DIR); the first is reported")
     serve.add_argument("--chat-template", default=None,

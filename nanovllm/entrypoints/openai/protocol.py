@@ -3,8 +3,9 @@
 Requests validate types strictly (a string where a number belongs is a 400, not a silent
 coercion) but ignore unknown fields, as vLLM does, so clients that send fields that change nothing
 (`user`, `metadata`, ...) keep working. Fields that would change the output and that this server
-does not implement (tools, functions, audio, `echo` on chat) are refused by name (`refused_field`),
-never ignored. Value ranges are checked by `SamplingParams`, whose messages name the field.
+does not implement (tools, functions, audio, `echo` on chat, beam search, token allow-lists and
+banned words, prompt embeddings) are refused by name (`refused_field`), never ignored. Value
+ranges are checked by `SamplingParams`, whose messages name the field.
 
 An output constraint comes from exactly one of `structured_outputs`, `response_format` or vLLM's
 older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, field_validator
 
 from nanovllm.quote import quote
 from nanovllm.sampling_params import KINDS, SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
@@ -73,7 +74,7 @@ class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat share: everything that becomes a SamplingParams."""
 
     model: Str | None = None
-    n: Annotated[int, Strict(), Field(ge=1, le=128)] = 1
+    n: Annotated[int, Strict(), Field(ge=1, le=128)] = 1  # null: 1 (OpenAI's "integer or null")
     temperature: Float | None = None
     top_p: Float | None = None
     seed: Seed | None = None
@@ -100,6 +101,32 @@ class SamplingRequest(OpenAIBaseModel):
     guided_regex: Str | None = None
     guided_choice: list[Str] | None = None
     guided_grammar: Str | None = None
+
+    # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1)] | None = None
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n_default(cls, value: Any) -> Any:
+        return 1 if value is None else value
+
+    def refused_field(self) -> tuple[str, str] | None:
+        """(field, why) for the first field that asks for what this server does not do."""
+        return next(((name, why) for name, asked, why in self._refusals() if asked), None)
+
+    def _refusals(self) -> list[tuple[str, bool, str]]:
+        extra = self.model_extra or {}
+        return [
+            ("stream_options", self.stream_options is not None and not self.stream, "it is an option of streams "
+                                                                                    "(stream=true)"),
+            ("use_beam_search", bool(extra.get("use_beam_search")), "beam search runs offline, in LLM.beam_search"),
+            ("allowed_token_ids", extra.get("allowed_token_ids") is not None, "no token allow-lists"),
+            ("bad_words", bool(extra.get("bad_words")), "no banned words; logit_bias can forbid tokens"),
+            ("logits_processors", bool(extra.get("logits_processors")), "no request logits processors"),
+            ("prompt_embeds", extra.get("prompt_embeds") is not None, "prompts are text or token ids"),
+            ("spaces_between_special_tokens", extra.get("spaces_between_special_tokens") is False,
+             "special tokens are decoded as the tokenizer joins them"),
+        ]
 
     def structured(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for (from whichever field gives it); ValueError
@@ -181,6 +208,19 @@ class CompletionRequest(SamplingRequest):
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and its top alternatives
     best_of: Int | None = None
     suffix: Str | None = None
+    add_special_tokens: Bool = True  # vLLM's: the tokenizer's BOS (and the like) before a text prompt
+
+    def _refusals(self) -> list[tuple[str, bool, str]]:
+        return [("suffix", bool(self.suffix), "no insertion"),
+                ("best_of", self.best_of is not None and self.best_of != self.n, "no best-of selection: leave it unset "
+                                                                                 "or equal to n"),
+                *super()._refusals()]
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (with its logprobs) scored, nothing generated (OpenAI's
+        legacy completions; vLLM's echo without generation)."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class ContentPart(OpenAIBaseModel):
@@ -206,11 +246,11 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: Bool = False
     chat_template: Str | None = None
     chat_template_kwargs: dict[Str, Any] | None = None
+    add_special_tokens: Bool = False  # vLLM's: the template writes the special tokens itself
 
-    def refused_field(self) -> tuple[str, str] | None:
-        """(field, why) for the first field that asks for what this server does not do."""
+    def _refusals(self) -> list[tuple[str, bool, str]]:
         extra = self.model_extra or {}
-        checks = [
+        return [*super()._refusals(),
             ("tools", bool(extra.get("tools")), "tool calling is not supported"),
             ("tool_choice", extra.get("tool_choice") not in (None, "none"), "tool calling is not supported"),
             ("functions", bool(extra.get("functions")), "function calling is not supported"),
@@ -223,7 +263,6 @@ class ChatCompletionRequest(SamplingRequest):
                                                                           "option here"),
             ("web_search_options", extra.get("web_search_options") is not None, "web search is not supported"),
         ]
-        return next(((name, why) for name, asked, why in checks if asked), None)
 
 
 class TokenizeRequest(OpenAIBaseModel):

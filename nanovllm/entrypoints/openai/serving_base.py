@@ -31,6 +31,7 @@ from nanovllm.entrypoints.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     OpenAIBaseModel,
+    SamplingRequest,
 )
 from nanovllm.entrypoints.openai.text_workers import RenderTimeoutError, TextWorkers, run_with_deadline
 from nanovllm.outputs import CompletionOutput, Logprob
@@ -107,6 +108,22 @@ class ServingContext:
             raise OpenAIError(404, f"The model {quote(name)} does not exist; this server serves "
                                    f"{', '.join(repr(n) for n in self.model_names)}.", param="model")
 
+    def check_refused(self, request: SamplingRequest) -> None:
+        refused = request.refused_field()
+        if refused is not None:
+            field, why = refused
+            raise OpenAIError(400, f"{field} is not supported by this server ({why}); leave it out", param=field)
+
+    def truncated(self, prompt: Prompt, keep: int | None) -> Prompt:
+        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+        if keep is None:
+            return prompt
+        if keep == 0:
+            raise OpenAIError(400, "truncate_prompt_tokens must be >= 1 (or -1: to max_model_len), got 0",
+                              param="truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return prompt if len(prompt.token_ids) <= keep else Prompt(prompt.token_ids[-keep:], None)
+
     def warn_ignored(self, request: OpenAIBaseModel) -> None:
         ignored = request.ignored_fields()
         if ignored:
@@ -140,7 +157,7 @@ class ServingContext:
 
     async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None = None,
-                          extra: dict[str, Any] | None = None) -> Prompt:
+                          extra: dict[str, Any] | None = None, add_special_tokens: bool = False) -> Prompt:
         """Applies the chat template (the model's; the request's only on a server that trusts
         them), as `LLM.chat` does, in a text worker and within the render time limit."""
         if add_generation_prompt and continue_final_message:
@@ -167,11 +184,13 @@ class ServingContext:
         kwargs.update(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        return Prompt(await self.workers.run(self._render_and_encode, conversation, kwargs), None)
+        return Prompt(await self.workers.run(self._render_and_encode, conversation, kwargs, add_special_tokens), None)
 
-    def _render_and_encode(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+    def _render_and_encode(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any],
+                           add_special_tokens: bool) -> list[int]:
         """Runs in a text worker. Rendering to text, then encoding without special tokens (the
-        template writes them), is exactly what apply_chat_template(tokenize=True) does."""
+        template writes them; a request may ask for them), is exactly what
+        apply_chat_template(tokenize=True) does."""
         try:
             text = run_with_deadline(
                 lambda: self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs),
@@ -183,7 +202,7 @@ class ServingContext:
                               param="messages") from None
         if not isinstance(text, str):
             raise OpenAIError(400, f"the chat template rendered {type(text).__name__}, not text", param="messages")
-        return self._encode(text, False, "messages")
+        return self._encode(text, add_special_tokens, "messages")
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:

@@ -47,16 +47,15 @@ class ChatServing:
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
-        refused = req.refused_field()
-        if refused is not None:
-            field, why = refused
-            raise OpenAIError(400, f"{field} is not supported by this server ({why}); leave it out", param=field)
+        ctx.check_refused(req)
         ctx.warn_ignored(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
-        prompt = await ctx.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                       req.chat_template, req.chat_template_kwargs)
+        prompt = ctx.truncated(await ctx.render_chat(req.messages, req.add_generation_prompt,
+                                                     req.continue_final_message, req.chat_template,
+                                                     req.chat_template_kwargs, req.add_special_tokens),
+                               req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

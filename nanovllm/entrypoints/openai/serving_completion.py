@@ -46,16 +46,15 @@ class CompletionServing:
         arrival = time.time()
         ctx = self.ctx
         ctx.check_model(req.model)
+        ctx.check_refused(req)
         ctx.warn_ignored(req)
-        if req.suffix:
-            raise OpenAIError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise OpenAIError(400, "best_of must be unset or equal n (no best-of selection)", param="best_of")
-        prompts = await self._prompts(req)
+        prompts = [ctx.truncated(p, req.truncate_prompt_tokens) for p in await self._prompts(req)]
         k = req.logprobs
         # Prompt logprobs serve both an echo with logprobs and vLLM's prompt_logprobs.
         wanted = [w for w in (k if req.echo else None, req.prompt_logprobs) if w is not None]
-        params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, req.max_tokens), k,
+        # An echo without generation runs one token, which the response leaves out.
+        max_tokens = 1 if req.echo_only else req.max_tokens
+        params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, max_tokens), k,
                                       max(wanted, default=None)) for p in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -67,12 +66,13 @@ class CompletionServing:
 
     async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
         prompt = req.prompt
+        special = req.add_special_tokens
         if isinstance(prompt, str):
-            return [Prompt(await self.ctx.encode(prompt), prompt)]
+            return [Prompt(await self.ctx.encode(prompt, special), prompt)]
         if not prompt:
             raise OpenAIError(400, "prompt must not be an empty list", param="prompt")
         if isinstance(prompt[0], str):
-            return [Prompt(await self.ctx.encode(p), p) for p in prompt]  # type: ignore[arg-type]
+            return [Prompt(await self.ctx.encode(p, special), p) for p in prompt]  # type: ignore[arg-type]
         if isinstance(prompt[0], int):
             return [Prompt(list(prompt), None)]  # type: ignore[arg-type]
         return [Prompt(list(p), None) for p in prompt]  # type: ignore[union-attr]
@@ -137,8 +137,8 @@ class CompletionServing:
         choices = []
         for i, prompt in enumerate(prompts):
             for j, st in enumerate(states[i]):
-                text, ids = st.text, st.token_ids
-                entries: LogprobEntries = list(st.logprobs)
+                text, ids = ("", []) if req.echo_only else (st.text, st.token_ids)
+                entries: LogprobEntries = [] if req.echo_only else list(st.logprobs)
                 if req.echo:
                     head, head_ids, head_entries = await self._echo(prompt, prompt_logprobs[i])
                     text, ids, entries = head + text, head_ids + ids, head_entries + entries
@@ -146,8 +146,9 @@ class CompletionServing:
                 choices.append(CompletionChoice(index=i * n + j, text=text, logprobs=logprobs,
                                                 finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                                                 prompt_logprobs=self._prompt_logprobs(req, prompt, prompt_logprobs[i])))
+        generated = 0 if req.echo_only else sum(len(st.token_ids) for row in states for st in row)
         return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
-                                  usage=_usage(prompts, sum(len(st.token_ids) for row in states for st in row)))
+                                  usage=_usage(prompts, generated))
 
     async def _stream(self, req: CompletionRequest, request_id: str, group: RequestGroup,
                       prompts: list[Prompt]) -> AsyncIterator[str]:
@@ -162,9 +163,11 @@ class CompletionServing:
                 i = index[out.request_id]
                 for c in out.outputs:
                     choice = i * n + c.index
-                    completion_tokens += len(c.token_ids)
-                    text, ids = c.text, list(c.token_ids)
-                    entries: LogprobEntries = list(c.logprobs or [])
+                    if req.echo_only:
+                        text, ids, entries = "", [], []
+                    else:
+                        completion_tokens += len(c.token_ids)
+                        text, ids, entries = c.text, list(c.token_ids), list(c.logprobs or [])
                     first = choice not in offsets
                     if req.echo and first:  # the first chunk of a choice repeats the prompt
                         head, head_ids, head_entries = await self._echo(prompts[i], out.prompt_logprobs)

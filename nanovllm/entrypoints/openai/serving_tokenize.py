@@ -35,7 +35,8 @@ class TokenizeServing:
         else:
             assert req.messages is not None
             tokens = (await ctx.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                            req.chat_template, req.chat_template_kwargs)).token_ids
+                                            req.chat_template, req.chat_template_kwargs,
+                                            bool(req.add_special_tokens))).token_ids
         strs = None
         if req.return_token_strs:
             strs = await ctx.workers.run(lambda: [str(t) for t in ctx.tokenizer.convert_ids_to_tokens(tokens)])
