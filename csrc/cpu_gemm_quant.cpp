@@ -1149,6 +1149,12 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
       }
     }
   };
+  // One group over all of k (int8's default, a scale per channel): each slice adds only f (256 sum_hi
+  // + sum_lo) to the totals, the scale, the zero point (row_xq: each row's sum of f times its
+  // integers' sum) and the bias applied once, after the last (32-row int8 GEMMs 1.02-1.03x faster).
+  const bool one_group = group_size == a.k;
+  thread_local std::vector<float> row_xq_storage;
+  float* const row_xq = amx::aligned(row_xq_storage, rows_padded);
   // Segment i's sums (group g) of block b by the pair at p, scaled and added to the bias (the first
   // segment) or the pair's totals, into y after the last.
   const auto scale = [&](const int32_t* c, int64_t sl, int64_t b, int i, int64_t g, bool first, bool last, int64_t p,
@@ -1158,16 +1164,33 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
     const float* const qr = fr + row_params;
     const __m512 shift = _mm512_set1_ps(256.0f);
     for (int q = 0; q < np; ++q) {
-      const PanelGroup pg(a, p + q, g, first);
       const int32_t* const hi = c + q * kGemmPanel;
       const int32_t* const lo = hi + kTileRows * 2 * kGemmPanel;
       float* const total = totals + ((p - p0) / 2 * rows_padded + r0) * 2 * kGemmPanel + q * kGemmPanel;
+      const auto sum = [&](int64_t j) NANOVLLM_AMX {  // row j's 256 sum_hi + sum_lo
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + j * 2 * kGemmPanel)), shift,
+                               _mm512_cvtepi32_ps(_mm512_load_si512(lo + j * 2 * kGemmPanel)));
+      };
+      const auto powered = [&](int64_t j) NANOVLLM_AMX {  // f times that, plus the totals before
+        const __m512 f = _mm512_set1_ps(fr[j * kIntMaxSegments]);
+        return first ? _mm512_mul_ps(f, sum(j))
+                     : _mm512_fmadd_ps(f, sum(j), _mm512_load_ps(total + j * 2 * kGemmPanel));
+      };
+      if (one_group && !last) {
+        for (int64_t j = 0; j < rows; ++j) _mm512_store_ps(total + j * 2 * kGemmPanel, powered(j));
+        continue;
+      }
+      const PanelGroup pg(a, p + q, g, one_group || first);
+      if (one_group) {
+        put_scaled(a, true, total, r0, rows, pg, [&](int64_t j) NANOVLLM_AMX {
+          return _mm512_fmadd_ps(pg.s, _mm512_fnmadd_ps(pg.z, _mm512_set1_ps(row_xq[r0 + j]), powered(j)), pg.bias);
+        });
+        continue;
+      }
       const auto scaled = [&](int64_t j) NANOVLLM_AMX {
-        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(hi + j * 2 * kGemmPanel)), shift,
-                                           _mm512_cvtepi32_ps(_mm512_load_si512(lo + j * 2 * kGemmPanel)));
         const __m512 before = first ? pg.bias : _mm512_load_ps(total + j * 2 * kGemmPanel);
         return _mm512_fmadd_ps(_mm512_mul_ps(pg.s, _mm512_set1_ps(fr[j * kIntMaxSegments])),
-                               _mm512_fnmadd_ps(pg.z, _mm512_set1_ps(qr[j * kIntMaxSegments]), sum), before);
+                               _mm512_fnmadd_ps(pg.z, _mm512_set1_ps(qr[j * kIntMaxSegments]), sum(j)), before);
       };
       put_scaled(a, last, total, r0, rows, pg, scaled);
     }
@@ -1191,6 +1214,11 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
     const IntSegments segs(k0, k1, group_size);
     float* const f = row_area + sl % 2 * 2 * row_params;
     pack_slice_int(a, k0, k1, segs, tiles, f, f + row_params);
+    if (one_group) {
+      for (int64_t r = 0; r < a.m; ++r) {
+        row_xq[r] = (sl == 0 ? 0.0f : row_xq[r]) + f[r * kIntMaxSegments] * f[row_params + r * kIntMaxSegments];
+      }
+    }
     const int64_t slice_steps = (k1 - k0) / kIntDepth;
     for (int64_t p = p0; p < p1; p += 2, ++turn) {
       const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
