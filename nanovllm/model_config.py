@@ -37,6 +37,15 @@ _DTYPES: dict[str, torch.dtype] = {
 # any other key: a GPT-2 or Mistral checkpoint is named as such, not as a config with a missing key.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM")
+# What transformers' config classes default to where config.json leaves a field out (where they
+# differ from the rest's: rope_theta 10000, rms_norm_eps 1e-6).
+_ARCH_DEFAULTS: dict[str, dict[str, float]] = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
+}
 # A Hugging Face Hub id: `org/name`, no further path parts.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -77,7 +86,7 @@ class ModelConfig:
     def has_experts(self) -> bool:
         """Whether layers route tokens over experts: the first of num_experts / num_local_experts that
         config.json sets, positive, as models/moe.py reads it (which checks the experts' fields)."""
-        count = next((v for key in ("num_experts", "num_local_experts") if (v := self.raw.get(key)) is not None), None)
+        count = next((v for key in ("num_local_experts", "num_experts") if (v := self.raw.get(key)) is not None), None)
         whole = whole_number(count)
         return whole is not None and whole > 0
 
@@ -140,6 +149,7 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         raise ValueError(f"{where}: unsupported model architecture {archs[0]!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
+    defaults = _ARCH_DEFAULTS.get(archs[0], {})
     hidden_size = integer("hidden_size", need("hidden_size"))
     num_heads = integer("num_attention_heads", need("num_attention_heads"))
     # `head_dim` is explicit in Qwen3 (and may differ from hidden/heads); older configs omit it.
@@ -164,25 +174,28 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=number("rms_norm_eps", 1e-6),
-        max_position_embeddings=integer("max_position_embeddings", raw.get("max_position_embeddings", 2048)),
-        rope=_parse_rope(raw),
+        rms_norm_eps=number("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=integer("max_position_embeddings", raw.get("max_position_embeddings")
+                                        or int(defaults.get("max_position_embeddings", 2048))),
+        rope=_parse_rope(raw, defaults.get("rope_theta", 10000.0)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         torch_dtype=_parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32", where),
-        eos_token_ids=_as_id_tuple(raw.get("eos_token_id")),
+        # generation_config.json may name more end tokens (Qwen's <|im_end|>, Llama 3's <|eot_id|>):
+        # vLLM stops on those too.
+        eos_token_ids=tuple(dict.fromkeys(_as_id_tuple(raw.get("eos_token_id")) + _generation_eos(model_dir))),
         bos_token_id=raw.get("bos_token_id"),
         raw=raw,
     )
 
 
-def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
     # v5: {"rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}}
     # v4: {"rope_theta": ..., "rope_scaling": {"rope_type" or "type": ..., ...} or null}
     params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
     params.update(raw.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     return RopeConfig(theta=float(theta), rope_type=str(rope_type), scaling=params)
@@ -193,6 +206,19 @@ def _parse_dtype(value: Any, where: Path) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"{where}: unsupported dtype {value!r} (supported: {sorted(_DTYPES)})")
     return _DTYPES[name]
+
+
+def _generation_eos(model_dir: Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id(s); none where the file is absent or unreadable (it
+    only adds end tokens, as vLLM reads it)."""
+    try:
+        raw = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ()
+    try:
+        return _as_id_tuple(raw.get("eos_token_id")) if isinstance(raw, dict) else ()
+    except (TypeError, ValueError):
+        return ()
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

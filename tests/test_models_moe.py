@@ -156,7 +156,7 @@ def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: str | No
     ("mixtral", {"num_experts_per_tok": 0}, None, "num_experts_per_tok must be an integer >= 1, got 0"),
     ("mixtral", {"num_experts_per_tok": 1.5}, None, "num_experts_per_tok must be an integer >= 1, got 1.5"),
     ("qwen3_moe", {"moe_intermediate_size": None}, None, "missing required key 'moe_intermediate_size'"),
-    ("qwen3_moe", {"num_local_experts": None}, None, "missing required key 'num_experts' or 'num_local_experts'"),
+    ("qwen3_moe", {"num_local_experts": None}, None, "missing required key 'num_local_experts' or 'num_experts'"),
     ("qwen3_moe", {"mlp_only_layers": "0"}, None, "mlp_only_layers must be a list of layer indices"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, None, "decoder_sparse_step must be an integer >= 1"),
     ("mixtral", {"sliding_window": 4096}, None, r"sliding-window attention \(sliding_window = 4096\)"),
@@ -204,6 +204,50 @@ def test_num_experts_is_read_under_either_name(models: dict[str, Path], tmp_path
     assert model.model.layers[0].mlp.experts.num_experts == 8
 
 
+def test_expert_count_and_defaults_are_read_as_transformers_reads_them(models: dict[str, Path], tmp_path: Path) -> None:
+    """transformers stores num_experts as num_local_experts (attribute_map), so with both set that one
+    counts, and Mixtral takes num_experts too; a Mixtral config.json without rope_theta or
+    rms_norm_eps gets MixtralConfig's defaults (1e6, 1e-5), not the other architectures'."""
+    import transformers
+
+    both = edited_copy(models["qwen3_moe"], tmp_path / "both", {"num_experts": 4, "num_local_experts": 8})
+    alias = edited_copy(models["mixtral"], tmp_path / "alias", {"num_local_experts": None, "num_experts": 8})
+    bare = edited_copy(models["mixtral"], tmp_path / "bare", {"rope_theta": None, "rope_parameters": None,
+                                                               "rms_norm_eps": None})
+    for path in (both, alias, bare):
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+        model, config = load_model(path)
+        assert {layer.mlp.experts.num_experts for layer in model.model.layers} == {hf_config.num_local_experts}
+        assert config.rms_norm_eps == hf_config.rms_norm_eps
+        assert config.rope.theta == hf_config.rope_parameters["rope_theta"]
+    assert (config.rms_norm_eps, config.rope.theta) == (1e-5, 1e6)
+    prompts = random_prompts([40], VOCAB, seed=12)
+    for path in (both, bare):
+        assert_greedy_matches(make_llm(path), path, prompts, 8)
+
+
+def test_a_sharded_checkpoint_reads_the_files_its_index_names(models: dict[str, Path], tmp_path: Path) -> None:
+    """Mistral's repositories keep their own consolidated.safetensors beside the Hugging Face shards
+    and index: the loader reads the files the index names, as transformers does."""
+    import transformers
+
+    path = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(models["mixtral"]).save_pretrained(path, max_shard_size="60KB")
+    for f in models["mixtral"].iterdir():
+        if not (path / f.name).exists() and not f.name.endswith(".safetensors"):
+            (path / f.name).write_bytes(f.read_bytes())
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    weights = load_file(models["mixtral"] / "model.safetensors")
+    save_file({k.replace("model.layers.", "layers.").replace("block_sparse_moe", "feed_forward"): v
+               for k, v in weights.items()}, path / "consolidated.safetensors")
+    assert_greedy_matches(make_llm(path), models["mixtral"], random_prompts([30], VOCAB, seed=13), 8)
+    missing = sorted(set(index["weight_map"].values()))[0]
+    (path / missing).unlink()
+    with pytest.raises(ValueError, match=f"names weight files that are not there: {missing}"):
+        load_model(path)
+
+
 def test_a_moe_model_on_cpu_takes_larger_steps_by_default(models: dict[str, Path], tmp_path: Path) -> None:
     """Each CPU step reads the experts its tokens chose from memory: a MoE model's default token budget
     is DEFAULT_CPU_MOE_BATCHED_TOKENS, a dense model's the CPU's; an explicit budget wins either way."""
@@ -215,7 +259,8 @@ def test_a_moe_model_on_cpu_takes_larger_steps_by_default(models: dict[str, Path
         assert EngineConfig(model=str(models[name]), device="cpu", max_model_len=1024,
                             max_num_batched_tokens=256).resolve().max_num_batched_tokens == 256
     assert EngineConfig(model=str(dense), device="cpu").resolve().max_num_batched_tokens == DEFAULT_BATCHED_TOKENS["cpu"]
-    # Read as the model reads it: the first field set counts, so num_experts 0 is dense whatever else.
-    no_experts = edited_copy(models["qwen3_moe"], tmp_path / "none", {"num_experts": 0, "num_local_experts": 8})
+    # Read as the model (and transformers) reads it: num_local_experts counts before its alias
+    # num_experts, so num_local_experts 0 is dense whatever else.
+    no_experts = edited_copy(models["qwen3_moe"], tmp_path / "none", {"num_local_experts": 0, "num_experts": 8})
     assert EngineConfig(model=str(no_experts), device="cpu",
                         max_model_len=1024).resolve().max_num_batched_tokens == DEFAULT_BATCHED_TOKENS["cpu"]

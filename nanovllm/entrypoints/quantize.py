@@ -27,7 +27,7 @@ from nanovllm.builtin_code import resolve_builtin
 from nanovllm.layers.quantization import compressed_tensors
 from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES
 from nanovllm.layers.quantization.weights import quantize_rtn
-from nanovllm.models.loader import find_weight_files
+from nanovllm.models.loader import SAFETENSORS_INDEX, find_weight_files
 from nanovllm.model_config import load_model_config
 from nanovllm.models.registry import get_model_class
 
@@ -36,7 +36,6 @@ SCHEMES = {"w4a16": (4, 128), "w8a16": (8, None)}  # bits, default group size (N
 # included (Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1).
 LINEAR = re.compile(r"^(.*\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj"
                     r"|mlp\.experts\.\d+\.(?:gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$")
-INDEX = "model.safetensors.index.json"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,17 +85,17 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, scheme: str 
     out.mkdir(parents=True)
     try:
         for item in src.iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", INDEX):
+            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", SAFETENSORS_INDEX):
                 shutil.copy2(item, out / item.name)
         weight_map: dict[str, str] = {}
         for file in files:
             tensors = _quantize_file(file, bits, group, symmetric)
             save_file(tensors, str(out / file.name), metadata={"format": "pt"})
             weight_map.update({name: file.name for name in tensors})
-        if (src / INDEX).is_file():
-            index = json.loads((src / INDEX).read_text())
+        if (src / SAFETENSORS_INDEX).is_file():
+            index = json.loads((src / SAFETENSORS_INDEX).read_text())
             index["weight_map"] = dict(sorted(weight_map.items()))
-            (out / INDEX).write_text(json.dumps(index, indent=2))
+            (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
         raw = dict(config.raw)
         raw["quantization_config"] = quantization_config(bits, group, symmetric)
         (out / "config.json").write_text(json.dumps(raw, indent=2))

@@ -8,6 +8,7 @@ checkpoint fails loudly instead of leaving random weights in the model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +31,19 @@ class _Target:
     shard_id: ShardId
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
 def find_weight_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names where it has one (as transformers
+    reads it: Mistral's repositories keep their own `consolidated.safetensors` beside the shards),
+    else every one in the directory."""
     path = Path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory not found: {path}")
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        return _indexed_files(index)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
@@ -42,6 +52,20 @@ def find_weight_files(model_dir: str | Path) -> list[Path]:
                 "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))"
             )
         raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    return files
+
+
+def _indexed_files(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"cannot read the checkpoint index {index}: {e}") from e
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names")
+    files = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"{index} names weight files that are not there: {', '.join(missing[:5])}")
     return files
 
 

@@ -91,7 +91,8 @@ def _moe_config(config: ModelConfig, num_experts: int, intermediate_size: int, r
 
 def qwen3_moe_config(config: ModelConfig) -> MoeConfig:
     where = config.model_dir / "config.json"
-    num_experts = _int_field(config, "num_experts", "num_local_experts", low=0)
+    # transformers stores num_experts as num_local_experts (its attribute_map): that one counts first.
+    num_experts = _int_field(config, "num_local_experts", "num_experts", low=0)
     step = _int_field(config, "decoder_sparse_step", low=1, default=1)
     dense = config.raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
@@ -108,6 +109,6 @@ def mixtral_config(config: ModelConfig) -> MoeConfig:
     if config.raw.get("sliding_window") is not None:
         raise ValueError(f"{where}: sliding-window attention (sliding_window = {config.raw['sliding_window']}) "
                          "is not supported")
-    num_experts = _int_field(config, "num_local_experts", low=1)
+    num_experts = _int_field(config, "num_local_experts", "num_experts", low=1)
     return _moe_config(config, num_experts, config.intermediate_size, True,
                        frozenset(range(config.num_hidden_layers)), MIXTRAL_EXPERT_NAMES)
