@@ -64,11 +64,13 @@ class Detokenizer:
         keys: npt.NDArray[np.int64] | Sequence[int],
         tokens: npt.NDArray[np.int32] | Sequence[int],
         cu_tokens: npt.NDArray[np.integer] | Sequence[int] | None = None,
+        stop_terminated: npt.NDArray[np.int64] | Sequence[int] | None = None,
     ) -> list[tuple[int, str, str | None]]:
         """Appends tokens[i] to sequence keys[i] (or the tokens cu_tokens[i]:cu_tokens[i+1]);
         returns (key, new text, stop string or None) for every key added with deltas=True, and for
         any other whose stop string matched in this call. Text that may still become
-        part of a stop string, a partial character or an unfinished byte run is held back."""
+        part of a stop string, a partial character or an unfinished byte run is held back. The
+        last token of a key in stop_terminated (EOS, a stop token id) adds no text."""
     def flush(self, key: int) -> str: ...  # releases everything held back; the sequence ends
     def text(self, key: int) -> str: ...   # tokenizer.decode of its tokens so far, cut at a stop
     def token_ids(self, key: int, start: int = 0) -> list[int]: ...  # tokens fed so far, from `start`

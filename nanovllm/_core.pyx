@@ -320,8 +320,9 @@ cdef class TokenTable:
     def logprob_entries(self, top_ids, top_logprobs, chosen_ids, chosen_logprob, chosen_rank, wanted,
                         logprob) -> list[dict]:
         """A step's logprob rows as vLLM hands them out: per row `{token id: logprob(value, rank,
-        string)}` of its `wanted[r]` most likely tokens (most likely first) and its chosen token,
-        whose object serves its top-k place too. `logprob` is the class to build (outputs.Logprob).
+        string)}` of its chosen token (first, as vLLM orders it) and its `wanted[r]` most likely
+        tokens (most likely first; the chosen one's object serves its top-k place too). `logprob` is
+        the class to build (outputs.Logprob).
         One C loop for the whole step: in Python the same dicts cost ~4 us a row."""
         cdef const int64_t[:, ::1] ti = top_ids
         cdef const double[:, ::1] tl = top_logprobs
@@ -343,13 +344,12 @@ cdef class TokenTable:
         for r in range(rows):
             cid = ci[r]
             mine = _new_logprob(logprob, cl[r], cr[r], self._token_string(<int32_t>cid))
-            entry = {}
+            entry = {cid: mine}
             n = min(max(w[r], 0), k)
             for j in range(n):
                 tid = ti[r, j]
-                entry[tid] = mine if tid == cid else \
-                    _new_logprob(logprob, tl[r, j], j + 1, self._token_string(<int32_t>tid))
-            entry[cid] = mine
+                if tid != cid:
+                    entry[tid] = _new_logprob(logprob, tl[r, j], j + 1, self._token_string(<int32_t>tid))
             out.append(entry)
         return out
 
@@ -735,12 +735,14 @@ cdef class Detokenizer:
         self.slot_of.erase(key)
         self.free_slots.push_back(slot)
 
-    def process(self, keys, tokens, cu_tokens=None) -> list:
+    def process(self, keys, tokens, cu_tokens=None, stop_terminated=None) -> list:
         """Append tokens[i] to sequence keys[i], for all i, and return what each sequence gained.
 
         keys: int64[n], each at most once per call; tokens: int32[n]. With `cu_tokens` (int32/64
         [n + 1], prefix sums), sequence keys[i] gets tokens[cu_tokens[i]:cu_tokens[i + 1]] instead
         (several tokens per step, e.g. speculative decoding; a stop string drops the rest).
+        `stop_terminated`: keys whose last token here ended them (EOS, a stop token id): that token
+        joins their tokens but not their text, as vLLM leaves it out.
         Returns [(key, delta, stop)] in the order of keys: `delta` the new text (str, maybe empty),
         `stop` the stop string that finished the sequence in this call, else None. Sequences added
         with deltas=False appear only in the call in which a stop string finishes them.
@@ -767,6 +769,10 @@ cdef class Detokenizer:
         cdef Seq* s
         cdef vector[Seq*] batch
         cdef unordered_map[int64_t, size_t].iterator it
+        cdef unordered_map[int64_t, size_t] silent  # stop_terminated, as a set
+        if stop_terminated is not None:
+            for key in _as_int64(stop_terminated, "stop_terminated"):
+                silent[key] = 0
         # Validate everything first, so that a bad call changes no sequence.
         self.epoch += 1
         batch.resize(n)
@@ -797,6 +803,8 @@ cdef class Detokenizer:
                 hi = i + 1
             for j in range(lo, hi):
                 s.tokens.push_back(tok[j])
+                if j == hi - 1 and silent.size() and silent.count(k[i]):
+                    break
                 _feed(t, s, tok[j])
                 # Check after each token, so that a stop drops the tokens after it.
                 if multi and hi - lo > 1 and s.stops.size():

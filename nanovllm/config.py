@@ -11,6 +11,7 @@ tensor-parallel worker for itself); everything below the engine takes the resolv
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from nanovllm.builtin_code import resolve_builtin
 from nanovllm.distributed.parallel_state import ParallelConfig
 from nanovllm.model_config import ModelConfig, load_model_config, resolve_dtype
+from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 
 # Without a GPU to measure, the CPU KV cache gets this much unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -163,7 +165,8 @@ class EngineConfig:
     num_kvcache_blocks: int | None = option(None, "KV cache size in blocks (overrides the two above)",
                                             aliases=("--num-gpu-blocks-override",))
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")
-    seed: int = option(0, "seed of the sampling generator for requests without their own seed")
+    seed: int | None = option(0, "seed of the sampling generator for requests without their own seed (None: "
+                                 "a random one)")
     speculative_config: dict[str, Any] | str | None = option(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", \"model\": DIR, "
@@ -200,6 +203,10 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_kvcache_blocks"):
             positive(name)
+        if self.seed is None:  # vLLM's: unseeded; one draw here, so every rank shares it
+            object.__setattr__(self, "seed", secrets.randbelow(2**31))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_logprobs < -1 or isinstance(self.max_logprobs, bool):

@@ -78,18 +78,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to each conversation, then generates."""
+        """Applies the chat template (the tokenizer's, or `chat_template`) to each conversation, then
+        generates, as vLLM's LLM.chat: `continue_final_message` extends the last (assistant)
+        message instead of opening a new turn; `tools` and `chat_template_kwargs` (e.g. Qwen3's
+        {"enable_thinking": False}) reach the template."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template")
+        if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template")
+        options: dict[str, Any] = dict(chat_template_kwargs or {})
+        options.update(add_generation_prompt=add_generation_prompt, chat_template=chat_template, tools=tools)
+        if continue_final_message:
+            options["continue_final_message"] = True
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True)
-            if not isinstance(ids, list):  # newer transformers return a BatchEncoding
-                ids = list(ids["input_ids"])
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = tokenizer.apply_chat_template(conv, tokenize=False, **options)
+            # The template writes the special tokens: encoding its text without adding them is
+            # what apply_chat_template(tokenize=True) does.
+            ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -90,7 +90,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -101,6 +101,8 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and not isinstance(self.seed, bool):  # OpenAI's and vLLM's "no seed"
+            self.seed = None
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {quote(self.stop_token_ids)}")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
@@ -147,9 +149,9 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "an integer >= 1")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "None (until max_model_len) or an integer >= 1")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             fail("min_tokens", "an integer in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -361,7 +361,11 @@ class LLMEngine:
         by_seq = self._by_seq
         streamed: dict[str, Request] = {}
         done_reqs: list[Request] = []
-        for sid, delta, stop_str in self.detokenizer.process(sids, tokens, offsets):
+        # The text of a token that ended its sequence (EOS, a stop token id) is left out, as vLLM
+        # does, unless the request includes stops in its output.
+        silent = [sid for sid, reason, stop in finished
+                  if reason == "stop" and stop is not None and not by_seq[sid][0].params.include_stop_str_in_output]
+        for sid, delta, stop_str in self.detokenizer.process(sids, tokens, offsets, silent or None):
             req, comp = by_seq[sid]
             comp.text += delta
             if req.stream:

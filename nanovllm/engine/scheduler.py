@@ -54,6 +54,7 @@ class Scheduler:
             enable_prefix_caching=config.options.enable_prefix_caching, eos_token_ids=list(eos_token_ids),
             vocab_size=config.model_config.vocab_size, **spec_args)
         self._spec_disable_batch = config.spec_disable_batch
+        self.max_model_len = config.max_model_len
         self._ids = SequenceIds()
         self._reserved: dict[int, tuple[int, ...]] = {}  # a prompt's ids for its n - 1 other samples
         self._admitted: dict[int, Admission] = {}  # by id, in admission order
@@ -74,7 +75,9 @@ class Scheduler:
         candidates (beam search) never speculates: it chooses its tokens outside the sampler."""
         sid = self._ids.acquire()
         try:
-            self.core.add(sid, token_ids, max_tokens=params.max_tokens if max_tokens is None else max_tokens,
+            if max_tokens is None:  # the params', or (None) as many as max_model_len leaves room for
+                max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            self.core.add(sid, token_ids, max_tokens=max_tokens,
                           min_tokens=params.min_tokens, ignore_eos=params.ignore_eos if ignore_eos is None else ignore_eos,
                           stop_token_ids=params.stop_token_ids, use_prefix_cache=use_prefix_cache,
                           num_samples=num_samples)

@@ -1,0 +1,133 @@
+"""The offline API where a vLLM user would notice a difference: the text of a token that ended the
+request (EOS, a stop token id) left out of `text` (vLLM's detokenizer.update(stop_terminated)),
+generation_config.json's end tokens, LLM.chat's template options, max_tokens=None, seed=-1 and
+LLM(seed=None), and each logprobs dict starting with the chosen token."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tiny_models import make_tiny_model
+
+from nanovllm import LLM, SamplingParams
+
+ENGINE = dict(device="cpu", num_kvcache_blocks=256, max_model_len=512, block_size=16)
+PROMPT = "hello world, this is"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("parity"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), **ENGINE)
+
+
+def greedy(llm: LLM, **kw: object):  # noqa: ANN201
+    return llm.generate(PROMPT, SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+
+
+def plain_token_at(llm: LLM, ids: list[int]) -> int:
+    """The index of the first token after the second that did not come before and decodes to letters."""
+    tok = llm.get_tokenizer()
+    return next(k for k, t in enumerate(ids) if k >= 2 and t not in ids[:k] and tok.decode([t]).strip().isalpha())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_token_id_keeps_its_token_but_not_its_text(llm: LLM, stream: bool) -> None:
+    base = greedy(llm, max_tokens=20, ignore_eos=True)
+    k = plain_token_at(llm, base.token_ids)
+    stop_id = base.token_ids[k]
+    decode = llm.get_tokenizer().decode
+    for include, expected in ((False, decode(base.token_ids[:k])), (True, decode(base.token_ids[:k + 1]))):
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        if stream:  # the text as the engine hands it out step by step
+            engine = llm.engine
+            engine.add_request("s", PROMPT, params)
+            text, out = "", None
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    text = out.outputs[0].text
+            assert out is not None and text == expected
+            continue
+        out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids[:k + 1] and (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+        assert out.text == expected
+
+
+def test_eos_text_is_left_out_with_special_tokens_kept(llm: LLM) -> None:
+    eos = llm.get_tokenizer().eos_token_id
+    out = greedy(llm, max_tokens=5, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+
+
+def test_generation_config_end_tokens_stop_generation(llm: LLM, model_dir: Path, tmp_path: Path) -> None:
+    base = greedy(llm, max_tokens=12, ignore_eos=True).token_ids
+    k = next(i for i, t in enumerate(base) if i >= 3 and t not in base[:i] and t != 0)
+    path = tmp_path / "gen_eos"
+    shutil.copytree(model_dir, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config["eos_token_id"] = [0, base[k]]
+    (path / "generation_config.json").write_text(json.dumps(config))
+    out = greedy(LLM(str(path), **ENGINE), max_tokens=12)
+    assert out.token_ids == base[:k + 1] and out.finish_reason == "stop"
+    assert greedy(LLM(str(path), **ENGINE), max_tokens=12, ignore_eos=True).token_ids == base
+
+
+def test_chat_template_options(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "hi there"}]
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    assert llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False,
+                    chat_template=template)[0].prompt == "[user] hi there\n"
+    tokenizer = llm.get_tokenizer()
+    thinking_off = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False,
+                            chat_template_kwargs={"enable_thinking": False})[0]
+    assert thinking_off.prompt == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                                enable_thinking=False)
+    conversation = [*messages, {"role": "assistant", "content": "Sure, "}]
+    continued = llm.chat(conversation, SamplingParams(max_tokens=2), use_tqdm=False, add_generation_prompt=False,
+                         continue_final_message=True)[0]
+    expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False,
+                                             continue_final_message=True)
+    assert continued.prompt == expected and expected.endswith("Sure, ")
+    assert continued.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
+        llm.chat(conversation, continue_final_message=True)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, min_tokens=3)
+    out = llm.generate({"prompt_token_ids": [5] * 500}, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 512 - 500 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens must be None"):
+        SamplingParams(max_tokens=0)
+
+
+def test_seed_minus_one_is_no_seed_and_llm_seed_none_draws_one(llm: LLM, model_dir: Path) -> None:
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=12, ignore_eos=True)
+    assert params.seed is None
+    samples = {tuple(llm.generate("abc", params, use_tqdm=False)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(samples) > 1
+    unseeded = LLM(str(model_dir), seed=None, **ENGINE)
+    assert isinstance(unseeded.engine.config.options.seed, int)
+    with pytest.raises(ValueError, match="seed must be None or an integer"):
+        LLM(str(model_dir), seed="7", **ENGINE)
+
+
+def test_each_logprobs_dict_starts_with_the_chosen_token(llm: LLM) -> None:
+    out = llm.generate(PROMPT, SamplingParams(temperature=1.5, seed=1, max_tokens=8, logprobs=3, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert comp.logprobs is not None and out.prompt_logprobs is not None
+    assert any(d[t].rank != 1 for t, d in zip(comp.token_ids, comp.logprobs))  # some not the most likely
+    for t, d in zip(comp.token_ids, comp.logprobs):
+        assert next(iter(d)) == t and [v.rank for v in list(d.values())[1:]] == sorted(v.rank for v in
+                                                                                        list(d.values())[1:])
+    for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+        assert d is not None and next(iter(d)) == t
