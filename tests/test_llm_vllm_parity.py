@@ -1,18 +1,23 @@
 """The offline API where a vLLM user would notice a difference: the text of a token that ended the
 request (EOS, a stop token id) left out of `text` (vLLM's detokenizer.update(stop_terminated)),
 generation_config.json's end tokens, LLM.chat's template options, max_tokens=None, seed=-1 and
-LLM(seed=None), and each logprobs dict starting with the chosen token."""
+LLM(seed=None), each logprobs dict starting with the chosen token, and beam search's choice of
+beams (vLLM's LLM.beam_search, written out here over transformers' logits)."""
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=256, max_model_len=512, block_size=16)
 PROMPT = "hello world, this is"
@@ -131,3 +136,50 @@ def test_each_logprobs_dict_starts_with_the_chosen_token(llm: LLM) -> None:
                                                                                         list(d.values())[1:])
     for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert d is not None and next(iter(d)) == t
+
+
+def vllm_beam_search(hf: transformers.PreTrainedModel, prompt: list[int], width: int, max_tokens: int,
+                     eos: int) -> list[tuple[list[int], float]]:
+    """vLLM's LLM.beam_search: each live beam's top 2 * width next tokens are candidates; one ending
+    in EOS is complete whatever its rank; the others compete for the width live beams; at the end
+    completed and live beams, best first, by cum_logprob / length (EOS not counted)."""
+
+    def score(beam: tuple[list[int], float]) -> float:
+        return beam[1] / (len(beam[0]) - (beam[0][-1] == eos))
+
+    beams: list[tuple[list[int], float]] = [(list(prompt), 0.0)]
+    completed: list[tuple[list[int], float]] = []
+    for _ in range(max_tokens):
+        grown = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, -1].double(), -1)
+            top = torch.topk(lp, 2 * width)
+            for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                (completed if t == eos else grown).append((tokens + [t], cum + v))
+        beams = sorted(grown, key=score, reverse=True)[:width]
+    return sorted(completed + beams, key=score, reverse=True)[:width]
+
+
+def test_beam_search_chooses_beams_as_vllm(model_dir: Path, tmp_path: Path) -> None:
+    """On a model whose EOS is often a candidate without being the best (its LM head row scaled), a
+    completed beam takes no live beam's place and EOS candidates of any rank complete."""
+    path = tmp_path / "eos_heavy"
+    shutil.copytree(model_dir, path)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"][0] *= 4.0
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(str(path), **ENGINE)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    eos = llm.get_tokenizer().eos_token_id
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 512) for _ in range(6)] for _ in range(6)]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=6))
+    ends_early = 0
+    for prompt, out in zip(prompts, outs):
+        expected = vllm_beam_search(hf, prompt, 3, 6, eos)
+        assert [s.tokens for s in out.sequences] == [tokens for tokens, _ in expected]
+        for s, (_, cum) in zip(out.sequences, expected):
+            assert s.cum_logprob == pytest.approx(cum, abs=1e-3)
+        ends_early += sum(len(s.tokens) < len(prompt) + 6 for s in out.sequences)
+    assert ends_early >= 3  # the EOS rule was exercised

@@ -3,10 +3,10 @@ beams fork (sharing every block, copying only on write) and dropped beams free t
 memory follows the live beams.
 
 Each step, every live beam's top 2 * beam_width next tokens (the runner's logprobs of logits /
-temperature) become candidates; per prompt the best beam_width candidates by cumulative
-log-probability survive. A candidate ending in EOS is complete (unless ignore_eos); the others
-continue. Completed beams are ranked by cum_logprob / len(tokens) ** length_penalty (EOS not
-counted), as vLLM does. The step is the engine's (schedule, execute, postprocess) with the
+temperature) become candidates, as in vLLM's LLM.beam_search: every candidate ending in EOS is
+complete (unless ignore_eos), whatever its rank; of the others, per prompt the best beam_width by
+cumulative log-probability continue. Completed and live beams are ranked by cum_logprob /
+len(tokens) ** length_penalty (EOS not counted). The step is the engine's (schedule, execute, postprocess) with the
 choice of tokens and forks made here instead of by the sampler.
 """
 
@@ -138,13 +138,19 @@ class _BeamSearch:
             parents = list(group.live.values()) + group.parked
             cands = [(b.cum_logprob + lp, i, tok, lp) for i, b in enumerate(parents) for tok, lp in b.cands]
             cands.sort(key=lambda c: c[0], reverse=True)
-            for cum, i, tok, lp in cands[: params.beam_width]:
+            survivors = 0
+            for cum, i, tok, lp in cands:
+                ends = self.eos is not None and tok == self.eos
+                if not ends and survivors == params.beam_width:
+                    continue
                 parent = parents[i]
                 child = _Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}], cum)
-                if self.eos is not None and tok == self.eos:
+                if ends:  # complete, whatever its rank, and no live beam's place taken (as vLLM)
                     child.finish_reason = "stop"
                     group.done.append(child)
-                elif parent.sid in keep and i < len(group.live):
+                    continue
+                survivors += 1
+                if parent.sid in keep and i < len(group.live):
                     keep[parent.sid].append((tok, lp))
                 else:  # a parked parent: its continuation re-enters the scheduler after postprocess
                     readd.append((group, child))
