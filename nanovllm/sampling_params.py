@@ -92,8 +92,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
-    logprobs: int | None = None
+    logprobs: int | None = None  # -1: every token of the vocabulary (as vLLM)
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -156,8 +157,11 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             # The most a request may ask for is the engine's max_logprobs (checked at admission).
-            if value is not None and (not is_int(value) or value < 0):
-                fail(name, "None or an integer >= 0")
+            if value is not None and (not is_int(value) or value < -1):
+                fail(name, "None, -1 (the whole vocabulary) or an integer >= 0")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not is_int(keep) or keep == 0 or keep < -1):
+            fail("truncate_prompt_tokens", "None, -1 (to max_model_len) or an integer >= 1")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 if token < 0 or not is_number(bias) or not -100.0 <= bias <= 100.0:

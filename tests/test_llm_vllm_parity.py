@@ -114,6 +114,23 @@ def test_max_tokens_none_runs_to_max_model_len(llm: LLM) -> None:
         SamplingParams(max_tokens=0)
 
 
+def test_truncated_prompts_and_the_whole_vocabulary_of_logprobs(llm: LLM, model_dir: Path) -> None:
+    ids = llm.get_tokenizer().encode("word " * 40)
+    params = SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=10)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    kept = llm.generate({"prompt_token_ids": ids[-10:]}, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out.prompt_token_ids == ids[-10:] and out.outputs[0].token_ids == kept[0].outputs[0].token_ids
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="more than this engine's max_logprobs"):  # -1: the vocabulary (512)
+        llm.generate("abc", SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)
+    everything = LLM(str(model_dir), max_logprobs=-1, **ENGINE)
+    out = everything.generate("abc", SamplingParams(temperature=0, max_tokens=2, logprobs=-1), use_tqdm=False)[0]
+    vocab = everything.engine.vocab_size
+    assert all(len(d) == vocab for d in out.outputs[0].logprobs or [])
+
+
 def test_seed_minus_one_is_no_seed_and_llm_seed_none_draws_one(llm: LLM, model_dir: Path) -> None:
     params = SamplingParams(temperature=1.0, seed=-1, max_tokens=12, ignore_eos=True)
     assert params.seed is None

@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,6 +198,12 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary"
+            params = replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                                        if getattr(params, name) == -1})
         self.check_prompt(token_ids)
         self._check_params(params)
         if params.structured_outputs is not None and grammar is None:
