@@ -217,3 +217,10 @@ class BeamSearchParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+
+
+def truncated_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None: all)."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len if keep == -1 else keep):]

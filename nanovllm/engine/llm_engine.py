@@ -39,7 +39,7 @@ from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.quote import quote
 from nanovllm.row_columns import RowColumns
 from nanovllm.sample import build_entries
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, truncated_prompt
 from nanovllm.token_table import build_token_table
 from nanovllm.worker.step import RunnerOutput, SchedulerOutput
 
@@ -198,9 +198,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
+        token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary"
             params = replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
                                         if getattr(params, name) == -1})

@@ -38,7 +38,7 @@ from nanovllm.outputs import CompletionOutput, Logprob
 from nanovllm.quote import quote, shorten
 from nanovllm.sample.grammar import GrammarCacheFull, HeldGrammar
 from nanovllm.sample.grammar_pool import GrammarPool, PoolClosed
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams, truncated_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +121,8 @@ class ServingContext:
         if keep == 0:
             raise OpenAIError(400, "truncate_prompt_tokens must be >= 1 (or -1: to max_model_len), got 0",
                               param="truncate_prompt_tokens")
-        keep = self.max_model_len if keep == -1 else keep
-        return prompt if len(prompt.token_ids) <= keep else Prompt(prompt.token_ids[-keep:], None)
+        ids = truncated_prompt(prompt.token_ids, keep, self.max_model_len)
+        return prompt if len(ids) == len(prompt.token_ids) else Prompt(ids, None)
 
     def warn_ignored(self, request: OpenAIBaseModel) -> None:
         ignored = request.ignored_fields()
