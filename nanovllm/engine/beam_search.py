@@ -6,8 +6,8 @@ Each step, every live beam's top 2 * beam_width next tokens (the runner's logpro
 temperature) become candidates, as in vLLM's LLM.beam_search: every candidate ending in EOS is
 complete (unless ignore_eos), whatever its rank; of the others, per prompt the best beam_width by
 cumulative log-probability continue. Completed and live beams are ranked by cum_logprob /
-len(tokens) ** length_penalty (EOS not counted). The step is the engine's (schedule, execute, postprocess) with the
-choice of tokens and forks made here instead of by the sampler.
+len(tokens) ** length_penalty (EOS not counted). The step is the engine's (schedule, execute,
+postprocess) with the choice of tokens and forks made here instead of by the sampler.
 """
 
 from __future__ import annotations
