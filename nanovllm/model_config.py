@@ -84,8 +84,9 @@ class ModelConfig:
 
     @property
     def has_experts(self) -> bool:
-        """Whether layers route tokens over experts: the first of num_experts / num_local_experts that
-        config.json sets, positive, as models/moe.py reads it (which checks the experts' fields)."""
+        """Whether layers route tokens over experts: the first of num_local_experts / num_experts (its
+        alias in transformers) that config.json sets, positive, as models/moe.py reads it (which
+        checks the experts' fields)."""
         count = next((v for key in ("num_local_experts", "num_experts") if (v := self.raw.get(key)) is not None), None)
         whole = whole_number(count)
         return whole is not None and whole > 0
