@@ -98,6 +98,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -147,6 +148,10 @@ class SamplingParams:
             fail("stop", "a non-empty string or a list of non-empty strings (valid Unicode)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
+                                    or not all(is_int(t) and t >= 0 for t in allowed)):
+            fail("allowed_token_ids", "None or a non-empty list of non-negative token ids")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")

@@ -131,6 +131,20 @@ def test_truncated_prompts_and_the_whole_vocabulary_of_logprobs(llm: LLM, model_
     assert all(len(d) == vocab for d in out.outputs[0].logprobs or [])
 
 
+def test_allowed_token_ids_are_the_only_ones_sampled(llm: LLM) -> None:
+    allowed = [7, 300, 301]
+    for params in (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed,
+                                  logit_bias={300: -100.0}, n=2)):
+        for comp in llm.generate(PROMPT, params, use_tqdm=False)[0].outputs:
+            assert len(comp.token_ids) == 8 and set(comp.token_ids) <= ({7, 301} if params.logit_bias else set(allowed))
+    for bad in ([], [-1], "7"):
+        with pytest.raises(ValueError, match="allowed_token_ids must be"):
+            SamplingParams(allowed_token_ids=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids holds token id 9999"):
+        llm.generate(PROMPT, SamplingParams(allowed_token_ids=[9999]), use_tqdm=False)
+
+
 def test_seed_minus_one_is_no_seed_and_llm_seed_none_draws_one(llm: LLM, model_dir: Path) -> None:
     params = SamplingParams(temperature=1.0, seed=-1, max_tokens=12, ignore_eos=True)
     assert params.seed is None

@@ -326,6 +326,17 @@ def test_vllm_sampling_extras(client: openai.OpenAI) -> None:
     assert r.usage is not None and r.usage.completion_tokens >= 1
 
 
+def test_allowed_token_ids(server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM's allowed_token_ids: only those are sampled, greedy or not, whatever the logits say."""
+    allowed = [77, 78]
+    strings = {httpx.post(f"{server.url}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in allowed}
+    for temperature in (0.0, 1.0):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, logprobs=0, temperature=temperature,
+                                      extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+        tokens = r.choices[0].logprobs.tokens  # type: ignore[union-attr]
+        assert tokens is not None and len(tokens) == 6 and set(tokens) <= strings, tokens
+
+
 def test_tokenize_detokenize(server: ServerProcess, llm: LLM) -> None:
     tok = llm.get_tokenizer()
     r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
@@ -434,7 +445,9 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
      400, "stream_options"),
     # vLLM options that would change the output and that this server does not implement
     ("use_beam_search", "/v1/completions", {"prompt": "hi", "n": 2, "use_beam_search": True}, 400, "use_beam_search"),
-    ("allowed_token_ids", "/v1/completions", {"prompt": "hi", "allowed_token_ids": [77]}, 400, "allowed_token_ids"),
+    ("allowed_token_ids empty", "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("allowed_token_ids out of vocab", "/v1/completions", {"prompt": "hi", "allowed_token_ids": [99999]}, 400,
+     "allowed_token_ids"),
     ("bad_words", "/v1/completions", {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
     ("logits_processors", "/v1/completions", {"prompt": "hi", "logits_processors": ["m.p"]}, 400, "logits_processors"),
     ("prompt_embeds", "/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),

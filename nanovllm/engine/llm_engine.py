@@ -246,7 +246,8 @@ class LLMEngine:
                 # vLLM's check and limit (max_logprobs, 20 by default).
                 raise ValueError(f"{name} = {value} is more than this engine's max_logprobs = {most} (raise it with "
                                  "max_logprobs / --max-logprobs)")
-        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} holds token id {quote(bad[0])}, outside the vocabulary "

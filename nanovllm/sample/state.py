@@ -112,11 +112,17 @@ class SamplingState:
             slot = r.penalty_slot[sid] = self._penalties.acquire()
             ids = to_device(prompt_token_ids, self.device, np.int64)
             self._penalties.data[slot, 0, ids] = 1.0
-        if params.logit_bias:
+        if params.logit_bias or params.allowed_token_ids:
+            # One row of additions: -inf outside allowed_token_ids, then the logit bias.
             slot = r.bias_slot[sid] = self._bias.acquire()
-            tokens = to_device(list(params.logit_bias), self.device, np.int64)
-            values = to_device(list(params.logit_bias.values()), self.device, np.float32)
-            self._bias.data[slot].index_put_((tokens,), values)
+            row = self._bias.data[slot]
+            if params.allowed_token_ids:
+                row.fill_(float("-inf"))
+                row[to_device(params.allowed_token_ids, self.device, np.int64)] = 0.0
+            if params.logit_bias:
+                tokens = to_device(list(params.logit_bias), self.device, np.int64)
+                values = to_device(list(params.logit_bias.values()), self.device, np.float32)
+                row.index_put_((tokens,), values, accumulate=True)
         if params.min_tokens > 0:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if stops:

@@ -3,8 +3,8 @@
 Requests validate types strictly (a string where a number belongs is a 400, not a silent
 coercion) but ignore unknown fields, as vLLM does, so clients that send fields that change nothing
 (`user`, `metadata`, ...) keep working. Fields that would change the output and that this server
-does not implement (tools, functions, audio, `echo` on chat, beam search, token allow-lists and
-banned words, prompt embeddings) are refused by name (`refused_field`), never ignored. Value
+does not implement (tools, functions, audio, `echo` on chat, beam search, banned words, prompt
+embeddings) are refused by name (`refused_field`), never ignored. Value
 ranges are checked by `SamplingParams`, whose messages name the field.
 
 An output constraint comes from exactly one of `structured_outputs`, `response_format` or vLLM's
@@ -93,6 +93,7 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: Int | None = None
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: Bool | None = None
+    allowed_token_ids: list[Int] | None = None
     skip_special_tokens: Bool | None = None
     # vLLM's structured outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}.
     structured_outputs: dict[Str, Any] | None = None
@@ -120,7 +121,6 @@ class SamplingRequest(OpenAIBaseModel):
             ("stream_options", self.stream_options is not None and not self.stream, "it is an option of streams "
                                                                                     "(stream=true)"),
             ("use_beam_search", bool(extra.get("use_beam_search")), "beam search runs offline, in LLM.beam_search"),
-            ("allowed_token_ids", extra.get("allowed_token_ids") is not None, "no token allow-lists"),
             ("bad_words", bool(extra.get("bad_words")), "no banned words; logit_bias can forbid tokens"),
             ("logits_processors", bool(extra.get("logits_processors")), "no request logits processors"),
             ("prompt_embeds", extra.get("prompt_embeds") is not None, "prompts are text or token ids"),
@@ -184,6 +184,7 @@ class SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=pick(self.include_stop_str_in_output, False),
             # JSON keys are strings; SamplingParams turns them into token ids (or names the bad one).
             logit_bias=cast(Any, dict(self.logit_bias)) if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self.structured(),
         )
 
