@@ -151,20 +151,27 @@ def test_seeded_sampling_and_processors_unchanged(qwen3_dir: Path, method: str) 
 
 def test_draft_model_sampled_drafts(qwen3_dir: Path) -> None:
     """A sampled request's drafts come from the draft's distribution under its temperature, top-k,
-    top-p and min-p: a model drafting for itself has nearly all accepted (q = p up to rounding); a
-    seeded request is reproducible; logprobs cover every token; nothing leaks."""
-    llm = make_llm(qwen3_dir, {"method": "draft_model", "model": str(qwen3_dir), "num_speculative_tokens": 3})
+    top-p and min-p: a model drafting for itself has nearly all accepted (q = p up to rounding);
+    logprobs cover every token; nothing leaks. A seeded sampled request does not draft (a draft
+    takes draws from its generator, and how many a step takes depends on the batch): its tokens are
+    those of the engine without speculation, alone or beside others."""
+    spec = {"method": "draft_model", "model": str(qwen3_dir), "num_speculative_tokens": 3}
+    llm, base = make_llm(qwen3_dir, spec, max_num_seqs=16), make_llm(qwen3_dir)
     prompts = repetitive_prompts(11)
-    for params in (SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1),
-                   SamplingParams(temperature=0.7, top_k=8, top_p=0.9, min_p=0.02, seed=2, max_tokens=MAX_NEW)):
-        first = llm.generate(prompts, params, use_tqdm=False)
-        again = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
-        for o in first:
+    for params in (SamplingParams(temperature=1.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1),
+                   SamplingParams(temperature=0.7, top_k=8, top_p=0.9, min_p=0.02, max_tokens=MAX_NEW)):
+        for o in llm.generate(prompts, params, use_tqdm=False):
             if params.logprobs is not None:
                 assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
     stats = llm.stats()
     assert stats["spec_num_accepted_tokens"] >= 0.95 * stats["spec_num_draft_tokens"] > 0
+    seeded = SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_NEW, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in base.generate(prompts, seeded, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)] == expected
+    crowd = repetitive_prompts(12, count=8)  # 8 greedy rows beside it: speculation off for the batch
+    beside = llm.generate(prompts[:1] + crowd, [seeded] + [greedy] * len(crowd), use_tqdm=False)
+    assert beside[0].outputs[0].token_ids == expected[0]
     assert_no_leak(llm)
 
 

@@ -54,6 +54,7 @@ class Scheduler:
             enable_prefix_caching=config.options.enable_prefix_caching, eos_token_ids=list(eos_token_ids),
             vocab_size=config.model_config.vocab_size, **spec_args)
         self._spec_disable_batch = config.spec_disable_batch
+        self._draft_model = spec is not None and spec.method != "ngram"
         self.max_model_len = config.max_model_len
         self._ids = SequenceIds()
         self._reserved: dict[int, tuple[int, ...]] = {}  # a prompt's ids for its n - 1 other samples
@@ -81,7 +82,11 @@ class Scheduler:
                           min_tokens=params.min_tokens, ignore_eos=params.ignore_eos if ignore_eos is None else ignore_eos,
                           stop_token_ids=params.stop_token_ids, use_prefix_cache=use_prefix_cache,
                           num_samples=num_samples)
-            if candidates:
+            if candidates or (self._draft_model and params.seed is not None and params.temperature > 0.0):
+                # A drafted token is drawn from the request's generator, and how many drafts a
+                # step takes depends on the batch (its size, the token budget left): a seeded
+                # sampled request would repeat only beside the same requests. Without drafts it
+                # samples as decoding without speculation does, whatever runs beside it.
                 self.core.disable_spec(sid)
         except BaseException:
             self._ids.release(sid)

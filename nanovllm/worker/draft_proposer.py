@@ -101,6 +101,9 @@ class DraftProposer:
         tokens = out.tokens[offsets[1:] - 1].astype(np.int64)
         drafts = np.zeros((rows, self.k), dtype=np.int32)
         temperature = state.rows.temperature[out.seq_ids] if state.users.sampled else np.zeros(rows, np.float32)
+        # Seeded sampled rows never draft (engine/scheduler.py turns their speculation off): a draft
+        # would take draws from their generator, so their tokens would depend on the batch.
+        steps[state.rows.seeded[out.seq_ids] & (temperature > GREEDY_EPS)] = 0
         probs: dict[int, list[torch.Tensor]] = {}
         for j in range(int(steps.max(initial=0))):
             active = np.flatnonzero(steps > j)
