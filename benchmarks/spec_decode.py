@@ -7,7 +7,8 @@ to `--max-prompt-tokens` tokens: each file's first lines come first (one prompt 
 each file's next window (the lines after its previous one), and so on, so that batch 64 has
 distinct prompts from the 32 or so held-out files and no two prompts share a prefix. Every
 request produces exactly `--max-tokens` tokens (ignore_eos); greedy by default (`--temperature`
-for sampling, request i seeded with --seed + i).
+for sampling, request i seeded with --seed + i; unseeded with a draft model, which a seeded
+sampled request does not take drafts from).
 
 Batch B (`--batches`): waves of B requests submitted together, each wave finished before the next
 starts, max(B, `--num-requests`) requests in all (batch 1: one request at a time). Reported per
@@ -356,9 +357,12 @@ def reset_prefix_cache(llm: Any, engine: str) -> None:
 
 
 def _sampling_params(cls: Any, spec: dict[str, Any], **extra: Any) -> Any:
-    """index, max_tokens -> the request's SamplingParams (seeded per request when sampling)."""
+    """index, max_tokens -> the request's SamplingParams (seeded per request when sampling, but for a
+    draft model: nanovllm's seeded sampled requests take none of its drafts)."""
+    draft_model = (spec["speculative_config"] or {}).get("method") == "draft_model"
+
     def make(index: int, max_tokens: int) -> Any:
-        seed = {"seed": spec["seed"] + index} if spec["temperature"] > 0 else {}
+        seed = {"seed": spec["seed"] + index} if spec["temperature"] > 0 and not draft_model else {}
         return cls(temperature=spec["temperature"], ignore_eos=True, max_tokens=max_tokens, **seed, **extra)
 
     return make
