@@ -37,6 +37,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, INT32_MAX
 from libc.string cimport memcmp
 from libcpp.string cimport string, npos
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 from libcpp.vector cimport vector
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from cython.operator cimport dereference as deref
@@ -769,10 +770,10 @@ cdef class Detokenizer:
         cdef Seq* s
         cdef vector[Seq*] batch
         cdef unordered_map[int64_t, size_t].iterator it
-        cdef unordered_map[int64_t, size_t] silent  # stop_terminated, as a set
+        cdef unordered_set[int64_t] silent  # stop_terminated
         if stop_terminated is not None:
             for key in _as_int64(stop_terminated, "stop_terminated"):
-                silent[key] = 0
+                silent.insert(key)
         # Validate everything first, so that a bad call changes no sequence.
         self.epoch += 1
         batch.resize(n)

@@ -17,6 +17,7 @@ import numpy as np
 
 from nanovllm import _C
 from nanovllm.config import ResolvedConfig
+from nanovllm.sample.sampler import GREEDY_EPS
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.worker.step import Admission, RunnerOutput, SchedulerOutput
 
@@ -82,7 +83,7 @@ class Scheduler:
                           min_tokens=params.min_tokens, ignore_eos=params.ignore_eos if ignore_eos is None else ignore_eos,
                           stop_token_ids=params.stop_token_ids, use_prefix_cache=use_prefix_cache,
                           num_samples=num_samples)
-            if candidates or (self._draft_model and params.seed is not None and params.temperature > 0.0):
+            if candidates or (self._draft_model and params.seed is not None and params.temperature > GREEDY_EPS):
                 # A drafted token is drawn from the request's generator, and how many drafts a
                 # step takes depends on the batch (its size, the token budget left): a seeded
                 # sampled request would repeat only beside the same requests. Without drafts it

@@ -118,6 +118,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path, skipped: tupl
     targets = checkpoint_targets(model)
     params = dict(model.named_parameters())
     ignored_names = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    passed_over = (*model.ignored_checkpoint_suffixes, *skipped)
     loaded: dict[str, Path] = {}
     for file in files:
         try:
@@ -126,7 +127,7 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path, skipped: tupl
             raise ValueError(f"cannot read safetensors file {file}: {e}") from e
         with handle as f:
             for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
-                if name in ignored_names or name.endswith((*model.ignored_checkpoint_suffixes, *skipped)):
+                if name in ignored_names or name.endswith(passed_over):
                     continue
                 target = targets.get(name)
                 if target is None and _zero_bias_of_unbiased_layer(name, targets, f):
