@@ -14,6 +14,9 @@ from nanovllm.quote import quote
 
 # A seed seeds a torch.Generator, whose manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# vLLM's bounds on a request's bad_words once tokenized (VLLM_MAX_NUM_BAD_WORDS and
+# VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): sequences, and their tokens in all.
+MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 
 
 # The kinds of StructuredOutputsParams, in the order its fields are declared.
@@ -89,6 +92,9 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    # Words never generated (vLLM's): each is tokenized as written and after a space, and a token
+    # that would complete one of those sequences in the output is masked (update_from_tokenizer).
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: until max_model_len
     min_tokens: int = 0
@@ -101,6 +107,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.seed == -1 and not isinstance(self.seed, bool):  # OpenAI's and vLLM's "no seed"
@@ -111,11 +118,16 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {quote(self.stop)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not isinstance(self.bad_words, (list, tuple, type(None))):
+            raise ValueError(f"bad_words must be a list of strings, got {quote(self.bad_words)}")
+        self.bad_words = None if self.bad_words is None else list(self.bad_words)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a map of token id -> bias, got {quote(self.logit_bias)}")
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM's: each word once
 
     def _validate(self) -> None:
         def fail(name: str, requirement: str) -> None:
@@ -146,6 +158,8 @@ class SamplingParams:
             fail("seed", "None or an integer in [-2**63, 2**64 - 1]")
         if not all(isinstance(s, str) and s and _encodable(s) for s in self.stop_strings):
             fail("stop", "a non-empty string or a list of non-empty strings (valid Unicode)")
+        if not all(isinstance(w, str) and w and _encodable(w) for w in self.bad_words or ()):
+            fail("bad_words", "None or a list of non-empty strings (valid Unicode)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "a list of non-negative token ids")
         allowed = self.allowed_token_ids
@@ -173,6 +187,36 @@ class SamplingParams:
                     fail("logit_bias", "a map of token id -> bias in [-100, 100]")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             fail("structured_outputs", "None or a StructuredOutputsParams")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """bad_words as token id sequences (vLLM's rule): each word with its leading spaces removed,
+        as written and after a space, the spaced form kept only where its first token differs and
+        its length is the same (a word-start token of its own). ValueError when a word has no tokens
+        or there are too many."""
+        if not self.bad_words:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for spaced in (False, True):
+                ids = list(tokenizer.encode((" " if spaced else "") + word.lstrip(), add_special_tokens=False))
+                if not ids:
+                    if not spaced:
+                        raise ValueError(f"bad_words entry {quote(word)} encodes to no tokens")
+                    continue
+                if not spaced or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
+                    sequences.append(ids)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words make {len(sequences)} token sequences (each word as written and after a "
+                             f"space), more than {MAX_BAD_WORDS}")
+        total = sum(map(len, sequences))
+        if total > MAX_BAD_WORDS_TOKENS:
+            raise ValueError(f"bad_words encode to {total} tokens in all, more than {MAX_BAD_WORDS_TOKENS}")
+        self._bad_words_token_ids = sequences
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The token sequences bad_words forbid, once update_from_tokenizer has run."""
+        return self._bad_words_token_ids
 
     @property
     def greedy(self) -> bool:

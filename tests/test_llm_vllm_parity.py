@@ -1,8 +1,11 @@
 """The offline API where a vLLM user would notice a difference: the text of a token that ended the
 request (EOS, a stop token id) left out of `text` (vLLM's detokenizer.update(stop_terminated)),
 generation_config.json's end tokens, LLM.chat's template options, max_tokens=None, seed=-1 and
-LLM(seed=None), each logprobs dict starting with the chosen token, and beam search's choice of
-beams (vLLM's LLM.beam_search, written out here over transformers' logits)."""
+LLM(seed=None), each logprobs dict starting with the chosen token, beam search's choice of
+beams (vLLM's LLM.beam_search, written out here over transformers' logits), and bad_words: each word
+tokenized as vLLM's update_from_tokenizer does, and a token masked where it would complete one of
+the word's token sequences after the output's last tokens (vLLM's apply_bad_words; the prompt does
+not count), against a greedy loop over transformers' logits that masks by that rule."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from engine_helpers import hf_model
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
@@ -214,3 +218,131 @@ def test_beam_search_chooses_beams_as_vllm(model_dir: Path, tmp_path: Path) -> N
             assert s.cum_logprob == pytest.approx(cum, abs=1e-3)
         ends_early += sum(len(s.tokens) < len(prompt) + 6 for s in out.sequences)
     assert ends_early >= 3  # the EOS rule was exercised
+
+
+# bad_words ---------------------------------------------------------------------------------------
+
+def sequences(llm: LLM, words: list[str]) -> list[list[int]]:
+    params = SamplingParams(bad_words=words)
+    params.update_from_tokenizer(llm.get_tokenizer())
+    assert params.bad_words_token_ids is not None
+    return params.bad_words_token_ids
+
+
+def reference(model_dir: Path, prompt: list[int], banned: list[list[int]], max_new: int) -> list[int]:
+    """Greedy decoding over transformers' logits, each step masking the last token of every
+    sequence whose other tokens end the output so far (vLLM's _apply_bad_words_single_batch)."""
+    model = hf_model(str(model_dir))
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids])).logits[0, -1].clone()
+            for seq in banned:
+                if len(seq) - 1 <= len(out) and out[len(out) - len(seq) + 1:] == seq[:-1]:
+                    logits[seq[-1]] = float("-inf")
+            token = int(torch.argmax(logits))
+            ids.append(token)
+            out.append(token)
+    return out
+
+
+def contains(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def words_at(llm: LLM, tokens: list[int], width: int) -> list[tuple[int, str]]:
+    """(i, text) where tokens[i:i + width] decode to a word that encodes back to those tokens."""
+    tok = llm.get_tokenizer()
+    found = []
+    for i in range(2, len(tokens) - width):
+        text = tok.decode(tokens[i:i + width])
+        if text.strip() and text == text.lstrip() and tok.encode(text, add_special_tokens=False) == tokens[i:i + width]:
+            found.append((i, text))
+    return found
+
+
+def words_from(llm: LLM, tokens: list[int], width: int) -> list[str]:
+    return [text for _, text in words_at(llm, tokens, width)]
+
+
+def test_words_tokenize_as_vllm(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    word = next(w for w in ("world", "hello", "this", "is")
+                if len(tok.encode(" " + w, add_special_tokens=False)) == len(tok.encode(w, add_special_tokens=False))
+                and tok.encode(" " + w, add_special_tokens=False)[0] != tok.encode(w, add_special_tokens=False)[0])
+    plain, spaced = tok.encode(word, add_special_tokens=False), tok.encode(" " + word, add_special_tokens=False)
+    # Leading spaces are stripped first; a word given twice counts once.
+    assert sequences(llm, ["  " + word, "  " + word]) == [plain, spaced]
+    # A spaced form of another length is not a word start of its own: left out (vLLM's rule).
+    long = next(w for w in ("hello world", "xqzv", "zzqq", "qqq")
+                if len(tok.encode(" " + w, add_special_tokens=False)) != len(tok.encode(w, add_special_tokens=False)))
+    assert sequences(llm, [long]) == [tok.encode(long, add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("words, match", [
+    (["ok", ""], "bad_words"), (["ok", 3], "bad_words"), ("ok", "bad_words must be a list"),
+    (["\ud800"], "bad_words"),
+])
+def test_malformed_bad_words_are_named(words: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(bad_words=words)  # type: ignore[arg-type]
+
+
+def test_a_word_of_no_tokens_is_refused_at_admission(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="no tokens"):
+        llm.generate(PROMPT, SamplingParams(bad_words=["   "]), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_output_avoids_the_words_as_the_reference(llm: LLM, model_dir: Path) -> None:
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    base = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    ones, twos = words_from(llm, base, 1), words_from(llm, base, 2)
+    assert ones and twos, "the output holds words of one and two tokens"
+    for words in ([ones[0]], [twos[0]], [ones[-1], twos[-1]]):
+        banned = sequences(llm, words)
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert out == reference(model_dir, prompt, banned, 24)
+        assert out != base and not any(contains(out, seq) for seq in banned)
+    assert params.bad_words_token_ids is None  # the caller's params stay as given
+
+
+def test_the_prompt_does_not_count(llm: LLM, model_dir: Path) -> None:
+    """A two-token word whose first token ends the prompt: its second is still allowed first."""
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    base = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    i, word = words_at(llm, base, 2)[0]
+    longer = prompt + base[:i + 1]  # ends with the word's first token; greedy goes on with its second
+    banned = sequences(llm, [word])
+    assert banned[0] == base[i:i + 2]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word])
+    out = llm.generate({"prompt_token_ids": longer}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out[0] == base[i + 1] and out == reference(model_dir, longer, banned, 8)
+
+
+def test_every_sample_of_n_avoids_the_words(llm: LLM) -> None:
+    free = llm.generate(PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    words = sorted({w for o in free for w in words_from(llm, o.token_ids, 1)})[:3]
+    assert words
+    banned = sequences(llm, words)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, bad_words=words)
+    outs = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs
+    for o in outs:
+        assert not any(contains(o.token_ids, seq) for seq in banned)
+
+
+def test_speculative_decoding_gives_the_same_tokens(llm: LLM, model_dir: Path) -> None:
+    prompt = llm.get_tokenizer().encode(PROMPT * 3)
+    base = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    words = words_from(llm, base, 2)[:2] + words_from(llm, base, 1)[:1]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words=words)
+    expected = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    spec = LLM(str(model_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **ENGINE)
+    out = spec.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == expected == reference(model_dir, prompt, sequences(llm, words), 24)

@@ -337,6 +337,29 @@ def test_allowed_token_ids(server: ServerProcess, client: openai.OpenAI) -> None
         assert tokens is not None and len(tokens) == 6 and set(tokens) <= strings, tokens
 
 
+def test_bad_words_as_offline(client: openai.OpenAI, llm: LLM) -> None:
+    """vLLM's bad_words over HTTP: the tokens the offline engine gives with the same words."""
+    tok = llm.get_tokenizer()
+    prompt = tok.encode("Hello world")
+    base = llm.generate({"prompt_token_ids": prompt}, greedy(12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    words = [tok.decode(base.token_ids[i:i + 2]).strip() for i in (2, 5)]
+    expected = llm.generate({"prompt_token_ids": prompt}, greedy(12, ignore_eos=True, bad_words=words),
+                            use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids != base.token_ids
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"bad_words": words, "ignore_eos": True})
+    assert r.choices[0].text == expected.text
+    messages = chat_messages(("user", "Hello world"))
+    chat_prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_base = llm.generate(chat_prompt, greedy(12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    chat_words = [tok.decode(chat_base.token_ids[i:i + 1]).strip() for i in (1, 3)]
+    chat_expected = llm.generate(chat_prompt, greedy(12, ignore_eos=True, bad_words=chat_words),
+                                 use_tqdm=False)[0].outputs[0]
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"bad_words": chat_words, "ignore_eos": True})
+    assert c.choices[0].message.content == chat_expected.text
+
+
 def test_tokenize_detokenize(server: ServerProcess, llm: LLM) -> None:
     tok = llm.get_tokenizer()
     r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})
@@ -448,12 +471,14 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
     ("allowed_token_ids empty", "/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("allowed_token_ids out of vocab", "/v1/completions", {"prompt": "hi", "allowed_token_ids": [99999]}, 400,
      "allowed_token_ids"),
-    ("bad_words", "/v1/completions", {"prompt": "hi", "bad_words": ["x"]}, 400, "bad_words"),
+    ("bad_words with an empty word", "/v1/completions", {"prompt": "hi", "bad_words": ["x", ""]}, 400, "bad_words"),
+    ("bad_words not a list", "/v1/completions", {"prompt": "hi", "bad_words": "x"}, 400, "bad_words"),
+    ("bad_words of no tokens", "/v1/completions", {"prompt": "hi", "bad_words": ["   "]}, 400, "bad_words"),
     ("logits_processors", "/v1/completions", {"prompt": "hi", "logits_processors": ["m.p"]}, 400, "logits_processors"),
     ("prompt_embeds", "/v1/completions", {"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
     ("spaces_between_special_tokens", "/v1/completions", {"prompt": "hi", "spaces_between_special_tokens": False},
      400, "spaces_between_special_tokens"),
-    ("chat: bad_words", "/v1/chat/completions", {**CHAT_OK, "bad_words": ["x"]}, 400, "bad_words"),
+    ("chat: bad_words of no tokens", "/v1/chat/completions", {**CHAT_OK, "bad_words": [" "]}, 400, "bad_words"),
     ("truncate_prompt_tokens = 0", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
     ("max_tokens = 0 with echo, over max_model_len", "/v1/completions",

@@ -202,6 +202,9 @@ class LLMEngine:
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary"
             params = replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
                                         if getattr(params, name) == -1})
+        if params.bad_words:  # tokenized here, on a copy: the caller's params may serve other prompts
+            params = replace(params)
+            params.update_from_tokenizer(self.tokenizer)
         self.check_prompt(token_ids)
         self._check_params(params)
         if params.structured_outputs is not None and grammar is None:
@@ -246,8 +249,9 @@ class LLMEngine:
                 # vLLM's check and limit (max_logprobs, 20 by default).
                 raise ValueError(f"{name} = {value} is more than this engine's max_logprobs = {most} (raise it with "
                                  "max_logprobs / --max-logprobs)")
+        bad_words = [t for ids in params.bad_words_token_ids or () for t in ids]
         for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
+                             ("allowed_token_ids", params.allowed_token_ids or ()), ("bad_words", bad_words)):
             bad = [t for t in tokens if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} holds token id {quote(bad[0])}, outside the vocabulary "

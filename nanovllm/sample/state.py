@@ -11,6 +11,8 @@ per column, so its cost grows with the batch, never with the sequences' lengths:
 * logit bias is a dense `[vocab]` row per biased sequence, added in one indexed add;
 * min_tokens masks each sequence's stop tokens (its stop ids, plus EOS unless ignore_eos) while
   it has produced fewer tokens than asked, from a padded `[rows, stops]` id table;
+* bad words mask, in a sequence that has them, each token that would complete one of its words'
+  token sequences after its last output tokens (`BadWords`, host lists: a few rows at most);
 * structured output keeps, in a sequence with a grammar, only the tokens its grammar allows next
   (`GrammarRows`: one bitmask fill and one masking call per step for all constrained rows), and
   advances its grammar with each sampled token.
@@ -61,6 +63,7 @@ COLUMNS = {
     "bias_slot": (np.int64, -1),       # DenseRows slot of the logit bias
     "stop_row": (np.int64, -1),        # row of `_stop_ids` masked until min_tokens
     "constrained": (bool, False),      # has a grammar (a matcher in `grammars`)
+    "bad_words": (bool, False),        # has bad words (a BadWords in `bad_words`)
     "counted": (bool, False),          # in the `users` counts
 }
 
@@ -77,6 +80,7 @@ class SamplingState:
         # Built with the first constrained sequence: xgrammar is imported only when structured
         # output is used (it is an optional dependency where the engine runs without it).
         self.grammars: GrammarRows | None = None
+        self.bad_words: dict[int, BadWords] = {}
         # Stop ids masked while min_tokens is not reached, -1 padded; rows recycled through a free list.
         self._stop_ids = np.full((0, 1), -1, dtype=np.int64)
         self._free_stop_rows: list[int] = []
@@ -127,6 +131,9 @@ class SamplingState:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if stops:
                 r.stop_row[sid] = self._take_stop_row(sorted(stops))
+        if params.bad_words_token_ids:
+            self.bad_words[sid] = BadWords([tuple(ids) for ids in params.bad_words_token_ids])
+            r.bad_words[sid] = True
         if grammar is not None:
             if self.grammars is None:
                 from nanovllm.sample.structured import GrammarRows
@@ -161,6 +168,8 @@ class SamplingState:
         if r.constrained[parent]:
             assert self.grammars is not None
             self.grammars.fork(parent, child)
+        if r.bad_words[parent]:
+            self.bad_words[child] = self.bad_words[parent].copy()
         self._count(child, 1)
 
     def remove(self, sid: int) -> None:
@@ -168,6 +177,7 @@ class SamplingState:
         if r.counted[sid]:
             self._count(sid, -1)
         self.generators.pop(sid, None)
+        self.bad_words.pop(sid, None)
         if r.constrained[sid]:
             assert self.grammars is not None
             self.grammars.remove(sid)
@@ -186,7 +196,7 @@ class SamplingState:
         u.sampled += delta * bool(r.temperature[sid] > GREEDY_EPS)
         u.logprobs += delta * bool(r.logprobs[sid] >= 0)
         u.processed += delta * bool(r.penalty_slot[sid] >= 0 or r.bias_slot[sid] >= 0 or r.stop_row[sid] >= 0
-                                    or r.constrained[sid])
+                                    or r.constrained[sid] or r.bad_words[sid])
 
     def _take_stop_row(self, ids: list[int]) -> int:
         if len(ids) > self._stop_ids.shape[1]:
@@ -234,7 +244,8 @@ class SamplingState:
         grammars = self.grammars
         grammar_rows = np.flatnonzero(r.constrained[sids]) if grammars is not None and grammars.matchers \
             else mask_rows[:0]
-        if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or len(grammar_rows)):
+        banned = self._banned(sids) if self.bad_words else None
+        if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or len(grammar_rows) or banned):
             return logits
         if keep_input:
             logits = logits.clone()
@@ -257,10 +268,23 @@ class SamplingState:
             valid = ids >= 0
             rows = np.broadcast_to(mask_rows[:, None], ids.shape)[valid]
             logits[to_device(rows, dev), to_device(ids[valid], dev)] = float("-inf")
+        if banned:
+            rows, ids = banned
+            logits[to_device(rows, dev), to_device(ids, dev)] = float("-inf")
         if len(grammar_rows):
             assert grammars is not None
             grammars.mask(logits, grammar_rows, sids[grammar_rows])
         return logits
+
+    def _banned(self, sids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(rows, token ids) that bad words forbid at rows `sids`; None where none."""
+        rows: list[int] = []
+        ids: list[int] = []
+        for row in np.flatnonzero(self.rows.bad_words[sids]).tolist():
+            banned = self.bad_words[int(sids[row])].banned()
+            rows += [row] * len(banned)
+            ids += banned
+        return (np.array(rows, dtype=np.int64), np.array(ids, dtype=np.int64)) if rows else None
 
     def record(self, sids: np.ndarray, tokens: torch.Tensor, host_tokens: np.ndarray) -> GrammarEnds:
         """The tokens just sampled for rows `sids` (each sequence at most once), on the device and
@@ -275,6 +299,9 @@ class SamplingState:
             if len(rows):
                 ends = GrammarEnds(*grammars.accept(sids[rows], host_tokens[rows]))
         r.num_output[sids] += 1
+        if self.bad_words:
+            for row in np.flatnonzero(r.bad_words[sids]).tolist():
+                self.bad_words[int(sids[row])].append(int(host_tokens[row]))
         slots = r.penalty_slot[sids]
         rows = np.flatnonzero(slots >= 0)
         if len(rows):
@@ -284,6 +311,32 @@ class SamplingState:
                 (to_device(slots[rows], dev), torch.ones_like(idx), tokens[idx].to(dev)),
                 torch.ones(len(rows), device=dev), accumulate=True)
         return ends
+
+
+@dataclass
+class BadWords:
+    """A sequence's bad words as token sequences, and its last output tokens (as many as the
+    longest sequence's prefix): a word's last token is banned where the output ends with the rest
+    of it (vLLM's rule; the prompt does not count)."""
+
+    words: list[tuple[int, ...]]
+    recent: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._keep = max(map(len, self.words)) - 1
+
+    def banned(self) -> list[int]:
+        recent = self.recent
+        return [w[-1] for w in self.words if len(w) - 1 <= len(recent)
+                and (len(w) == 1 or tuple(recent[len(recent) - len(w) + 1:]) == w[:-1])]
+
+    def append(self, token: int) -> None:
+        if self._keep:
+            self.recent.append(token)
+            del self.recent[:-self._keep]
+
+    def copy(self) -> BadWords:
+        return BadWords(self.words, list(self.recent))
 
 
 @dataclass

@@ -94,6 +94,7 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: Bool | None = None
     allowed_token_ids: list[Int] | None = None
+    bad_words: list[Str] | None = None
     skip_special_tokens: Bool | None = None
     # vLLM's structured outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}.
     structured_outputs: dict[Str, Any] | None = None
@@ -121,7 +122,6 @@ class SamplingRequest(OpenAIBaseModel):
             ("stream_options", self.stream_options is not None and not self.stream, "it is an option of streams "
                                                                                     "(stream=true)"),
             ("use_beam_search", bool(extra.get("use_beam_search")), "beam search runs offline, in LLM.beam_search"),
-            ("bad_words", bool(extra.get("bad_words")), "no banned words; logit_bias can forbid tokens"),
             ("logits_processors", bool(extra.get("logits_processors")), "no request logits processors"),
             ("prompt_embeds", extra.get("prompt_embeds") is not None, "prompts are text or token ids"),
             ("spaces_between_special_tokens", extra.get("spaces_between_special_tokens") is False,
@@ -185,6 +185,7 @@ class SamplingRequest(OpenAIBaseModel):
             # JSON keys are strings; SamplingParams turns them into token ids (or names the bad one).
             logit_bias=cast(Any, dict(self.logit_bias)) if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=self.structured(),
         )
 
