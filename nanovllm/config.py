@@ -167,6 +167,13 @@ class EngineConfig:
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")
     seed: int | None = option(0, "seed of the sampling generator for requests without their own seed (None: "
                                  "a random one)")
+    generation_config: str = option(
+        "auto", "the default sampling parameters of a request that leaves them out: auto (those the model's "
+        "generation_config.json sets: temperature, top_p, top_k, min_p, the penalties, max_new_tokens as "
+        "max_tokens), vllm (vLLM's neutral ones), or a directory holding a generation_config.json")
+    override_generation_config: dict[str, Any] | str | None = option(
+        None, "default sampling parameters over the generation config's, as JSON: {\"temperature\": 0.5}",
+        metavar="JSON")
     speculative_config: dict[str, Any] | str | None = option(
         None, "speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", \"model\": DIR, "
@@ -219,6 +226,17 @@ class EngineConfig:
                              "longer than max_num_batched_tokens over steps")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+        if not isinstance(override, (dict, type(None))):
+            raise ValueError(f"override_generation_config must be a dict (JSON object), got {type(override).__name__}")
+        object.__setattr__(self, "override_generation_config", override)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         spec = None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative", spec)
         object.__setattr__(self, "parallel", ParallelConfig(

@@ -222,6 +222,38 @@ def _generation_eos(model_dir: Path) -> tuple[int, ...]:
         return ()
 
 
+# generation_config.json's fields that become default sampling parameters (vLLM's
+# get_diff_sampling_param); max_new_tokens is max_tokens.
+SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
+                   "min_p", "max_new_tokens")
+
+
+def sampling_defaults(model_dir: str | Path, source: str = "auto",
+                      override: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The sampling parameters a request that leaves them out gets, by SamplingParams' names (vLLM's
+    --generation-config): those generation_config.json sets (`source` "auto": the model's; a
+    directory: its file; "vllm": none), with `override`'s over them. ValueError for a directory
+    without the file or a file that is not a JSON object."""
+    raw: dict[str, Any] = {}
+    if source != "vllm":
+        path = (Path(model_dir) if source == "auto" else Path(source)) / "generation_config.json"
+        if source != "auto" and not path.is_file():
+            raise ValueError(f"generation_config={source!r}: {path} does not exist (give 'auto', 'vllm' or a "
+                             "directory holding a generation_config.json)")
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path} is not readable JSON: {e}") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path} must hold a JSON object")
+    raw = {**raw, **(override or {})}
+    diff = {name: raw[name] for name in SAMPLING_FIELDS if raw.get(name) is not None}
+    if "max_new_tokens" in diff:
+        diff["max_tokens"] = diff.pop("max_new_tokens")
+    return diff
+
+
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()

@@ -151,8 +151,6 @@ UNSUPPORTED: dict[str, Unsupported] = {u.name: u for u in [
     *_group("speculative decoding is configured as one JSON object: --speculative-config '{\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4}'", "spec_method", "spec_model", "spec_tokens"),
     *_group("structured output always uses xgrammar", "structured_outputs_config"),
-    *_group("sampling defaults come from each request (SamplingParams), not the model's generation_config.json",
-            "generation_config=vllm", "override_generation_config"),
     *_group("tool calling is not implemented (a request with `tools` gets a 400)",
             "enable_auto_tool_choice?=false", "tool_call_parser", "tool_parser_plugin", "tool_strict_level",
             "tool_server", "exclude_tools_when_tool_choice_none?=false", where=frozenset({SERVE})),

@@ -76,6 +76,42 @@ def test_eos_text_is_left_out_with_special_tokens_kept(llm: LLM) -> None:
     assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
 
 
+def with_generation_config(model_dir: Path, where: Path, **fields: object) -> Path:
+    shutil.copytree(model_dir, where)
+    config = json.loads((where / "generation_config.json").read_text())
+    (where / "generation_config.json").write_text(json.dumps({**config, **fields}))
+    return where
+
+
+def test_generation_config_gives_the_default_sampling_params(llm: LLM, model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's generation_config="auto": the sampling fields generation_config.json sets are what
+    generate() uses without sampling_params (max_new_tokens as max_tokens); "vllm" ignores them,
+    override_generation_config goes over them, a directory gives its own file's."""
+    path = with_generation_config(model_dir, tmp_path / "gen", temperature=0.0, top_p=0.9, top_k=7,
+                                  repetition_penalty=1.2, max_new_tokens=6, do_sample=True)
+    gen = LLM(str(path), **ENGINE)
+    params = gen.get_default_sampling_params()
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty, params.max_tokens) == \
+        (0.0, 0.9, 7, 1.2, 6)
+    out = gen.generate(PROMPT, use_tqdm=False)[0].outputs[0]
+    expected = greedy(llm, max_tokens=6, top_p=0.9, top_k=7, repetition_penalty=1.2)
+    assert out.token_ids == expected.token_ids
+    assert LLM(str(path), generation_config="vllm", **ENGINE).get_default_sampling_params() == SamplingParams()
+    over = LLM(str(path), override_generation_config={"top_p": 0.5, "max_new_tokens": 3}, **ENGINE)
+    assert (over.get_default_sampling_params().top_p, over.get_default_sampling_params().max_tokens) == (0.5, 3)
+    elsewhere = LLM(str(model_dir), generation_config=str(path), **ENGINE).get_default_sampling_params()
+    assert elsewhere.max_tokens == 6 and llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_bad_generation_config_is_named(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        LLM(str(with_generation_config(model_dir, tmp_path / "bad", top_p=0.0)), **ENGINE)
+    with pytest.raises(ValueError, match="generation_config.json"):
+        LLM(str(model_dir), generation_config=str(tmp_path / "missing"), **ENGINE)
+    with pytest.raises(ValueError, match="override_generation_config"):
+        LLM(str(model_dir), override_generation_config="{not json", **ENGINE)
+
+
 def test_generation_config_end_tokens_stop_generation(llm: LLM, model_dir: Path, tmp_path: Path) -> None:
     base = greedy(llm, max_tokens=12, ignore_eos=True).token_ids
     k = next(i for i, t in enumerate(base) if i >= 3 and t not in base[:i] and t != 0)

@@ -360,6 +360,30 @@ def test_bad_words_as_offline(client: openai.OpenAI, llm: LLM) -> None:
     assert c.choices[0].message.content == chat_expected.text
 
 
+def test_generation_config_defaults(model_dir: Path, llm: LLM, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM's --generation-config: a sampling field a request leaves out takes the generation
+    config's value (here --override-generation-config's), a field it sets keeps its own, and a chat
+    request without max_tokens stops at max_new_tokens."""
+    defaults = {"temperature": 0, "repetition_penalty": 1.5, "max_new_tokens": 7}
+    tok = llm.get_tokenizer()
+    chat_prompt = tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False)
+    with ServerProcess(model_dir, tmp_path_factory.mktemp("gen_config"), *CLI_ARGS, "--served-model-name", MODEL,
+                       "--override-generation-config", json.dumps(defaults)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60)
+        c = client.chat.completions.create(model=MODEL, messages=HI, extra_body={"ignore_eos": True})
+        expected = llm.generate(chat_prompt, greedy(7, repetition_penalty=1.5, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+        assert c.choices[0].message.content == expected.text and c.usage is not None
+        assert c.usage.completion_tokens == 7
+        own = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=5,
+                                             extra_body={"repetition_penalty": 1.0, "ignore_eos": True})
+        plain = llm.generate(chat_prompt, greedy(5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert own.choices[0].message.content == plain.text
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == llm.generate("Hello", greedy(6, repetition_penalty=1.5, ignore_eos=True),
+                                                 use_tqdm=False)[0].outputs[0].text
+
+
 def test_tokenize_detokenize(server: ServerProcess, llm: LLM) -> None:
     tok = llm.get_tokenizer()
     r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import math
 import threading
 import time
@@ -34,6 +35,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.request_state import Completion, Request
 from nanovllm.engine.scheduler import Finished, Scheduler
 from nanovllm.executor import make_executor
+from nanovllm.model_config import sampling_defaults
 from nanovllm.models.loader import check_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.quote import quote
@@ -45,6 +47,8 @@ from nanovllm.worker.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from nanovllm.sample.grammar import GrammarCompiler, HeldGrammar
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -100,6 +104,21 @@ def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def checked_sampling_defaults(options: EngineConfig) -> dict[str, Any]:
+    """generation_config's default sampling parameters (model_config.sampling_defaults), checked as
+    SamplingParams checks them; logged where they change vLLM's neutral ones, as vLLM does."""
+    defaults = sampling_defaults(options.model, options.generation_config, options.override_generation_config)
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the generation config's default sampling parameters {defaults} are not valid: {e}") from None
+    if defaults and options.generation_config != "vllm":
+        logger.warning("default sampling parameters from %s: %s (generation_config='vllm' for vLLM's neutral ones)",
+                       "the model's generation_config.json" if options.generation_config == "auto"
+                       else options.generation_config, defaults)
+    return defaults
+
+
 class LLMEngine:
     def __init__(self, options: EngineConfig) -> None:
         try:
@@ -124,6 +143,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
+        self.sampling_defaults = checked_sampling_defaults(options)
         # The loader checks every weight file before the model takes any memory.
         self.executor = make_executor(config, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.executor.initialize_kv_cache(), self.eos_token_ids)

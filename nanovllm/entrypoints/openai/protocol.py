@@ -14,6 +14,7 @@ older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, field_validator
@@ -67,6 +68,11 @@ class ResponseFormat(OpenAIBaseModel):
 
 
 # vLLM's older names for structured_outputs' kinds.
+# The sampling values of a request that leaves a field out, where the server's generation config sets
+# none (vLLM's _DEFAULT_SAMPLING_PARAMS; top_k -1 and 0 both mean off).
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -149,12 +155,16 @@ class SamplingRequest(OpenAIBaseModel):
                              f"it takes one of {', '.join(KINDS)}")
         return StructuredOutputsParams(**self.structured_outputs)
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range. A sampling field the
+        request leaves out takes `defaults`' value (the server's generation config), else vLLM's."""
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
+
+        def sampling(name: str) -> Any:
+            return pick(getattr(self, name), (defaults or {}).get(name, NEUTRAL_SAMPLING[name]))
 
         # A lone surrogate cannot be matched against UTF-8 text; refuse it here, by name.
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
@@ -165,16 +175,16 @@ class SamplingRequest(OpenAIBaseModel):
 
         return SamplingParams(
             n=self.n,
-            temperature=pick(self.temperature, 1.0),
-            top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, -1),
-            min_p=pick(self.min_p, 0.0),
+            temperature=sampling("temperature"),
+            top_p=sampling("top_p"),
+            top_k=sampling("top_k"),
+            min_p=sampling("min_p"),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
-            presence_penalty=pick(self.presence_penalty, 0.0),
-            frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            presence_penalty=sampling("presence_penalty"),
+            frequency_penalty=sampling("frequency_penalty"),
+            repetition_penalty=sampling("repetition_penalty"),
             ignore_eos=pick(self.ignore_eos, False),
             max_tokens=max_tokens,
             min_tokens=pick(self.min_tokens, 0),

@@ -98,6 +98,8 @@ class ServingContext:
     grammar_pool: GrammarPool
     render_timeout: float  # seconds a chat template may take to render
     trust_request_chat_template: bool = False
+    # What a request that leaves a sampling field out gets (the engine's generation config).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -138,8 +140,8 @@ class ServingContext:
             raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                                    f"tokens, but the prompt has {n} tokens; leave room for at least one "
                                    "generated token.", param="prompt")
-        if requested is None:
-            return self.max_model_len - n
+        if requested is None:  # vLLM's: the room left, within the generation config's max_new_tokens
+            return min(self.max_model_len - n, self.sampling_defaults.get("max_tokens", self.max_model_len))
         if requested < 1:
             raise OpenAIError(400, f"max_tokens must be an integer >= 1, got {requested}", param="max_tokens")
         if n + requested > self.max_model_len:
@@ -150,8 +152,10 @@ class ServingContext:
         return requested
 
     def sampling_params(self, make: Any, *args: Any, **kwargs: Any) -> SamplingParams:
+        """make(*args, **kwargs, defaults=the generation config's sampling defaults); a ValueError
+        becomes a 400 naming the field."""
         try:
-            return make(*args, **kwargs)
+            return make(*args, **kwargs, defaults=self.sampling_defaults)
         except ValueError as e:
             raise OpenAIError(400, str(e), param=_leading_field(str(e))) from None
 
