@@ -101,6 +101,7 @@ class SamplingParams:
     logprobs: int | None = None  # -1: every token of the vocabulary (as vLLM)
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    detokenize: bool = True  # False: outputs carry token ids only (text "", logprobs without their strings)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -166,9 +167,11 @@ class SamplingParams:
         if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
                                     or not all(is_int(t) and t >= 0 for t in allowed)):
             fail("allowed_token_ids", "None or a non-empty list of non-negative token ids")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
+        if not self.detokenize and self.stop_strings:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "None (until max_model_len) or an integer >= 1")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):

@@ -1,7 +1,8 @@
 """The offline API where a vLLM user would notice a difference: the text of a token that ended the
 request (EOS, a stop token id) left out of `text` (vLLM's detokenizer.update(stop_terminated)),
 generation_config.json's end tokens, LLM.chat's template options, max_tokens=None, seed=-1 and
-LLM(seed=None), each logprobs dict starting with the chosen token, beam search's choice of
+LLM(seed=None), each logprobs dict starting with the chosen token, detokenize=False, the sampling
+defaults generation_config.json sets (vLLM's generation_config), beam search's choice of
 beams (vLLM's LLM.beam_search, written out here over transformers' logits), and bad_words: each word
 tokenized as vLLM's update_from_tokenizer does, and a token masked where it would complete one of
 the word's token sequences after the output's last tokens (vLLM's apply_bad_words; the prompt does
@@ -74,6 +75,24 @@ def test_eos_text_is_left_out_with_special_tokens_kept(llm: LLM) -> None:
     eos = llm.get_tokenizer().eos_token_id
     out = greedy(llm, max_tokens=5, logit_bias={eos: 100.0}, skip_special_tokens=False)
     assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+
+
+def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
+    """vLLM's detokenize=False: the same tokens and logprobs, no text, no decoded strings."""
+    kw = dict(temperature=0.8, seed=5, max_tokens=10, logprobs=2, prompt_logprobs=1)
+    full = llm.generate(PROMPT, SamplingParams(**kw), use_tqdm=False)[0]
+    bare = llm.generate(PROMPT, SamplingParams(detokenize=False, **kw), use_tqdm=False)[0]
+    out, ref = bare.outputs[0], full.outputs[0]
+    assert out.token_ids == ref.token_ids and out.text == "" and ref.text
+    assert out.logprobs is not None and ref.logprobs is not None
+    for got, want in zip(out.logprobs, ref.logprobs):
+        assert {t: (lp.logprob, lp.rank) for t, lp in got.items()} == {t: (lp.logprob, lp.rank) for t, lp in want.items()}
+        assert all(lp.decoded_token is None for lp in got.values())
+    assert any(lp.decoded_token for e in ref.logprobs for lp in e.values())  # the strings were only left out
+    assert bare.prompt_logprobs is not None and bare.prompt_logprobs[0] is None
+    assert all(lp.decoded_token is None for e in bare.prompt_logprobs[1:] for lp in e.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["x"])
 
 
 def with_generation_config(model_dir: Path, where: Path, **fields: object) -> Path:

@@ -10,11 +10,11 @@ work for a sequence that produces no visible output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from nanovllm._core import TokenTable
-from nanovllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from nanovllm.sample import LogprobBlock, build_entries
 from nanovllm.sampling_params import SamplingParams
 
@@ -39,11 +39,14 @@ class Completion:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def output(self, table: TokenTable, delta: bool) -> CompletionOutput:
-        """What it holds, as an output; with `delta` (streaming) it then holds nothing."""
+    def output(self, table: TokenTable, delta: bool, detokenize: bool = True) -> CompletionOutput:
+        """What it holds, as an output; with `delta` (streaming) it then holds nothing. Without
+        `detokenize` (SamplingParams.detokenize) no text: "" and logprobs without their strings."""
         logprobs = None if self.lp_refs is None else build_entries(self.lp_refs, table)
-        out = CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob, logprobs,
-                               self.finish_reason, self.stop_reason)
+        if logprobs is not None and not detokenize:
+            logprobs = without_strings(logprobs)
+        out = CompletionOutput(self.index, self.text if detokenize else "", self.token_ids, self.cumulative_logprob,
+                               logprobs, self.finish_reason, self.stop_reason)
         if delta:
             self.token_ids, self.text = [], ""
             if self.lp_refs is not None:
@@ -84,6 +87,17 @@ class Request:
 
     def output(self, table: TokenTable) -> RequestOutput:
         """A streamed request gets what is new since its last output; others get everything."""
-        completions = [c.output(table, self.stream) for c in self.completions if not self.stream or c.has_news()]
+        detokenize = self.params.detokenize
+        completions = [c.output(table, self.stream, detokenize) for c in self.completions
+                       if not self.stream or c.has_news()]
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None and not detokenize:
+            prompt_logprobs = [None if e is None else without_strings([e])[0] for e in prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.metrics, self.prompt_logprobs)
+                             self.metrics, prompt_logprobs)
+
+
+def without_strings(entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+    """Logprob dicts with decoded_token None (vLLM's without detokenization); the entries are shared,
+    so copies."""
+    return [{t: replace(lp, decoded_token=None) for t, lp in e.items()} for e in entries]
