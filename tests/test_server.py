@@ -384,6 +384,46 @@ def test_generation_config_defaults(model_dir: Path, llm: LLM, tmp_path_factory:
                                                  use_tqdm=False)[0].outputs[0].text
 
 
+def stream_chunks(server: ServerProcess, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{server.url}{route}", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_continuous_usage_is_per_choice_and_needs_include_usage(server: ServerProcess) -> None:
+    """vLLM's continuous_usage_stats: each chunk's usage is its prompt's tokens and its choice's so far,
+    only with include_usage; without it, no usage at all."""
+    prompts = [list(range(5, 12)), list(range(20, 24))]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    plain = stream_chunks(server, "/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all(c.get("usage") is None for c in plain)
+    chunks = stream_chunks(server, "/v1/completions",
+                           {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *choice_chunks, final = chunks
+    assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 11, "completion_tokens": 20,
+                                                          "total_tokens": 31}
+    last: dict[int, int] = {}
+    for c in choice_chunks:
+        index = c["choices"][0]["index"]
+        usage = c["usage"]
+        assert usage["prompt_tokens"] == len(prompts[index // 2])
+        assert usage["completion_tokens"] >= last.get(index, 0)
+        last[index] = usage["completion_tokens"]
+    assert last == {0: 5, 1: 5, 2: 5, 3: 5}
+    chat = stream_chunks(server, "/v1/chat/completions",
+                         {"model": MODEL, "messages": HI, "n": 2, "max_tokens": 4, "ignore_eos": True,
+                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *chat_chunks, chat_final = chat
+    n_prompt = chat_final["usage"]["prompt_tokens"]
+    assert chat_final["usage"]["completion_tokens"] == 8
+    seen: dict[int, int] = {}
+    for c in chat_chunks:
+        assert c["usage"]["prompt_tokens"] == n_prompt
+        seen[c["choices"][0]["index"]] = c["usage"]["completion_tokens"]
+    assert seen == {0: 4, 1: 4}
+
+
 def test_tokenize_detokenize(server: ServerProcess, llm: LLM) -> None:
     tok = llm.get_tokenizer()
     r = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True})

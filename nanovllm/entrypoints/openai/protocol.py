@@ -201,12 +201,12 @@ class SamplingRequest(OpenAIBaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and (self.stream_options.include_usage
-                                             or self.stream_options.continuous_usage_stats))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM's: each chunk's usage (its prompt's and its choice's tokens so far), only with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 PromptInput = Str | list[Str] | list[Int] | list[list[Int]]

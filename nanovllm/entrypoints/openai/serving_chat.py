@@ -60,9 +60,10 @@ class ChatServing:
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await until_disconnected(raw, ctx.submit([(request_id, prompt, params)], arrival))
+        created = int(arrival)  # as vLLM and OpenAI: when the request came, streamed or not
         if req.stream:
-            return event_stream(self._stream(req, request_id, group, prompt), group)
-        response = await until_disconnected(raw, self._collect(req, request_id, group, prompt))
+            return event_stream(self._stream(req, request_id, created, group, prompt), group)
+        response = await until_disconnected(raw, self._collect(req, request_id, created, group, prompt))
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> ChatChoiceLogprobs:
@@ -80,7 +81,7 @@ class ChatServing:
             ))
         return ChatChoiceLogprobs(content=content)
 
-    async def _collect(self, req: ChatCompletionRequest, request_id: str, group: RequestGroup,
+    async def _collect(self, req: ChatCompletionRequest, request_id: str, created: int, group: RequestGroup,
                        prompt: Prompt) -> ChatCompletionResponse:
         states = [ChoiceState() for _ in range(req.n)]
         try:
@@ -96,15 +97,14 @@ class ChatServing:
                        finish_reason=st.finish_reason, stop_reason=st.stop_reason)
             for j, st in enumerate(states)
         ]
-        return ChatCompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=choices,
                                       usage=_usage(prompt, sum(len(st.token_ids) for st in states)))
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, group: RequestGroup,
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, group: RequestGroup,
                       prompt: Prompt) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
-        created = int(time.time())
         model = self.ctx.model_name
-        completion_tokens = 0
+        generated = [0] * req.n  # each choice's tokens so far
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
@@ -117,16 +117,16 @@ class ChatServing:
                             _usage(prompt, 0) if req.continuous_usage else None)
             async for out in group:
                 for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
+                    generated[c.index] += len(c.token_ids)
                     if not c.text and c.finish_reason is None and not (k is not None and c.token_ids):
                         continue  # a stop string may hold text back; nothing to say yet
                     logprobs = self._logprobs(c.token_ids, c.logprobs or [], k) if k is not None else None
                     yield chunk([ChatStreamChoice(index=c.index, delta={"content": c.text} if c.text else {},
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason)],
-                                _usage(prompt, completion_tokens) if req.continuous_usage else None)
+                                _usage(prompt, generated[c.index]) if req.continuous_usage else None)
             if req.include_usage:
-                yield chunk([], _usage(prompt, completion_tokens))
+                yield chunk([], _usage(prompt, sum(generated)))
             yield SSE_DONE
         except STREAM_ERRORS as e:
             yield stream_error(e)

@@ -59,9 +59,10 @@ class CompletionServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = await until_disconnected(raw, ctx.submit(list(zip(rids, prompts, params)), arrival))
+        created = int(arrival)  # as vLLM and OpenAI: when the request came, streamed or not
         if req.stream:
-            return event_stream(self._stream(req, request_id, group, prompts), group)
-        response = await until_disconnected(raw, self._collect(req, request_id, group, prompts))
+            return event_stream(self._stream(req, request_id, created, group, prompts), group)
+        response = await until_disconnected(raw, self._collect(req, request_id, created, group, prompts))
         return JSONResponse(response.model_dump())
 
     async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
@@ -119,7 +120,7 @@ class CompletionServing:
             entries = list(prompt_logprobs)
         return await self.ctx.prompt_text(prompt), list(prompt.token_ids), entries
 
-    async def _collect(self, req: CompletionRequest, request_id: str, group: RequestGroup,
+    async def _collect(self, req: CompletionRequest, request_id: str, created: int, group: RequestGroup,
                        prompts: list[Prompt]) -> CompletionResponse:
         n = req.n
         index = {rid: i for i, rid in enumerate(group.request_ids)}
@@ -147,17 +148,16 @@ class CompletionServing:
                                                 finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                                                 prompt_logprobs=self._prompt_logprobs(req, prompt, prompt_logprobs[i])))
         generated = 0 if req.echo_only else sum(len(st.token_ids) for row in states for st in row)
-        return CompletionResponse(id=request_id, model=self.ctx.model_name, choices=choices,
+        return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=choices,
                                   usage=_usage(prompts, generated))
 
-    async def _stream(self, req: CompletionRequest, request_id: str, group: RequestGroup,
+    async def _stream(self, req: CompletionRequest, request_id: str, created: int, group: RequestGroup,
                       prompts: list[Prompt]) -> AsyncIterator[str]:
         n, k = req.n, req.logprobs
-        created = int(time.time())
         model = self.ctx.model_name
         index = {rid: i for i, rid in enumerate(group.request_ids)}
         offsets: dict[int, int] = {}  # choice -> text offset of its next token (for logprobs)
-        completion_tokens = 0
+        generated: dict[int, int] = {}  # choice -> its tokens so far
         try:
             async for out in group:
                 i = index[out.request_id]
@@ -166,7 +166,7 @@ class CompletionServing:
                     if req.echo_only:
                         text, ids, entries = "", [], []
                     else:
-                        completion_tokens += len(c.token_ids)
+                        generated[choice] = generated.get(choice, 0) + len(c.token_ids)
                         text, ids, entries = c.text, list(c.token_ids), list(c.logprobs or [])
                     first = choice not in offsets
                     if req.echo and first:  # the first chunk of a choice repeats the prompt
@@ -184,12 +184,12 @@ class CompletionServing:
                         choices=[CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                   prompt_logprobs=prompt_logprobs)],
-                        usage=_usage(prompts, completion_tokens) if req.continuous_usage else None,
+                        usage=_usage(prompts[i:i + 1], generated.get(choice, 0)) if req.continuous_usage else None,
                     )
                     yield sse(chunk)
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                             usage=_usage(prompts, completion_tokens)))
+                                             usage=_usage(prompts, sum(generated.values()))))
             yield SSE_DONE
         except STREAM_ERRORS as e:
             yield stream_error(e)
