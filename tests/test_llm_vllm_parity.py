@@ -273,6 +273,15 @@ def test_beam_search_chooses_beams_as_vllm(model_dir: Path, tmp_path: Path) -> N
             assert s.cum_logprob == pytest.approx(cum, abs=1e-3)
         ends_early += sum(len(s.tokens) < len(prompt) + 6 for s in out.sequences)
     assert ends_early >= 3  # the EOS rule was exercised
+    # The beams' text skips special tokens (EOS here) unless skip_special_tokens=False (vLLM's field).
+    decode = llm.get_tokenizer().decode
+    i = next(i for i, out in enumerate(outs) if any(s.tokens[-1] == eos for s in out.sequences))
+    kept = llm.beam_search([{"prompt_token_ids": prompts[i]}],
+                           BeamSearchParams(beam_width=3, max_tokens=6, skip_special_tokens=False))[0]
+    assert [s.text for s in outs[i].sequences] == [decode(s.tokens, skip_special_tokens=True)
+                                                   for s in outs[i].sequences]
+    assert [s.text for s in kept.sequences] == [decode(s.tokens) for s in kept.sequences]
+    assert [s.text for s in kept.sequences] != [s.text for s in outs[i].sequences]
 
 
 # bad_words ---------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def run_beam_search(engine: LLMEngine, prompts: list[PromptType], params: BeamSe
         ranked = sorted(g.done, key=lambda b: beam_score(b, eos, params.length_penalty), reverse=True)
         seqs = [
             BeamSearchSequence(b.tokens, b.logprobs, b.cum_logprob,
-                               engine.tokenizer.decode(b.tokens, skip_special_tokens=True), b.finish_reason,
+                               engine.tokenizer.decode(b.tokens, skip_special_tokens=params.skip_special_tokens), b.finish_reason,
                                eos if b.finish_reason == "stop" else None)
             for b in ranked[: params.beam_width]
         ]
