@@ -143,6 +143,9 @@ class EngineConfig:
         "CPU without AVX512-BF16/AMX), float32, bfloat16, float16 (GPU only)")
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the model's "
                                        "max_position_embeddings)")
+    disable_sliding_window: bool = option(
+        False, "for a model with a sliding window, max_model_len defaults to the window (within it the window "
+        "changes nothing; sliding-window attention itself is not implemented), as vLLM's")
     max_num_seqs: int = option(256, "sequences running at once (a step's largest batch)")
     max_num_batched_tokens: int | None = option(
         None, "tokens per step, prompts chunked to fit (default: 8192 on GPU, 512 on CPU, 2048 for a mixture-of-experts "
@@ -264,10 +267,20 @@ class EngineConfig:
         """Read config.json and fill in every default: the engine's configuration."""
         model_config = load_model_config(self.model)
         device = self.resolve_device()
-        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        window = model_config.sliding_window
+        default_len = model_config.max_position_embeddings
+        if window is not None and self.disable_sliding_window:
+            default_len = min(default_len, window)
+        max_model_len = self.max_model_len or default_len
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{model_config.max_position_embeddings}")
+        if window is not None and max_model_len > window:
+            # Within the window the model's attention is full attention, which the engine runs (as
+            # vLLM's --disable-sliding-window caps max_model_len to the window).
+            raise ValueError(f"{self.model}: sliding-window attention (a window of {window} tokens) is not supported; "
+                             f"it changes nothing within max_model_len <= {window}: pass max_model_len={window} "
+                             f"or disable_sliding_window=True (asked for {max_model_len})")
         # Chunked prefill splits long prompts, so the budget need not cover max_model_len.
         default = DEFAULT_BATCHED_TOKENS.get(device.type, DEFAULT_BATCHED_TOKENS["cuda"])
         if device.type == "cpu" and model_config.has_experts:

@@ -80,6 +80,9 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # The window of the layers that slide (None: none does): exact as full attention only where
+    # max_model_len is within it, the one case the engine runs (EngineConfig.resolve).
+    sliding_window: int | None
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @property
@@ -161,8 +164,10 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
             f"{where}: num_attention_heads ({num_heads}) is not a multiple of "
             f"num_key_value_heads ({num_kv_heads})"
         )
-    if raw.get("use_sliding_window"):
-        raise ValueError(f"{where}: sliding-window attention is not supported")
+    num_layers = integer("num_hidden_layers", need("num_hidden_layers"), low=0)
+    window = _sliding_window(raw, num_layers)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"{where}: sliding_window must be null or a positive integer, got {window!r}")
 
     return ModelConfig(
         model_dir=model_dir,
@@ -171,7 +176,7 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         vocab_size=integer("vocab_size", need("vocab_size")),
         hidden_size=hidden_size,
         intermediate_size=integer("intermediate_size", need("intermediate_size")),
-        num_hidden_layers=integer("num_hidden_layers", need("num_hidden_layers"), low=0),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
@@ -187,8 +192,36 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         # vLLM stops on those too.
         eos_token_ids=tuple(dict.fromkeys(_as_id_tuple(raw.get("eos_token_id")) + _generation_eos(model_dir))),
         bos_token_id=raw.get("bos_token_id"),
+        sliding_window=window,
         raw=raw,
     )
+
+
+# transformers' defaults where a Qwen config turns sliding windows on without giving them: the
+# window, and the first layer that slides (Qwen2 and Qwen3).
+_QWEN_DEFAULT_WINDOW, _QWEN_DEFAULT_MAX_WINDOW_LAYERS = 4096, 28
+
+
+def _sliding_window(raw: dict[str, Any], num_layers: int) -> Any:
+    """The attention window of the layers that slide, as transformers reads config.json; None where
+    no layer does. Qwen's configs slide only with use_sliding_window (Qwen2/3: the layers from
+    max_window_layers on, or those layer_types names), Mistral's and Mixtral's with sliding_window."""
+    if "use_sliding_window" in raw:
+        if not raw["use_sliding_window"]:
+            return None
+        window = raw.get("sliding_window", _QWEN_DEFAULT_WINDOW)
+    else:
+        window = raw.get("sliding_window")
+    if window is None:
+        return None
+    types = raw.get("layer_types")
+    if isinstance(types, list):
+        return window if "sliding_attention" in types else None
+    if raw.get("model_type") in ("qwen2", "qwen3"):
+        first = whole_number(raw.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
+        if first is not None and first >= num_layers:
+            return None
+    return window
 
 
 def _parse_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:

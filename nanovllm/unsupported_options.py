@@ -77,8 +77,9 @@ UNSUPPORTED: dict[str, Unsupported] = {u.name: u for u in [
             "logits_processors", "logprobs_mode=raw_logprobs", "return_sampling_mask?=false",
             "use_fp64_gumbel?=false", "enable_return_routed_experts?=false", "aux_output_config",
             "enable_trace_replay?=false"),
-    *_group("the models here have no sliding window, cascade attention or state-space layers",
-            "disable_sliding_window?=true|false", "disable_cascade_attn?=true|false", "mamba_backend",
+    *_group("the models here have no cascade attention or state-space layers (a sliding window runs within "
+            "max_model_len <= the window: --disable-sliding-window)",
+            "disable_cascade_attn?=true|false", "mamba_backend",
             "mamba_ssu_algorithm", "enable_mamba_cache_stochastic_rounding?=false", "mamba_cache_philox_rounds",
             "mamba_cache_dtype=auto", "mamba_ssm_cache_dtype=auto", "mamba_block_size", "mamba_cache_mode=none",
             "enable_mamba_shared_prefix_checkpoint?=false", "replayssm_buffer_len", "use_replayssm?=false",

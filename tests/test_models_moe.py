@@ -159,7 +159,6 @@ def edited_copy(src: Path, dst: Path, config: dict | None = None, drop: str | No
     ("qwen3_moe", {"num_local_experts": None}, None, "missing required key 'num_local_experts' or 'num_experts'"),
     ("qwen3_moe", {"mlp_only_layers": "0"}, None, "mlp_only_layers must be a list of layer indices"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, None, "decoder_sparse_step must be an integer >= 1"),
-    ("mixtral", {"sliding_window": 4096}, None, r"sliding-window attention \(sliding_window = 4096\)"),
     ("mixtral", {"hidden_act": "gelu"}, None, "hidden_act 'gelu' is not supported"),
     ("qwen3_moe", None, "model.layers.1.mlp.experts.3.up_proj.weight",
      r"missing tensors: 'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight'"),
@@ -224,6 +223,27 @@ def test_expert_count_and_defaults_are_read_as_transformers_reads_them(models: d
     prompts = random_prompts([40], VOCAB, seed=12)
     for path in (both, bare):
         assert_greedy_matches(make_llm(path), path, prompts, 8)
+
+
+def test_a_sliding_window_runs_where_it_changes_nothing(models: dict[str, Path], tmp_path: Path) -> None:
+    """A window is full attention within max_model_len <= window (the engine runs that, as vLLM's
+    --disable-sliding-window caps max_model_len); beyond it, a ValueError saying so. Qwen3-MoE slides
+    only with use_sliding_window and a window (transformers: use_sliding_window with
+    sliding_window null is full attention)."""
+    qwen = edited_copy(models["qwen3_moe"], tmp_path / "qwen", {"use_sliding_window": True, "sliding_window": None})
+    mixtral = edited_copy(models["mixtral"], tmp_path / "mixtral", {"sliding_window": 512})
+    prompts = random_prompts([40], VOCAB, seed=13)
+    assert_greedy_matches(make_llm(qwen), qwen, prompts, 8)
+    assert_greedy_matches(make_llm(mixtral, max_model_len=512), mixtral, prompts, 8)
+    with pytest.raises(ValueError, match=r"a window of 512 tokens.*pass max_model_len=512 or disable_sliding_window"
+                                         r"=True \(asked for 1024\)"):
+        make_llm(mixtral)
+    assert EngineConfig(str(mixtral), device="cpu", disable_sliding_window=True).resolve().max_model_len == 512
+    assert EngineConfig(str(models["mixtral"]), max_model_len=2048, device="cpu").resolve().max_model_len == 2048
+
+    sliding = edited_copy(models["qwen3_moe"], tmp_path / "sliding", {"use_sliding_window": True, "sliding_window": 64})
+    with pytest.raises(ValueError, match="a window of 64 tokens"):
+        make_llm(sliding)
 
 
 def test_a_sharded_checkpoint_reads_the_files_its_index_names(models: dict[str, Path], tmp_path: Path) -> None:

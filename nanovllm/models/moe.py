@@ -105,10 +105,6 @@ def qwen3_moe_config(config: ModelConfig) -> MoeConfig:
 
 
 def mixtral_config(config: ModelConfig) -> MoeConfig:
-    where = config.model_dir / "config.json"
-    if config.raw.get("sliding_window") is not None:
-        raise ValueError(f"{where}: sliding-window attention (sliding_window = {config.raw['sliding_window']}) "
-                         "is not supported")
     num_experts = _int_field(config, "num_local_experts", "num_experts", low=1)
     return _moe_config(config, num_experts, config.intermediate_size, True,
                        frozenset(range(config.num_hidden_layers)), MIXTRAL_EXPERT_NAMES)
