@@ -190,7 +190,7 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         torch_dtype=_parse_dtype(raw.get("torch_dtype") or raw.get("dtype") or "float32", where),
         # generation_config.json may name more end tokens (Qwen's <|im_end|>, Llama 3's <|eot_id|>):
         # vLLM stops on those too.
-        eos_token_ids=tuple(dict.fromkeys(_as_id_tuple(raw.get("eos_token_id")) + _generation_eos(model_dir))),
+        eos_token_ids=end_tokens(raw, model_dir),
         bos_token_id=raw.get("bos_token_id"),
         sliding_window=window,
         raw=raw,
@@ -240,6 +240,12 @@ def _parse_dtype(value: Any, where: Path) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"{where}: unsupported dtype {value!r} (supported: {sorted(_DTYPES)})")
     return _DTYPES[name]
+
+
+def end_tokens(raw: dict[str, Any], generation_dir: Path) -> tuple[int, ...]:
+    """config.json's eos_token_id(s) (`raw`), then those of generation_config.json in `generation_dir`
+    (the model's directory, or vLLM's generation_config directory)."""
+    return tuple(dict.fromkeys(_as_id_tuple(raw.get("eos_token_id")) + _generation_eos(generation_dir)))
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.engine.request_state import Completion, Request
 from nanovllm.engine.scheduler import Finished, Scheduler
 from nanovllm.executor import make_executor
-from nanovllm.model_config import sampling_defaults
+from nanovllm.model_config import end_tokens, sampling_defaults
 from nanovllm.models.loader import check_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.quote import quote
@@ -105,13 +105,15 @@ def load_tokenizer(directory: str) -> PreTrainedTokenizerBase:
 
 
 def checked_sampling_defaults(options: EngineConfig) -> dict[str, Any]:
-    """generation_config's default sampling parameters (model_config.sampling_defaults), checked as
-    SamplingParams checks them; logged where they change vLLM's neutral ones, as vLLM does."""
+    """generation_config's default sampling parameters (model_config.sampling_defaults), logged
+    where they change vLLM's neutral ones, as vLLM does. An invalid one is a warning here and an
+    error only where it is used (a request that leaves the field out), as in vLLM."""
     defaults = sampling_defaults(options.model, options.generation_config, options.override_generation_config)
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"the generation config's default sampling parameters {defaults} are not valid: {e}") from None
+        logger.warning("the generation config's default sampling parameters %s are not valid (%s): requests that "
+                       "leave the field out will fail", defaults, e)
     if defaults and options.generation_config != "vllm":
         logger.warning("default sampling parameters from %s: %s (generation_config='vllm' for vLLM's neutral ones)",
                        "the model's generation_config.json" if options.generation_config == "auto"
@@ -139,11 +141,21 @@ class LLMEngine:
         model_config = config.model_config
         self.max_model_len = config.max_model_len
         self.vocab_size = model_config.vocab_size
-        eos = set(model_config.eos_token_ids)
+        # A generation-config directory's end tokens replace the model's generation_config.json's, and
+        # its max_new_tokens (else the override's) limits every request's output (vLLM's).
+        source = options.generation_config
+        source_dir = source not in ("auto", "vllm")
+        eos = set(end_tokens(model_config.raw, Path(source)) if source_dir else model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
         self.sampling_defaults = checked_sampling_defaults(options)
+        cap = self.sampling_defaults.get("max_tokens") if source_dir else \
+            (options.override_generation_config or {}).get("max_new_tokens")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"the generation config's max_new_tokens, a limit on every request's output here, must be "
+                             f"an integer >= 1, got {cap!r}")
+        self.max_tokens_cap: int | None = cap
         # The loader checks every weight file before the model takes any memory.
         self.executor = make_executor(config, self.eos_token_ids)
         self.scheduler = Scheduler(config, self.executor.initialize_kv_cache(), self.eos_token_ids)

@@ -118,7 +118,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     ctx = ServingContext(engine=async_engine, tokenizer=engine.tokenizer, model_names=names,
                          model_path=config.model_path, max_model_len=engine.max_model_len, workers=workers,
                          grammar_pool=grammar_pool, trust_request_chat_template=config.trust_request_chat_template,
-                         render_timeout=config.chat_template_timeout, sampling_defaults=engine.sampling_defaults)
+                         render_timeout=config.chat_template_timeout, sampling_defaults=engine.sampling_defaults,
+                         max_tokens_cap=engine.max_tokens_cap)
     max_request_bytes = config.max_request_bytes or default_max_request_bytes(engine.max_model_len)
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)

@@ -222,6 +222,11 @@ class CompletionRequest(SamplingRequest):
     suffix: Str | None = None
     add_special_tokens: Bool = True  # vLLM's: the tokenizer's BOS (and the like) before a text prompt
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens_default(cls, value: Any) -> Any:
+        return 16 if value is None else value  # vLLM's: null is the default, as OpenAI's
+
     def _refusals(self) -> list[tuple[str, bool, str]]:
         return [("suffix", bool(self.suffix), "no insertion"),
                 ("best_of", self.best_of is not None and self.best_of != self.n, "no best-of selection: leave it unset "

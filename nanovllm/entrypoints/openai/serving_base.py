@@ -98,8 +98,10 @@ class ServingContext:
     grammar_pool: GrammarPool
     render_timeout: float  # seconds a chat template may take to render
     trust_request_chat_template: bool = False
-    # What a request that leaves a sampling field out gets (the engine's generation config).
+    # What a request that leaves a sampling field out gets (the engine's generation config), and
+    # the most tokens any request gets (its max_new_tokens where vLLM makes it a server-wide limit).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -140,10 +142,12 @@ class ServingContext:
             raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                                    f"tokens, but the prompt has {n} tokens; leave room for at least one "
                                    "generated token.", param="prompt")
+        cap = self.max_tokens_cap or self.max_model_len
         if requested is None:  # vLLM's: the room left, within the generation config's max_new_tokens
-            return min(self.max_model_len - n, self.sampling_defaults.get("max_tokens", self.max_model_len))
+            return min(self.max_model_len - n, self.sampling_defaults.get("max_tokens", self.max_model_len), cap)
         if requested < 1:
             raise OpenAIError(400, f"max_tokens must be an integer >= 1, got {requested}", param="max_tokens")
+        requested = min(requested, cap)
         if n + requested > self.max_model_len:
             raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                                    f"tokens. However, you requested {n + requested} tokens ({n} in the prompt, "
