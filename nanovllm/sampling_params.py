@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import re
@@ -12,8 +13,12 @@ from typing import Any
 
 from nanovllm.quote import quote
 
+logger = logging.getLogger(__name__)
+
 # A seed seeds a torch.Generator, whose manual_seed takes any 64-bit value, signed or unsigned.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# vLLM's temperature bounds: above MAX an error; a positive one below MIN becomes MIN.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 2.0
 # vLLM's bounds on a request's bad_words once tokenized (VLLM_MAX_NUM_BAD_WORDS and
 # VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): sequences, and their tokens in all.
 MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
@@ -127,6 +132,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must be a map of token id -> bias, got {quote(self.logit_bias)}")
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's: lower ones overflow its softmax
+            logger.warning("temperature %s is below %s, which may give nan or inf; it is raised to %s",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         if self.bad_words is not None:
             self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM's: each word once
 
@@ -147,8 +156,8 @@ class SamplingParams:
                 fail(name, "in [-2, 2]")
         if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
             fail("repetition_penalty", "a number > 0")
-        if not is_number(self.temperature) or self.temperature < 0.0:
-            fail("temperature", "a finite number >= 0")
+        if not is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            fail("temperature", f"in [0, {MAX_TEMPERATURE:g}]")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "in (0, 1]")
         if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:

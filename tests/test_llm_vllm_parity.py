@@ -1,7 +1,8 @@
 """The offline API where a vLLM user would notice a difference: the text of a token that ended the
 request (EOS, a stop token id) left out of `text` (vLLM's detokenizer.update(stop_terminated)),
 generation_config.json's end tokens, LLM.chat's template options, max_tokens=None, seed=-1 and
-LLM(seed=None), each logprobs dict starting with the chosen token, detokenize=False, the sampling
+LLM(seed=None), each logprobs dict starting with the chosen token, temperature's bounds,
+detokenize=False, the sampling
 defaults generation_config.json sets (vLLM's generation_config), beam search's choice of
 beams (vLLM's LLM.beam_search, written out here over transformers' logits), and bad_words: each word
 tokenized as vLLM's update_from_tokenizer does, and a token masked where it would complete one of
@@ -75,6 +76,17 @@ def test_eos_text_is_left_out_with_special_tokens_kept(llm: LLM) -> None:
     eos = llm.get_tokenizer().eos_token_id
     out = greedy(llm, max_tokens=5, logit_bias={eos: 100.0}, skip_special_tokens=False)
     assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+
+
+def test_temperature_bounds_as_vllm(llm: LLM) -> None:
+    """vLLM's SamplingParams: a temperature above 2 is an error; a positive one below 0.01 becomes
+    0.01 (sampled, not greedy), so its seeded tokens are those of 0.01."""
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+        SamplingParams(temperature=2.5)
+    assert SamplingParams(temperature=1e-7).temperature == SamplingParams(temperature=0.001).temperature == 0.01
+    low, at_min = (llm.generate(PROMPT, SamplingParams(temperature=t, seed=1, max_tokens=8), use_tqdm=False)[0]
+                   .outputs[0].token_ids for t in (1e-7, 0.01))
+    assert low == at_min
 
 
 def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
