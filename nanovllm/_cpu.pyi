@@ -112,6 +112,10 @@ def quant_isa_best() -> int:
 def quant_has_bf16() -> bool:
     """Whether quant_gemm_cpu takes bf16 activations (`x_bf16`: AVX512-BF16)."""
 
+
+def quant_has_vnni512() -> bool:
+    """Whether quant_gemm_cpu takes one bf16 row against int4 as 16-bit integers (AVX512-VNNI)."""
+
 def quant_gemm_packed_bytes(n: int, k: int, bits: int) -> int:
     """Bytes of quant_gemm_cpu's packed int4 / int8 [n, k] weight (csrc/cpu_gemm_quant.h's layout)."""
 

@@ -134,16 +134,25 @@ def summed_magnitudes(x: torch.Tensor, w: QuantizedWeight, zero_offset: float) -
 
 
 def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor,
-               bias: torch.Tensor | None = None) -> None:
+               bias: torch.Tensor | None = None, isa: str = "auto") -> None:
     """quant_gemm_cpu on one row of bf16 activations (x_bf16), fp32 out."""
     k = p.in_features
     _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
                         0 if bias is None else bias.data_ptr(), y.data_ptr(), 1, p.out_features, k, x.shape[1],
-                        p.out_features, p.group_size, p.bits, p.zero_offset, 0, 1, x.data_ptr())
+                        p.out_features, p.group_size, p.bits, p.zero_offset, cpu_kernel.ISA_CODES[isa], 1,
+                        x.data_ptr())
 
 
-@pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
-@pytest.mark.parametrize("bits", [4, 8])
+VNNI = _cpu.quant_has_vnni512()
+
+
+def int16_row_path(bits: int) -> object:
+    """Runs where one bf16 row takes 16-bit integers: AVX2 CPUs (int4, int8), AVX512-VNNI ones (int4)."""
+    return pytest.mark.skipif(not (cpu_kernel.AVX2_BEST or (bits == 4 and VNNI)),
+                              reason="one bf16 row takes the int16 path on AVX2 CPUs, and for int4 on AVX512-VNNI")
+
+
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=int16_row_path(4)), pytest.param(8, marks=int16_row_path(8))])
 def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
     """One bf16 row against int4 or int8 on AVX2: 16-bit integers with a power-of-two scale per block of
     128, 64 or 32 columns (int16_block; largest value below 2^e: steps of 2^(e - 15)), so within half
@@ -175,6 +184,8 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
         x[0, k // 2] = float("nan")
         int16_call(x, p, y)
         assert torch.isnan(y).all(), i
+    if not cpu_kernel.AVX2_BEST:  # (an AVX512-VNNI CPU's other path for one row is the bf16 one)
+        return
     for k, group in ((100, 50), (96, 48), (130, 130)):  # fp32 path: the same bits as from fp32 rows
         w = random_quantized(24, k, bits, group, symmetric=False, seed=k)
         p = cpu_kernel.pack(w)
@@ -182,6 +193,25 @@ def test_one_bf16_row_as_16_bit_integers(bits: int) -> None:
         y = torch.empty(1, 24)
         int16_call(x, p, y)
         assert torch.equal(y, cpu_kernel.linear(x.float(), p, None)), k
+
+
+@pytest.mark.skipif(not (VNNI and cpu_kernel.isa_supported("avx2")), reason="the CPU lacks AVX512-VNNI")
+def test_vnni_int4_row_gives_the_avx2_int16_bits() -> None:
+    """One bf16 row against int4 on AVX512-VNNI (vpdpwssd over both halves of the AVX2 int16 kernel's
+    step in one register) sums the same integers in the same lanes and scales them in the same order:
+    the AVX2 kernel's bits, on ragged and strided shapes, every block size, with and without zero
+    points and bias; not the bf16 dot products' (the AVX-512 path for two rows and more)."""
+    for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (512, 17, 512), (3072, 100, 64),
+                                       (768, 50, 256), (320, 20, 64), (96, 1000, 32)]):
+        w = random_quantized(n, k, 4, group, symmetric=bool(i % 2), seed=80 + i)
+        p = cpu_kernel.pack(w)
+        wide = torch.randn(1, k + 24, generator=torch.Generator().manual_seed(i))[:, 8:8 + k].to(torch.bfloat16)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(200 + i)) if i % 3 == 0 else None
+        vnni, avx2 = torch.empty(1, n), torch.empty(1, n)
+        int16_call(wide, p, vnni, bias)
+        int16_call(wide, p, avx2, bias, isa="avx2")
+        assert torch.equal(vnni, avx2), i
+        assert not torch.equal(vnni, cpu_kernel.linear(wide.expand(2, k), p, bias, isa="avx512")[:1].float()), i
 
 
 def int16_rounded(x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -200,8 +230,7 @@ def int16_rounded(x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
     return out
 
 
-@pytest.mark.skipif(not cpu_kernel.AVX2_BEST, reason="the int16 path is the AVX2 CPUs' (no AVX-512)")
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [pytest.param(4, marks=int16_row_path(4)), pytest.param(8, marks=int16_row_path(8))])
 @pytest.mark.parametrize("exponents", [(-6, 6), (-134, -108), (100, 118)])
 @pytest.mark.parametrize("group", [128, 64, 32])
 def test_int16_rows_round_half_away_from_zero(bits: int, exponents: tuple[int, int], group: int) -> None:
