@@ -200,24 +200,29 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
 # transformers' defaults where a Qwen config turns sliding windows on without giving them: the
 # window, and the first layer that slides (Qwen2 and Qwen3).
 _QWEN_DEFAULT_WINDOW, _QWEN_DEFAULT_MAX_WINDOW_LAYERS = 4096, 28
+# The model types whose transformers classes read `sliding_window`: Qwen's only with
+# use_sliding_window (default false), Mistral's and Mixtral's as given; the others (Llama) ignore it.
+_QWEN_TYPES = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+_WINDOW_TYPES = frozenset({"mistral", "mixtral"})
 
 
 def _sliding_window(raw: dict[str, Any], num_layers: int) -> Any:
     """The attention window of the layers that slide, as transformers reads config.json; None where
-    no layer does. Qwen's configs slide only with use_sliding_window (Qwen2/3: the layers from
-    max_window_layers on, or those layer_types names), Mistral's and Mixtral's with sliding_window."""
-    if "use_sliding_window" in raw:
-        if not raw["use_sliding_window"]:
-            return None
-        window = raw.get("sliding_window", _QWEN_DEFAULT_WINDOW)
-    else:
+    no layer does. Qwen2/3 slide the layers from max_window_layers on (or those layer_types names);
+    a window of 0 is none (vLLM's rule: some checkpoints write 0 for "no window")."""
+    model_type = raw.get("model_type")
+    if model_type in _QWEN_TYPES:
+        window = raw.get("sliding_window", _QWEN_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
+    elif model_type in _WINDOW_TYPES:
         window = raw.get("sliding_window")
-    if window is None:
+    else:
+        return None
+    if window is None or window == 0:
         return None
     types = raw.get("layer_types")
     if isinstance(types, list):
         return window if "sliding_attention" in types else None
-    if raw.get("model_type") in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3"):
         first = whole_number(raw.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
         if first is not None and first >= num_layers:
             return None
@@ -272,7 +277,7 @@ def sampling_defaults(model_dir: str | Path, source: str = "auto",
     """The sampling parameters a request that leaves them out gets, by SamplingParams' names (vLLM's
     --generation-config): those generation_config.json sets (`source` "auto": the model's; a
     directory: its file; "vllm": none), with `override`'s over them. ValueError for a directory
-    without the file or a file that is not a JSON object."""
+    without the file or whose file is not a JSON object (the model's own such file: a warning)."""
     raw: dict[str, Any] = {}
     if source != "vllm":
         path = (Path(model_dir) if source == "auto" else Path(source)) / "generation_config.json"
@@ -282,10 +287,14 @@ def sampling_defaults(model_dir: str | Path, source: str = "auto",
         if path.is_file():
             try:
                 raw = json.loads(path.read_text(encoding="utf-8"))
+                if not isinstance(raw, dict):
+                    raise ValueError("not a JSON object")
             except (OSError, ValueError) as e:
-                raise ValueError(f"{path} is not readable JSON: {e}") from None
-            if not isinstance(raw, dict):
-                raise ValueError(f"{path} must hold a JSON object")
+                if source != "auto":
+                    raise ValueError(f"{path} is not a readable JSON object: {e}") from None
+                # The model's own file: as vLLM (try_get_generation_config), no defaults rather than no model.
+                logger.warning("%s is not a readable JSON object (%s): no default sampling parameters from it", path, e)
+                raw = {}
     raw = {**raw, **(override or {})}
     diff = {name: raw[name] for name in SAMPLING_FIELDS if raw.get(name) is not None}
     if "max_new_tokens" in diff:

@@ -67,12 +67,12 @@ class ResponseFormat(OpenAIBaseModel):
         return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
-# vLLM's older names for structured_outputs' kinds.
 # The sampling values of a request that leaves a field out, where the server's generation config sets
 # none (vLLM's _DEFAULT_SAMPLING_PARAMS; top_k -1 and 0 both mean off).
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
+# vLLM's older names for structured_outputs' kinds.
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 

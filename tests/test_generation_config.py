@@ -120,3 +120,20 @@ def test_invalid_generation_config_default_does_not_stop_the_engine(model_dir: P
     assert len(out.token_ids) >= 1
     with pytest.raises(ValueError, match="top_p"):
         llm.get_default_sampling_params()
+
+
+# 5. a generation_config.json that is not JSON --------------------------------------------------------
+
+def test_a_generation_config_json_that_is_not_json_does_not_stop_the_model(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM: ModelConfig.try_get_generation_config -> transformers_utils/config.py
+    try_get_generation_config catches the OSError GenerationConfig.from_pretrained raises for a
+    generation_config.json that is not valid JSON ("It looks like the config file ... is not a valid
+    JSON file") and falls back to GenerationConfig.from_model_config(config.json): the model loads
+    and, with no sampling field there, get_diff_sampling_param is {} (vLLM's neutral defaults)."""
+    path = tmp_path / "broken_generation_config"
+    shutil.copytree(model_dir, path)
+    (path / "generation_config.json").write_text('{"temperature": 0.6,')
+    llm = LLM(str(path), **ENGINE)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 1
