@@ -7,7 +7,7 @@ import logging
 import math
 import numbers
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -224,6 +224,13 @@ class SamplingParams:
         if total > MAX_BAD_WORDS_TOKENS:
             raise ValueError(f"bad_words encode to {total} tokens in all, more than {MAX_BAD_WORDS_TOKENS}")
         self._bad_words_token_ids = sequences
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes` (dataclasses.replace), its bad words' token ids kept."""
+        copy = replace(self, **changes)
+        if "bad_words" not in changes:
+            copy._bad_words_token_ids = self._bad_words_token_ids
+        return copy
 
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:

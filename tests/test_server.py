@@ -8,18 +8,21 @@ import asyncio
 import json
 import random
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from fastapi.testclient import TestClient
 from server_process import ServerProcess
 from tiny_models import make_tiny_model
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.openai.api_server import ServerConfig, build_app
 
 ENGINE_ARGS = {"num_kvcache_blocks": 256, "max_model_len": 512, "block_size": 16}
 CLI_ARGS = ["--num-kvcache-blocks", "256", "--max-model-len", "512", "--block-size", "16"]
@@ -337,6 +340,15 @@ def test_allowed_token_ids(server: ServerProcess, client: openai.OpenAI) -> None
         assert tokens is not None and len(tokens) == 6 and set(tokens) <= strings, tokens
 
 
+def test_max_tokens_past_the_context_is_cut_to_it(client: openai.OpenAI) -> None:
+    """vLLM 0.32's get_max_tokens: a prompt and max_tokens past max_model_len get the room left (512 -
+    400), not a 400; only a max_tokens above max_model_len itself is refused (the table below)."""
+    for body in ({"max_tokens": 200}, {"max_tokens": 512}):
+        r = client.completions.create(model=MODEL, prompt=list(range(1, 401)), temperature=0,
+                                      extra_body={"ignore_eos": True}, **body)  # type: ignore[arg-type]
+        assert r.usage is not None and r.usage.completion_tokens == 112 and r.choices[0].finish_reason == "length"
+
+
 def test_bad_words_as_offline(client: openai.OpenAI, llm: LLM) -> None:
     """vLLM's bad_words over HTTP: the tokens the offline engine gives with the same words."""
     tok = llm.get_tokenizer()
@@ -422,6 +434,32 @@ def test_continuous_usage_is_per_choice_and_needs_include_usage(server: ServerPr
         assert c["usage"]["prompt_tokens"] == n_prompt
         seen[c["choices"][0]["index"]] = c["usage"]["completion_tokens"]
     assert seen == {0: 4, 1: 4}
+
+
+def test_server_bad_words_are_not_tokenized_on_the_engine_thread(model_dir: Path) -> None:
+    """The server's rule (serving_base.Prompt.for_engine): "the tokenizer is only used by the
+    server's text workers, never from the engine thread" -- a step waits for whatever the engine
+    thread does. vLLM tokenizes bad_words in InputProcessor.process_inputs
+    (vllm/v1/engine/input_processor.py, SamplingParams.update_from_tokenizer), in the API server,
+    never in the engine core's loop. (A request's bad_words, up to max_request_bytes of text,
+    would stall every running request's steps there.)"""
+    llm = LLM(str(model_dir), device="cpu", **ENGINE_ARGS)
+    tok = llm.get_tokenizer()
+    threads: list[str] = []
+    encode: Callable[..., Any] = tok.encode
+
+    def recording_encode(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    tok.encode = recording_encode  # type: ignore[method-assign]
+    app = build_app(llm.engine, ServerConfig(model_path=str(model_dir)))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": str(model_dir), "prompt": "hello world", "max_tokens": 4,
+                                                 "temperature": 0, "bad_words": ["world", "hello"]})
+        assert r.status_code == 200, r.text
+    assert threads, "the tokenizer was used"
+    assert "nanovllm-engine" not in threads, threads
 
 
 def test_tokenize_detokenize(server: ServerProcess, llm: LLM) -> None:
@@ -523,8 +561,7 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("prompt over max_model_len", "/v1/completions", {"prompt": list(range(1, 501)) * 2}, 400, "prompt"),
-    ("prompt + max_tokens over max_model_len", "/v1/completions", {"prompt": list(range(1, 401)), "max_tokens": 200},
-     400, "max_tokens"),
+    ("max_tokens over max_model_len", "/v1/completions", {"prompt": "hi", "max_tokens": 513}, 400, "max_tokens"),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("best_of other than n", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),

@@ -21,7 +21,6 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import replace
 from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -232,10 +231,12 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary"
-            params = replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
-                                        if getattr(params, name) == -1})
-        if params.bad_words:  # tokenized here, on a copy: the caller's params may serve other prompts
-            params = replace(params)
+            params = params.clone(**{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                                     if getattr(params, name) == -1})
+        if params.bad_words and params.bad_words_token_ids is None:
+            # Tokenized here, on a copy (the caller's params may serve other prompts), unless the
+            # caller did it (the server, in its text workers).
+            params = params.clone()
             params.update_from_tokenizer(self.tokenizer)
         self.check_prompt(token_ids)
         self._check_params(params)

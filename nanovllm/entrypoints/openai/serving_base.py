@@ -134,7 +134,9 @@ class ServingContext:
             logger.debug("ignoring unsupported request fields: %s", ", ".join(ignored))
 
     def max_tokens(self, prompt: Prompt, requested: int | None) -> int:
-        """The completion budget; a request that cannot fit max_model_len is a 400, as in vLLM."""
+        """The completion budget, as vLLM 0.32's get_max_tokens: what the request asks (else the
+        generation config's default, else the room left), within the room left after the prompt and
+        the server's cap. A prompt that leaves no room, or a max_tokens above max_model_len, is a 400."""
         n = len(prompt.token_ids)
         if n == 0:
             raise OpenAIError(400, "the prompt is empty: it needs at least one token", param="prompt")
@@ -142,18 +144,15 @@ class ServingContext:
             raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
                                    f"tokens, but the prompt has {n} tokens; leave room for at least one "
                                    "generated token.", param="prompt")
-        cap = self.max_tokens_cap or self.max_model_len
-        if requested is None:  # vLLM's: the room left, within the generation config's max_new_tokens
-            return min(self.max_model_len - n, self.sampling_defaults.get("max_tokens", self.max_model_len), cap)
+        room = min(self.max_model_len - n, self.max_tokens_cap or self.max_model_len)
+        if requested is None:
+            return min(room, self.sampling_defaults.get("max_tokens", room))
         if requested < 1:
             raise OpenAIError(400, f"max_tokens must be an integer >= 1, got {requested}", param="max_tokens")
-        requested = min(requested, cap)
-        if n + requested > self.max_model_len:
-            raise OpenAIError(400, f"This model's maximum context length (max_model_len) is {self.max_model_len} "
-                                   f"tokens. However, you requested {n + requested} tokens ({n} in the prompt, "
-                                   f"{requested} for the completion). Please reduce the prompt or max_tokens.",
-                              param="max_tokens")
-        return requested
+        if requested > self.max_model_len:
+            raise OpenAIError(400, f"max_tokens={requested} cannot be greater than max_model_len={self.max_model_len}. "
+                                   "Please request fewer output tokens.", param="max_tokens")
+        return min(requested, room)
 
     def sampling_params(self, make: Any, *args: Any, **kwargs: Any) -> SamplingParams:
         """make(*args, **kwargs, defaults=the generation config's sampling defaults); a ValueError
@@ -217,6 +216,16 @@ class ServingContext:
             return list(self.tokenizer.encode(valid_text(text), add_special_tokens=add_special_tokens))
         except Exception as e:  # a lone surrogate ("\ud800"), or anything else the tokenizer refuses
             raise OpenAIError(400, f"cannot tokenize the {param}: {shorten(str(e), 300)}", param=param) from None
+
+    async def tokenize_bad_words(self, params: list[SamplingParams]) -> None:
+        """The requests' bad_words as token ids (vLLM's update_from_tokenizer), in the text workers:
+        the engine, which would otherwise tokenize them, never runs the tokenizer on its thread."""
+        if not any(p.bad_words for p in params):
+            return
+        try:
+            await self.workers.run(lambda: [p.update_from_tokenizer(self.tokenizer) for p in params])
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="bad_words") from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.workers.run(self._encode, text, add_special_tokens, "prompt")

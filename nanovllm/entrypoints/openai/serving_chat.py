@@ -58,6 +58,7 @@ class ChatServing:
                                req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
+        await ctx.tokenize_bad_words([params])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await until_disconnected(raw, ctx.submit([(request_id, prompt, params)], arrival))
         created = int(arrival)  # as vLLM and OpenAI: when the request came, streamed or not

@@ -56,6 +56,7 @@ class CompletionServing:
         max_tokens = 1 if req.echo_only else req.max_tokens
         params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, max_tokens), k,
                                       max(wanted, default=None)) for p in prompts]
+        await ctx.tokenize_bad_words(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{request_id}-{i}" for i in range(len(prompts))]
         group = await until_disconnected(raw, ctx.submit(list(zip(rids, prompts, params)), arrival))
