@@ -122,6 +122,22 @@ def test_invalid_generation_config_default_does_not_stop_the_engine(model_dir: P
         llm.get_default_sampling_params()
 
 
+
+def test_invalid_defaults_are_a_400_for_the_requests_that_use_them(model_dir: Path, tmp_path: Path) -> None:
+    """Over HTTP the same: a request that leaves top_p or max_tokens out gets the invalid default and
+    a 400 naming the field (never a 500); one that gives both is served."""
+    where = tmp_path / "bad_server"
+    shutil.copytree(model_dir, where)
+    config = json.loads((where / "generation_config.json").read_text())
+    (where / "generation_config.json").write_text(json.dumps({**config, "top_p": 0.0, "max_new_tokens": "many"}))
+    (tmp_path / "work").mkdir()
+    with ServerProcess(where, tmp_path / "work", *CLI_ARGS) as srv:
+        for body, field in (({"max_tokens": 4}, "top_p"), ({"top_p": 0.5}, "max_tokens")):
+            r = httpx.post(f"{srv.base_url}/chat/completions", json={"messages": HI, **body}, timeout=120)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert chat(srv, top_p=0.5, max_tokens=4, ignore_eos=True)["usage"]["completion_tokens"] == 4
+
+
 # 5. a generation_config.json that is not JSON --------------------------------------------------------
 
 def test_a_generation_config_json_that_is_not_json_does_not_stop_the_model(model_dir: Path, tmp_path: Path) -> None:

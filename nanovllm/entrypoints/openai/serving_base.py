@@ -146,7 +146,11 @@ class ServingContext:
                                    "generated token.", param="prompt")
         room = min(self.max_model_len - n, self.max_tokens_cap or self.max_model_len)
         if requested is None:
-            return min(room, self.sampling_defaults.get("max_tokens", room))
+            default = self.sampling_defaults.get("max_tokens", room)
+            if not isinstance(default, int) or isinstance(default, bool) or default < 1:
+                raise OpenAIError(400, f"the server's default max_tokens (its generation config's max_new_tokens, "
+                                       f"{default!r}) is not valid; give max_tokens", param="max_tokens")
+            return min(room, default)
         if requested < 1:
             raise OpenAIError(400, f"max_tokens must be an integer >= 1, got {requested}", param="max_tokens")
         if requested > self.max_model_len:
