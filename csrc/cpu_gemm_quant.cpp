@@ -1394,21 +1394,10 @@ bool quant_isa_supported(QuantIsa isa) {
 #endif
 }
 
-bool quant_has_bf16() {
-#if defined(__x86_64__)
-  return quant_isa_supported(QuantIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+// Asked on every GEMM call (which path takes it): cpu_isa()'s answers, read once.
+bool quant_has_bf16() { return has_avx512_bf16(); }
 
-bool quant_has_vnni512() {
-#if defined(__x86_64__)
-  return quant_isa_supported(QuantIsa::kAvx512) && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
+bool quant_has_vnni512() { return has_avx512_vnni(); }
 
 QuantIsa quant_isa_best() {
   static const QuantIsa best = [] {
@@ -1514,16 +1503,16 @@ bool amx_int_path(const QuantGemmArgs& a) {
   return a.bits == 8 && a.m <= kAmxIntMaxRows && a.k % 64 == 0 && (a.group_size % 64 == 0 || a.group_size >= a.k);
 }
 
-// bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the
-// decode of the weights for fp32 FMAs bounds one row on AVX2, integer multiply-adds of pairs of
-// weights with pairs of activations take fewer operations.
-// One row against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers too (panels_int16_vnni):
+// One row against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers (panels_int16_vnni):
 // vpdpwssd outruns the bf16 dot products there; int8's one row reads at the memory's rate either way.
 bool int16_vnni_path(const QuantGemmArgs& a, QuantIsa isa) {
   return a.x_bf16 != nullptr && a.m == 1 && a.bits == 4 && (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512) &&
          quant_has_vnni512() && int16_block_size(a.k, a.group_size) > 0;
 }
 
+// bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the
+// decode of the weights for fp32 FMAs bounds one row on AVX2, integer multiply-adds of pairs of
+// weights with pairs of activations take fewer operations; and int16_vnni_path's row.
 bool int16_path(const QuantGemmArgs& a, QuantIsa isa) {
 #if defined(__x86_64__)
   return (a.x_bf16 != nullptr && !bf16_dots(isa) && (isa == QuantIsa::kAuto ? quant_isa_best() : isa) == QuantIsa::kAvx2 &&

@@ -19,6 +19,9 @@ struct CpuIsa {
   // Cooper Lake, SPR; every CPU with BF16 has BW, VL and DQ, which those loops' masked moves and
   // vfpclassps need, but a VM may hide them).
   bool avx512_bf16 = false;
+  // AVX-512 (as avx512) + AVX512-VNNI: the quantized GEMM's one int4 row as 16-bit integers (vpdpwssd;
+  // Cascade Lake on, Zen 4 on).
+  bool avx512_vnni = false;
   // AMX tiles with bf16 and int8 products, granted to the process (Sapphire Rapids on), and AVX512-VBMI's
   // byte permutes (which every AMX CPU has: the quantized GEMM's int8 path reorders weights with them).
   bool amx_bf16 = false;
@@ -46,6 +49,7 @@ inline const CpuIsa& cpu_isa() {
     found.avx512 = found.avx512f && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512dq");
     found.avx512_bf16 = found.avx512 && __builtin_cpu_supports("avx512bf16");
+    found.avx512_vnni = found.avx512 && __builtin_cpu_supports("avx512vnni");
     found.amx_bf16 = found.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
                      __builtin_cpu_supports("amx-int8") && __builtin_cpu_supports("avx512vbmi") && amx_granted();
 #endif
@@ -58,6 +62,7 @@ inline bool has_avx2_fma() { return cpu_isa().avx2_fma; }
 inline bool has_avx512f() { return cpu_isa().avx512f; }
 inline bool has_avx512() { return cpu_isa().avx512; }
 inline bool has_avx512_bf16() { return cpu_isa().avx512_bf16; }
+inline bool has_avx512_vnni() { return cpu_isa().avx512_vnni; }
 inline bool has_amx_bf16() { return cpu_isa().amx_bf16; }
 
 }  // namespace nanovllm

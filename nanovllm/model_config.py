@@ -253,15 +253,26 @@ def end_tokens(raw: dict[str, Any], generation_dir: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_as_id_tuple(raw.get("eos_token_id")) + _generation_eos(generation_dir)))
 
 
+def _generation_config(directory: Path) -> dict[str, Any] | None:
+    """generation_config.json in `directory` as an object; None where there is none. ValueError
+    where it is not a readable JSON object (its readers decide what that costs)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable JSON object: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a readable JSON object: it holds a {type(raw).__name__}")
+    return raw
+
+
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:
     """generation_config.json's eos_token_id(s); none where the file is absent or unreadable (it
     only adds end tokens, as vLLM reads it)."""
     try:
-        raw = json.loads((model_dir / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return ()
-    try:
-        return _as_id_tuple(raw.get("eos_token_id")) if isinstance(raw, dict) else ()
+        return _as_id_tuple((_generation_config(model_dir) or {}).get("eos_token_id"))
     except (TypeError, ValueError):
         return ()
 
@@ -278,24 +289,21 @@ def sampling_defaults(model_dir: str | Path, source: str = "auto",
     --generation-config): those generation_config.json sets (`source` "auto": the model's; a
     directory: its file; "vllm": none), with `override`'s over them. ValueError for a directory
     without the file or whose file is not a JSON object (the model's own such file: a warning)."""
-    raw: dict[str, Any] = {}
+    raw: dict[str, Any] | None = {}
     if source != "vllm":
-        path = (Path(model_dir) if source == "auto" else Path(source)) / "generation_config.json"
-        if source != "auto" and not path.is_file():
-            raise ValueError(f"generation_config={source!r}: {path} does not exist (give 'auto', 'vllm' or a "
-                             "directory holding a generation_config.json)")
-        if path.is_file():
-            try:
-                raw = json.loads(path.read_text(encoding="utf-8"))
-                if not isinstance(raw, dict):
-                    raise ValueError("not a JSON object")
-            except (OSError, ValueError) as e:
-                if source != "auto":
-                    raise ValueError(f"{path} is not a readable JSON object: {e}") from None
-                # The model's own file: as vLLM (try_get_generation_config), no defaults rather than no model.
-                logger.warning("%s is not a readable JSON object (%s): no default sampling parameters from it", path, e)
-                raw = {}
-    raw = {**raw, **(override or {})}
+        directory = Path(model_dir) if source == "auto" else Path(source)
+        try:
+            raw = _generation_config(directory)
+        except ValueError as e:
+            if source != "auto":
+                raise
+            # The model's own file: as vLLM (try_get_generation_config), no defaults rather than no model.
+            logger.warning("%s: no default sampling parameters from it", e)
+            raw = {}
+        if raw is None and source != "auto":
+            raise ValueError(f"generation_config={source!r}: {directory / 'generation_config.json'} does not exist "
+                             "(give 'auto', 'vllm' or a directory holding a generation_config.json)")
+    raw = {**(raw or {}), **(override or {})}
     diff = {name: raw[name] for name in SAMPLING_FIELDS if raw.get(name) is not None}
     if "max_new_tokens" in diff:
         diff["max_tokens"] = diff.pop("max_new_tokens")

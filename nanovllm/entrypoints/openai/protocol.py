@@ -3,8 +3,8 @@
 Requests validate types strictly (a string where a number belongs is a 400, not a silent
 coercion) but ignore unknown fields, as vLLM does, so clients that send fields that change nothing
 (`user`, `metadata`, ...) keep working. Fields that would change the output and that this server
-does not implement (tools, functions, audio, `echo` on chat, beam search, banned words, prompt
-embeddings) are refused by name (`refused_field`), never ignored. Value
+does not implement (tools, functions, audio, `echo` on chat, beam search, logits processors,
+prompt embeddings) are refused by name (`refused_field`), never ignored. Value
 ranges are checked by `SamplingParams`, whose messages name the field.
 
 An output constraint comes from exactly one of `structured_outputs`, `response_format` or vLLM's
