@@ -185,7 +185,8 @@ class EngineConfig:
     quantization: str | None = option(
         None, "int8 or int4: quantize the linear layers while loading (weight-only, round to nearest: int8 per "
         "output channel, int4 in groups of 128, as `nanovllm quantize`); a quantized checkpoint (compressed-tensors, "
-        "AWQ, GPTQ) needs nothing", aliases=("-q",))
+        "AWQ, GPTQ) needs nothing, but one whose config.json lacks quantization_config needs its format named (gptq, "
+        "awq: read from quantize_config.json or quant_config.json)", aliases=("-q",))
     device: str = option("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     # Tensor parallelism (docs/design.md, "Tensor parallelism"); see ParallelConfig.
     tensor_parallel_size: int = option(1, "split the model over this many GPUs (processes on CPU)", aliases=("-tp",))

@@ -147,8 +147,9 @@ UNSUPPORTED: dict[str, Unsupported] = {u.name: u for u in [
             "enable_nccl_comm_suspend?=false", "renderer_num_workers", "additional_config",
             "fail_on_environ_validation?=false", "weight_transfer_config", "engram_config", "diffusion_config/-dc",
             "watermark_config"),
-    *_group("quantized checkpoints are recognized from their quantization_config; --quantization takes int8 or "
-            "int4 (quantize while loading)", "quantization_config", "allow_deprecated_quantization?=false"),
+    *_group("quantized checkpoints are recognized from their quantization_config (or, with --quantization gptq or "
+            "awq, quantize_config.json / quant_config.json); --quantization int8 or int4 quantizes while loading",
+            "quantization_config", "allow_deprecated_quantization?=false"),
     *_group("speculative decoding is configured as one JSON object: --speculative-config '{\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4}'", "spec_method", "spec_model", "spec_tokens"),
     *_group("structured output always uses xgrammar", "structured_outputs_config"),

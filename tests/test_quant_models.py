@@ -316,3 +316,59 @@ def test_mixture_of_experts_quantizes_experts_not_routers(case: str, root: Path)
         a = LLM(str(dense_dir), quantization="int8", **ENGINE).generate(prompts, params, use_tqdm=False)
         b = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_quantization_config_beside_config_json(dense: dict[str, Path], root: Path) -> None:
+    """AutoGPTQ's and AutoAWQ's older checkpoints keep the quantization config in quantize_config.json
+    / quant_config.json, not config.json: read, as vLLM reads them, when `quantization` names the
+    format (vLLM's gptq_marlin / awq_marlin too), giving the weights of the same checkpoint
+    configured in config.json; without the name, the load fails saying so."""
+    src = dense["qwen3"]
+
+    def gptq(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = quantize_rtn(weight, 4, 32, False, scale_dtype=torch.float16)
+        return gptq_tensors(w, torch.arange(weight.shape[1]) // 32, zero_offset=1)
+
+    def awq(name: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        return awq_tensors(quantize_rtn(weight, 4, 32, False, scale_dtype=torch.float16))
+
+    gptq_qc = {"bits": 4, "group_size": 32, "desc_act": False, "sym": False}
+    awq_qc = {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}  # AutoAWQ's own keys
+    cases = {"gptq": (gptq, gptq_qc, "quantize_config.json"), "awq": (awq, awq_qc, "quant_config.json")}
+    for method, (convert, qc, side) in cases.items():
+        inline = write_checkpoint(src, root / f"side-{method}-inline", {"quant_method": method, **qc}, convert)
+        beside = root / f"side-{method}"
+        shutil.copytree(inline, beside)
+        raw = json.loads((beside / "config.json").read_text())
+        del raw["quantization_config"]
+        (beside / "config.json").write_text(json.dumps(raw))
+        (beside / side).write_text(json.dumps(qc))
+        expected = our_dense_weights(inline)
+        for name in (method, f"{method}_marlin"):
+            got = our_dense_weights(beside, quantization=name)
+            assert got.keys() == expected.keys()
+            for module, w in got.items():
+                torch.testing.assert_close(w, expected[module], rtol=0, atol=0)
+        with pytest.raises(ValueError, match=f"looks quantized.*{side}"):
+            load_model(beside, dtype="float32")
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts([3, 20], 512, seed=7)
+    runs = [LLM(str(root / path), quantization=q, **ENGINE).generate(prompts, greedy, use_tqdm=False)
+            for path, q in (("side-gptq", "gptq"), ("side-gptq-inline", None))]
+    assert [[o.outputs[0].token_ids for o in run] for run in runs] == [[o.outputs[0].token_ids for o in runs[1]]] * 2
+
+    beside = root / "side-awq"
+    (beside / "quantize_config.json").write_text(json.dumps(awq_qc))  # both of AWQ's names: which one?
+    with pytest.raises(ValueError, match="holds both quant_config.json and quantize_config.json"):
+        load_model(beside, dtype="float32", quantization="awq")
+    (beside / "quant_config.json").unlink()
+    (beside / "quantize_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read .*quantize_config.json"):
+        load_model(beside, dtype="float32", quantization="awq")
+    (beside / "quantize_config.json").write_text(json.dumps({"quant_method": "gptq", **gptq_qc}))
+    with pytest.raises(ValueError, match="is quantized with 'gptq'"):
+        load_model(beside, dtype="float32", quantization="awq")
+    with pytest.raises(ValueError, match="has no quantization_config and its directory no quantize_config.json"):
+        load_model(src, dtype="float32", quantization="gptq")
+    with pytest.raises(ValueError, match="compressed-tensors', but .* has no quantization_config$"):
+        load_model(src, dtype="float32", quantization="compressed-tensors")

@@ -111,6 +111,19 @@ def checkpoint_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
     return targets
 
 
+# The tensors only a quantized checkpoint holds (AWQ's and GPTQ's, compressed-tensors' pack-quantized).
+QUANTIZED_TENSORS = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_point", ".weight_scale")
+
+
+def _quantized_hint(model: DecoderForCausalLM, name: str) -> str:
+    """Where a quantized checkpoint's tensor meets a model loading unquantized: what is missing."""
+    if not name.endswith(QUANTIZED_TENSORS) or any(getattr(m, "quant", None) is not None for m in model.modules()):
+        return ""
+    return ("; the checkpoint looks quantized but config.json has no quantization_config: an AutoGPTQ or AutoAWQ "
+            "checkpoint keeps it in quantize_config.json or quant_config.json, read with quantization='gptq' or "
+            "'awq'")
+
+
 def load_weights(model: DecoderForCausalLM, model_dir: str | Path, skipped: tuple[str, ...] = ()) -> None:
     """Fill every parameter of `model` from the safetensors files in `model_dir`; tensors whose names
     end with one of `skipped` are passed over (QuantConfig.skipped_tensors)."""
@@ -133,9 +146,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path, skipped: tupl
                 if target is None and _zero_bias_of_unbiased_layer(name, targets, f):
                     continue
                 if target is None:
-                    raise ValueError(
-                        f"unexpected tensor {name!r} in {file} (not part of the model)"
-                    )
+                    raise ValueError(f"unexpected tensor {name!r} in {file} (not part of the model)"
+                                     f"{_quantized_hint(model, name)}")
                 if name in loaded:
                     raise ValueError(f"tensor {name!r} appears in both {loaded[name]} and {file}")
                 param = params[target.param_name]
@@ -177,7 +189,8 @@ def check_model_config(config: ModelConfig, quantization: str | None = None) -> 
     arch = ARCH_CONFIGS.get(config.architecture)
     if arch is not None:
         arch(config)
-    return resolve_quant_config(config.raw, quantization, str(Path(config.model_dir) / "config.json"))
+    return resolve_quant_config(config.raw, quantization, str(Path(config.model_dir) / "config.json"),
+                                Path(config.model_dir))
 
 
 def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",

@@ -1,5 +1,7 @@
 """Which weights of a model are quantized and how: read from `quantization_config` in config.json
-(compressed-tensors, AWQ, GPTQ) or asked for at load time (`LLM(..., quantization="int8"|"int4")`).
+(compressed-tensors, AWQ, GPTQ), from the file older AutoGPTQ / AutoAWQ checkpoints keep it in
+(quantize_config.json, quant_config.json) when `quantization` names their format, or asked for at
+load time (`LLM(..., quantization="int8"|"int4")`).
 
 Only what nanovllm runs is accepted; anything else is a ValueError naming the scheme, raised when
 the model is loaded, before any weight is read.
@@ -8,8 +10,10 @@ the model is loaded, before any weight is read.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +26,12 @@ from nanovllm.model_config import whole_number
 # (round to nearest), with `nanovllm quantize`'s defaults: (bits, group size (None: per channel)).
 LOAD_TIME_SCHEMES: dict[str, tuple[int, int | None]] = {"int8": (8, None), "int4": (4, 128)}
 CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq")
+# vLLM's names for its GPU kernels of these formats: they read the same checkpoints.
+METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+# Where a checkpoint whose config.json has no quantization_config keeps it (AutoGPTQ's and
+# AutoAWQ's older output), read when `quantization` names the format, as vLLM reads them.
+SIDE_FILES: dict[str, tuple[str, ...]] = {"gptq": ("quantize_config.json",),
+                                          "awq": ("quant_config.json", "quantize_config.json")}
 # What quantizing a model leaves in its own dtype: the LM head, and the routers of mixture-of-experts
 # layers (Qwen3-MoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`), whose few weights decide which
 # experts run: rounding them moves tokens to other experts for no bandwidth saved (llmcompressor's
@@ -133,17 +143,21 @@ def load_time_config(name: str) -> QuantConfig:
                        UNQUANTIZED_MODULES)
 
 
-def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: str) -> QuantConfig | None:
+def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: str,
+                         model_dir: Path | None = None) -> QuantConfig | None:
     """The model's QuantConfig from config.json's `quantization_config` (`raw` is the whole
-    config.json) and the engine's `quantization` option: a load-time scheme for an unquantized
-    checkpoint, or a format name that must match the checkpoint's."""
+    config.json, read from `where`) and the engine's `quantization` option: a load-time scheme for an
+    unquantized checkpoint, or a format name that must match the checkpoint's. A format name for a
+    config.json without quantization_config reads the format's file in `model_dir` (SIDE_FILES)."""
+    if requested is not None:
+        requested = METHOD_ALIASES.get(requested, requested)
     qc = raw.get("quantization_config")
     if qc is None:
         if requested is None:
             return None
-        if requested in CHECKPOINT_METHODS:
-            raise ValueError(f"quantization={requested!r}, but {where} has no quantization_config")
-        return load_time_config(requested)
+        if requested not in CHECKPOINT_METHODS:
+            return load_time_config(requested)
+        qc, where = side_config(requested, where, model_dir)
     if not isinstance(qc, dict):
         raise ValueError(f"{where}: quantization_config must be an object")
     method = str(qc.get("quant_method", "")).lower()
@@ -158,6 +172,27 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
         return _gptq_config(qc, where)
     raise ValueError(f"{where}: quantization method {method!r} is not supported (supported: "
                      f"{', '.join(CHECKPOINT_METHODS)})")
+
+
+def side_config(method: str, where: str, model_dir: Path | None) -> tuple[dict[str, Any], str]:
+    """The quantization config of a `method` checkpoint whose config.json (`where`) has none, from
+    the one file of SIDE_FILES[method] in `model_dir`, with the file's path (for messages)."""
+    names = SIDE_FILES.get(method, ())
+    found = [model_dir / name for name in names if model_dir is not None and (model_dir / name).is_file()]
+    if not found:
+        beside = f" and its directory no {' or '.join(names)}" if names else ""
+        raise ValueError(f"quantization={method!r}, but {where} has no quantization_config{beside}")
+    if len(found) > 1:
+        raise ValueError(f"quantization={method!r}: {model_dir} holds both {' and '.join(f.name for f in found)}; "
+                         "which one configures the checkpoint is ambiguous (remove the other)")
+    try:
+        qc = json.loads(found[0].read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {found[0]}: {e}") from e
+    if not isinstance(qc, dict):
+        raise ValueError(f"{found[0]} must hold a JSON object")
+    # The files rarely name their format; one that names another is refused by the caller.
+    return {"quant_method": method, **qc}, str(found[0])
 
 
 def _integer(value: Any, where: str, what: str, field: str) -> int:
