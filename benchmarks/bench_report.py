@@ -84,3 +84,31 @@ def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
             read(buf)
             best = min(best, time.perf_counter() - start)
     return buf.numel() * buf.element_size() / best
+
+
+class CallClock:
+    """Seconds spent in the wrapped calls, summed while `on`: each (owner, name) pair's attribute (an
+    instance's method, or a class's for all its instances) replaced by a timed wrapper until
+    restore() puts them back."""
+
+    def __init__(self, calls: Iterable[tuple[Any, str]], on: bool = True) -> None:
+        self.on, self.seconds = on, 0.0
+        self._saved = [(owner, name, getattr(owner, name)) for owner, name in calls]
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._timed(fn))
+
+    def restore(self) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return wrapper

@@ -18,11 +18,13 @@ AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This 
    mean over the timed steps: `--context` prompt tokens and those generated so far); and its
    multiply-adds (batch x each weight's elements; attention: batch x context x layers x 2 x heads x
    head_dim);
-3. times decode steps of `--batch` sequences of `--context`-token prompts (wall, without the profiler),
-   splits them per part under torch.profiler (labels as benchmarks/profile_cpu_step.py, on the
-   layers run in Python, which call the same kernels as the engine's C++ stack of them), and
-   prints each part's time against its floor, and which bound sets it (bw or compute); the rest
-   is the timed step less those parts.
+3. times decode steps of `--batch` sequences of `--context`-token prompts and, in the same steps,
+   their parts: the GEMMs and attention by the engine's C++ stack of the layers (DecoderStack's
+   part clocks, models/cpu_stack.py), the LM head by a clock around its call; and prints each
+   part's time against its floor, and which bound sets it (bw or compute); the rest is the step
+   less those parts (the norms, SiLU-and-mul, the host). A model whose layers run in Python has its
+   parts timed under torch.profiler instead (labels as benchmarks/profile_cpu_step.py), in steps of
+   their own: there attention read ~1.4x its stack time at 32 sequences (Intel Xeon with AMX).
 
 The variants: the checkpoint in bf16, and int8 / int4 quantized at load (LLM(quantization=...),
 the same weights as `nanovllm quantize`); the embedding and the LM head stay bf16. The quantized
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench_report import bandwidth_probe, machine, markdown_table, read_bandwidth, write_json
+from bench_report import CallClock, bandwidth_probe, machine, markdown_table, read_bandwidth, write_json
 from profile_cpu_step import WRAPPED, install_labels, python_layers
 
 from nanovllm import LLM, SamplingParams
@@ -143,8 +145,29 @@ def gemm_rate(repeats: int = 5) -> float:
     return 2 * 256 * 1024 * 6144 / best
 
 
+def layer_stack(llm: LLM) -> Any:
+    """The engine's C++ stack of the model's layers (_cpu.DecoderStack), or None where they run in Python."""
+    for module in llm.engine.executor.runner.model.modules():
+        if hasattr(module, "layer_stack"):
+            built = module.layer_stack()
+            return None if built is None else built.stack
+    return None
+
+
+def profiled_parts(llm: LLM, steps: int) -> dict[str, float]:
+    """ms per step of the parts of `steps` decode steps on the layers in Python, under torch.profiler."""
+    python_layers(llm)  # the parts are timed on the Python layers, which call the stack's kernels
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("step"):
+                llm.engine.step()
+    python_layers(llm, False)
+    totals = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages() if e.key in WRAPPED}
+    return {part: totals.get(part, 0.0) for part in ("gemm", "attention", "lm_head")}
+
+
 def run_variant(model: str, variant: str, batches: list[int], args: argparse.Namespace,
-                probe: torch.Tensor, rate: float) -> list[dict[str, Any]]:
+                probe: torch.Tensor, rate: float, head: CallClock) -> list[dict[str, Any]]:
     max_batch = max(batches)
     llm = LLM(model, dtype="bfloat16", quantization=VARIANTS[variant], max_num_seqs=max_batch,
               max_model_len=args.context + args.steps * (args.repeats + 2) + 64, kv_cache_memory_bytes=2 << 30)
@@ -160,28 +183,29 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
         for _ in range(2 + -(-batch * args.context // budget)):  # prefill, then decode only
             engine.step()
         bandwidth = read_bandwidth(probe, repeats=3)
-        walls, contexts = [], []
+        stack = layer_stack(llm)
+        walls, contexts, timed_parts = [], [], []
         for _ in range(args.repeats):
             contexts.append(mean_context(engine, batch, args.steps))
+            if stack is not None:
+                stack.time_parts(True)
+            head.on, head.seconds = True, 0.0
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             walls.append((time.perf_counter() - start) / args.steps)
-        python_layers(llm)  # the parts are timed on the Python layers, which call the stack's kernels
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(args.steps):
-                with record_function("step"):
-                    engine.step()
-        python_layers(llm, False)
-        totals = {e.key: e.cpu_time_total / 1e3 / args.steps for e in prof.key_averages()
-                  if e.key in (*WRAPPED, "step")}
+            head.on = False
+            if stack is not None:
+                stack.time_parts(False)
+                times = stack.part_times
+                timed_parts.append({"gemm": 1000 * times["gemm"] / args.steps,
+                                    "attention": 1000 * times["attention"] / args.steps,
+                                    "lm_head": 1000 * head.seconds / args.steps})
+        best = min(range(args.repeats), key=walls.__getitem__)
+        parts_ms = timed_parts[best] if stack is not None else profiled_parts(llm, args.steps)
         for rid in ids:  # so that the next batch starts clean
             engine.abort_request(rid)
-        best = min(range(args.repeats), key=walls.__getitem__)
         step_ms = 1000 * walls[best]
-        parts_ms = {"gemm": totals.get("gemm", 0.0), "attention": totals.get("attention", 0.0),
-                    "lm_head": totals.get("lm_head", 0.0)}
-        # The rest of the engine's step (as timed, on the C++ stack where the model takes it).
         parts_ms["rest"] = max(0.0, step_ms - sum(parts_ms.values()))
         nbytes = step_bytes(llm, batch, contexts[best])
         flops = step_flops(llm, batch, contexts[best])
@@ -193,7 +217,8 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
                      "tok_s": batch / step_ms * 1000,
                      "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "flops": flops, "parts_ms": parts_ms,
                      "floor_parts_ms": floor_ms, "read_floor_parts_ms": read_ms,
-                     "compute_floor_parts_ms": compute_ms, "profiled_step_ms": totals["step"]})
+                     "compute_floor_parts_ms": compute_ms, "parts_timed_by": "stack" if stack is not None
+                     else "profiler"})
     engine.shutdown()
     return rows
 
@@ -229,6 +254,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     install_labels()
+    head = CallClock([(ParallelLMHead, "logits"), (ParallelLMHead, "greedy")], on=False)  # one of them a step
     batches = [int(b) for b in args.batch.split(",")]
     variants = [v.strip() for v in args.variants.split(",")]
     for v in variants:
@@ -239,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     rate = gemm_rate()
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
           f"read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s (each row's: GB/s, probed before its steps); "
-          f"bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; parts timed under the profiler, the step without it; a part's "
+          f"bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; parts timed in the same steps (the C++ stack's clocks, the LM "
+          "head's); a part's "
           "floor is the larger of its bytes over the row's bandwidth and its FLOPs over the GEMM rate (bw / compute: "
           "which), its % that floor over its time")
-    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, probe, rate)]
+    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, probe, rate, head)]
     print_rows(rows)
     if args.json is not None:
         write_json(args.json, {"model": args.model, "context": args.context, "threads": torch.get_num_threads(),

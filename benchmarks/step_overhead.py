@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import machine, markdown_table, write_json  # noqa: E402
+from bench_report import CallClock, machine, markdown_table, write_json  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.builtin_model import TinyModelSpec, create_model_dir  # noqa: E402
@@ -54,36 +54,16 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-class ForwardTimer:
-    """Wraps the runner's model calls (the forward, and the LM head as the token sampler calls it:
-    for logits, or for an all-greedy step's tokens) and adds up the time spent in them; `restore()`
-    puts them back."""
-
-    def __init__(self, runner: Any) -> None:
-        self.total = 0.0
-        sampler = runner.token_sampler
-        calls = [(runner, "forward"), (sampler, "_logits")] + ([(sampler, "_greedy")] if sampler._greedy else [])
-        self._saved = [(obj, name, getattr(obj, name)) for obj, name in calls]
-        for obj, name, fn in self._saved:
-            setattr(obj, name, self._timed(fn))
-
-    def restore(self) -> None:
-        for obj, name, fn in self._saved:
-            setattr(obj, name, fn)
-
-    def _timed(self, fn: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total += time.perf_counter() - t0
-        return wrapper
+def forward_clock(runner: Any) -> CallClock:
+    """A clock of the runner's model calls: the forward, and the LM head as the token sampler calls it
+    (for logits, or for an all-greedy step's tokens)."""
+    sampler = runner.token_sampler
+    return CallClock([(runner, "forward"), (sampler, "_logits")] + ([(sampler, "_greedy")] if sampler._greedy else []))
 
 
 def run_scenario(llm: LLM, num_seqs: int, context: int, mode: str, steps: int) -> dict[str, Any]:
     engine = llm.engine
-    timer = ForwardTimer(engine.executor.runner)
+    timer = forward_clock(engine.executor.runner)
     try:
         opts = dict(MODES[mode])
         n = opts.get("n", 1)
@@ -97,14 +77,14 @@ def run_scenario(llm: LLM, num_seqs: int, context: int, mode: str, steps: int) -
             engine.add_request(f"r{i}", p, params)
         step_times, forward_times = [], []
         while engine.has_unfinished_requests():
-            timer.total = 0.0
+            timer.seconds = 0.0
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
             plan = engine.scheduler.core.plan
             if plan.num_prefill_tokens == 0 and plan.num_seqs == num_prompts * n:
                 step_times.append(dt)
-                forward_times.append(timer.total)
+                forward_times.append(timer.seconds)
     finally:
         timer.restore()
     if len(step_times) < 4:

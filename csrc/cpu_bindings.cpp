@@ -940,6 +940,22 @@ void bind_cpu_decoder(py::module_& m) {
       .def("adopt_buffers", &DecoderStack::adopt_buffers, py::arg("other"),
            "Take the buffers `other` grew (a stack built again for a new KV cache); `other` keeps none.")
       .def_property_readonly("buffer_bytes", &DecoderStack::buffer_bytes, "bytes of the buffers it keeps now")
+      .def("time_parts", &DecoderStack::time_parts, py::arg("on"),
+           "Start (from zero) or stop summing each forward's parts into part_times.")
+      .def_property_readonly(
+          "part_times",
+          [](const DecoderStack& stack) {
+            const DecoderPartTimes& p = stack.part_times();
+            py::dict out;
+            out["gemm"] = p.gemm;
+            out["attention"] = p.attention;
+            out["experts"] = p.experts;
+            out["rest"] = p.rest;
+            out["forwards"] = p.forwards;
+            return out;
+          },
+          "Seconds in each part (gemm, attention, experts, rest) of the forwards since time_parts(True), and "
+          "their count.")
       .def(
           "forward",
           [](DecoderStack& stack, uintptr_t input_ids, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,

@@ -1,6 +1,7 @@
 #include "cpu_decoder.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <utility>
 
@@ -10,6 +11,24 @@
 #include "cpu_qkv_attention.h"
 
 namespace nanovllm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// f(), its time added to *part where part is not null (DecoderStack::time_parts).
+template <typename F>
+void timed(double* part, const F& f) {
+  if (part == nullptr) {
+    f();
+    return;
+  }
+  const Clock::time_point start = Clock::now();
+  f();
+  *part += std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
 
 DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
                            int64_t block_size, int64_t num_blocks, const void* embedding, int64_t vocab)
@@ -111,6 +130,10 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
 void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   const int64_t t = step.tokens;
   if (t == 0) return;
+  const Clock::time_point start = timing_ ? Clock::now() : Clock::time_point{};
+  const double timed_before = parts_.gemm + parts_.attention + parts_.experts;
+  const auto part = [this](double DecoderPartTimes::*p) { return timing_ ? &(parts_.*p) : nullptr; };
+  double* const gemm = part(&DecoderPartTimes::gemm);
   const DecoderShape& s = shape_;
   const int64_t item = dtype_bytes(s.dtype);
   const int64_t q_row = s.heads * s.head_dim, kv_row = s.kv_heads * s.head_dim;
@@ -145,30 +168,35 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   };
   for (const DecoderLayerWeights& l : layers_) {
     norm(hidden, l.input_norm, normed);
-    linear(l.qkv, normed, qkv, t, num_threads);
+    timed(gemm, [&] { linear(l.qkv, normed, qkv, t, num_threads); });
     QkvAttentionArgs qa{.qkv = qkv, .q_norm = l.q_norm, .k_norm = l.k_norm, .positions = step.positions,
                         .inv_freq = l.inv_freq, .scratch = attn_scratch, .slot_mapping = step.slot_mapping,
                         .k_cache = l.k_cache, .v_cache = l.v_cache, .tokens = t, .qkv_stride = q_row + 2 * kv_row,
                         .slot_tokens = step.slot_tokens, .eps = s.eps, .attn = step.attn};
     qa.attn.out = attn_out;
-    qkv_attention(qa, num_threads);
+    timed(part(&DecoderPartTimes::attention), [&] { qkv_attention(qa, num_threads); });
     if (step.covered < t) {  // padding rows: zero, as cpu_backend's _zero_padding leaves them
       std::memset(static_cast<char*>(attn_out) + step.covered * q_row * item, 0, (t - step.covered) * q_row * item);
     }
-    linear(l.o, attn_out, layer_out, t, num_threads);
+    timed(gemm, [&] { linear(l.o, attn_out, layer_out, t, num_threads); });
     norm(layer_out, l.post_norm, normed);
     if (l.moe) {
-      experts(*l.moe, normed, layer_out, t, num_threads);
+      timed(part(&DecoderPartTimes::experts), [&] { experts(*l.moe, normed, layer_out, t, num_threads); });
     } else {
       void* gate_up = buffer(kGateUp, row * 2 * s.inter);
       void* act = buffer(kAct, row * s.inter);
-      linear(l.gate_up, normed, gate_up, t, num_threads);
+      timed(gemm, [&] { linear(l.gate_up, normed, gate_up, t, num_threads); });
       silu_and_mul({gate_up, act, t, s.inter, 2 * s.inter, s.dtype}, num_threads);
-      linear(l.down, act, layer_out, t, num_threads);
+      timed(gemm, [&] { linear(l.down, act, layer_out, t, num_threads); });
     }
     hidden = layer_out;
   }
   norm(hidden, final_norm_, step.out);
+  if (timing_) {
+    const double whole = std::chrono::duration<double>(Clock::now() - start).count();
+    parts_.rest += whole - (parts_.gemm + parts_.attention + parts_.experts - timed_before);
+    ++parts_.forwards;
+  }
   if (t > kKeptTokens) {
     for (GrowingScratch& b : scratch_) b = GrowingScratch{};
   }

@@ -6,6 +6,7 @@ bad weights and metadata are errors at the binding."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -187,5 +188,35 @@ def test_bad_weights_and_metadata_are_errors(root: Path) -> None:
         with pytest.raises(IndexError, match="slot_mapping"):
             cs.forward(ints.data_ptr(), out.data_ptr(), ints.data_ptr(), slots.data_ptr(), 2, tables.data_ptr(), 1,
                        lens.data_ptr(), cu.data_ptr(), 1, 2)
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_part_clocks_sum_each_forward(moe: bool, root: Path) -> None:
+    """time_parts(True) zeroes the clocks and sums every forward's GEMMs, attention, experts and rest
+    into part_times (roofline.py's parts) until time_parts(False); the parts add up to the forwards'
+    time, and a dense model has no experts' time, a MoE model some."""
+    path = make_moe_model(root / "clock_moe", "qwen3_moe_mixed") if moe else make_tiny_model(root / "clock", "qwen3")
+    llm = make_llm(path, "bfloat16")
+    try:
+        generate(llm, True)
+        stack = decoder_model(llm).layer_stack().stack
+        assert stack.part_times["forwards"] == 0  # never switched on
+        stack.time_parts(True)
+        start = time.perf_counter()
+        generate(llm, True)
+        wall = time.perf_counter() - start
+        stack.time_parts(False)
+        times = stack.part_times
+        steps = times["forwards"]
+        assert steps > len(PROMPTS)  # every step of the second run: prefill chunks and decodes
+        generate(llm, True)  # off: nothing more is summed
+        assert stack.part_times == times
+        parts = [times[p] for p in ("gemm", "attention", "experts", "rest")]
+        assert min(parts) >= 0 and times["gemm"] > 0 and times["attention"] > 0 and sum(parts) < wall
+        assert (times["experts"] > 0) == moe
+        stack.time_parts(True)
+        assert stack.part_times == {"gemm": 0.0, "attention": 0.0, "experts": 0.0, "rest": 0.0, "forwards": 0}
     finally:
         llm.engine.shutdown()
