@@ -24,7 +24,8 @@ AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This 
    part's time against its floor, and which bound sets it (bw or compute); the rest is the step
    less those parts (the norms, SiLU-and-mul, the host). A model whose layers run in Python has its
    parts timed under torch.profiler instead (labels as benchmarks/profile_cpu_step.py), in steps of
-   their own: there attention read ~1.4x its stack time at 32 sequences (Intel Xeon with AMX).
+   their own: there attention read 1.2-1.3x its stack time and the GEMMs 1.2-1.4x at 32 sequences
+   (Intel Xeon with AMX).
 
 The variants: the checkpoint in bf16, and int8 / int4 quantized at load (LLM(quantization=...),
 the same weights as `nanovllm quantize`); the embedding and the LM head stay bf16. The quantized

@@ -95,10 +95,11 @@ struct DecoderStep {
 };
 
 // Where the forwards' time went since DecoderStack::time_parts(true), in seconds (roofline.py's
-// parts): the linear layers' GEMMs (a MoE router's too), qkv_attention (q/k norm, rotary, the K/V
-// write and paged attention), a MoE layer's experts, and the rest (the embedding rows, the
-// RMSNorms, SiLU-and-mul). Read on the kernels as the engine runs them: timed on the Python layers
-// under a profiler instead, attention read 1.4x its time here at 32 sequences (Intel Xeon with AMX).
+// parts): the dense layers' GEMMs, qkv_attention (q/k norm, rotary, the K/V write and paged
+// attention), a MoE layer's router and experts, and the rest (the embedding rows, the RMSNorms,
+// SiLU-and-mul). Read on the kernels as the engine runs them: timed on the Python layers under a
+// profiler instead, attention read 1.2-1.3x its time here and the GEMMs 1.2-1.4x at 32 sequences
+// (the parts summed past the step; Intel Xeon with AMX).
 struct DecoderPartTimes {
   double gemm = 0.0, attention = 0.0, experts = 0.0, rest = 0.0;
   int64_t forwards = 0;
