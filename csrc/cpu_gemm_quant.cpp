@@ -42,6 +42,13 @@ constexpr int64_t kAmxMinRows = 2;
 // 230 against 320 us, 64 rows 394 against 459, 128 rows 784 against 734, 512 rows 3.55 against 3.03 ms
 // (past ~100 rows each slice's rows no longer stay in L1, and the totals of every pair grow with them).
 constexpr int64_t kAmxIntMaxRows = 64;
+// Up to this many bf16 rows go to AVX512-VNNI as 16-bit integers against int4 (int16_vnni_path), not
+// to AMX tiles: the nibbles decoded once for every row's vpdpwssd, where the tiles decode them to bf16
+// pairs for 16 rows and use a few. The Qwen3-shaped layers' int4 GEMMs from memory (2 threads, Intel
+// Xeon with AMX, old and new in turns): 2 rows 1.32-1.44x faster, 3 rows 1.16-1.29x, 4 rows 1.0-1.16x;
+// the engine's int4 decode of 2 sequences 1.25x the tokens/s, of 4 1.04x; a MoE decode's int4 experts
+// (~4 rows each at 32 tokens) 1.08x.
+constexpr int kVnniMaxRows = 4;
 // How far ahead, in panels, a one-row pass asks for its weights. At one row a core read int4 weights
 // from memory at 8-13 GB/s, half its rate on cached ones: the hardware prefetcher alone kept too few
 // lines in flight. The AVX-512 bf16 path asks for a panel's lines at its start (24 int4 weights of the
@@ -171,10 +178,13 @@ struct RowPrep {
   // within 2^-16 of it (a bf16 output rounds at 2^-9). For int4, per 8 columns two registers' worth
   // of 16-bit pairs, the pairs the kernel's lanes take: (x0, x4) four times then (x2, x6) four
   // times, and (x1, x5), (x3, x7) the same; for int8 the integers in order. xsum then sums these values.
+  // Every row's (int16_vnni_path takes a few): row r's integers from xq + r * xq_stride, its scales
+  // from xq_scale + r * (k / xq_block), its segments' sums from xsum + r * segments.
   std::unique_ptr<int32_t[]> xq;
   int64_t xq_block = 0;  // 0: not the int16 path
-  // xq_scale's values are relative to this one (their largest), which the kernels apply last.
-  float xq_row_scale = 0.0f;
+  int64_t xq_stride = 0;
+  // Each row's xq_scale values are relative to its own largest (here), which the kernels apply last.
+  std::vector<float> xq_row_scale;
   std::vector<float> xq_scale;
 
   // amx: the AMX path takes these rows, which sums them itself (panels_amx): none of this is made.
@@ -361,20 +371,21 @@ struct GroupTerms {
   }
 };
 
-// The end of a panel's slice on the one-row int16 paths: its 16 sums (columns 0-7, 8-15) times the
-// row's scale (RowPrep::xq_row_scale), plus the bias on the first slice, into y (added to what
-// earlier slices left).
-inline void finish_slice(const QuantGemmArgs& a, const RowPrep& rows, int64_t p, int64_t k0, const __m256* sums) {
+// The end of a panel's slice on the int16 paths: row r's 16 sums (columns 0-7, 8-15) times the
+// row's scale (RowPrep::xq_row_scale), plus the bias on the first slice, into its row of y (added to
+// what earlier slices left).
+inline void finish_slice(const QuantGemmArgs& a, const RowPrep& rows, int64_t p, int64_t k0, const __m256* sums,
+                         int64_t r = 0) {
   const int64_t col0 = p * kGemmPanel;
   const int cols = static_cast<int>(std::min(kGemmPanel, a.n - col0));
-  const __m256 row_scale = _mm256_set1_ps(rows.xq_row_scale);
+  const __m256 row_scale = _mm256_set1_ps(rows.xq_row_scale[r]);
   V out[kVecs] = {_mm256_mul_ps(sums[0], row_scale), _mm256_mul_ps(sums[1], row_scale)};
   if (k0 == 0 && a.bias != nullptr) {
     V bias[kVecs];
     load_bias(a, col0, cols, true, bias);
     for (int v = 0; v < kVecs; ++v) out[v] = _mm256_add_ps(out[v], bias[v]);
   }
-  put(a.y + col0, out, cols, k0 > 0);
+  put(a.y + r * a.y_stride + col0, out, cols, k0 > 0);
 }
 
 // The int16 path (int16_path): one row of bf16 activations as RowPrep::xq against int4 panels. Eight
@@ -541,11 +552,12 @@ NANOVLLM_VNNI512 inline __m512 halves(__m256 lo, __m256 hi) {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-template <int64_t Block>
+template <int64_t Block, int R>
 NANOVLLM_VNNI512 void panels_int16_vnni(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
                                         int64_t p1) {
   static_assert(Block % 32 == 0 && Block <= 128, "the int32 sums of a block must not overflow");
-  const int64_t panels = gemm_panels(a.n);
+  static_assert(R >= 1 && R <= kVnniMaxRows);
+  const int64_t panels = gemm_panels(a.n), blocks = a.k / Block;
   const __m512i low = _mm512_set1_epi16(0x000f), high = _mm512_set1_epi16(0x00f0);
   const __m256i even_lanes = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
   const __m256i odd_lanes = _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7);
@@ -559,42 +571,78 @@ NANOVLLM_VNNI512 void panels_int16_vnni(const QuantGemmArgs& a, const Segments& 
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* w = a.packed + slice_bytes(panels, a.k, p, k0, 4);
       const uint8_t* ahead = panel_ahead(a, k0, p, p0, p1);
-      __m512 sums_even = _mm512_setzero_ps(), sums_odd = _mm512_setzero_ps();
+      __m512 sums_even[R], sums_odd[R];
+      for (int r = 0; r < R; ++r) sums_even[r] = sums_odd[r] = _mm512_setzero_ps();
       for (int64_t sg = segs.first[slice]; sg < segs.first[slice + 1]; ++sg) {
         const GroupTerms g(a, p, segs.group[sg], rows.xsum[sg], 0.5f);
         const __m512 scale_even = lanes(g.scale, false), scale_odd = lanes(g.scale, true);
         for (int64_t b0 = segs.start[sg]; b0 < segs.start[sg + 1]; b0 += Block) {
           const uint8_t* wb = w + (b0 - k0) * (kGemmPanel / 2);
           const uint8_t* pb = ahead + (b0 - k0) * (kGemmPanel / 2);
-          const __m256i* xb = reinterpret_cast<const __m256i*>(rows.xq.get()) + b0 / 4;
-          // Two sets of sums, alternate steps: a set's vpdpwssd waits on its last (5 cycles).
-          __m512i even[2] = {}, even16[2] = {}, odd[2] = {}, odd16[2] = {};
+          const __m256i* xb[R];
+          for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const __m256i*>(rows.xq.get() + r * rows.xq_stride) + b0 / 4;
+          __m512i even_ints[R], odd_ints[R];
+          if constexpr (R == 1) {
+            // Two sets of sums, alternate steps: a set's vpdpwssd waits on its last (5 cycles).
+            __m512i even[2] = {}, even16[2] = {}, odd[2] = {}, odd16[2] = {};
 #pragma GCC unroll 4
-          for (int64_t st = 0; st < Block / 8; ++st) {
-            __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
-            const __m512i t = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(wb + 4 * kGemmPanel * st));
-            const __m512i xa = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb + 2 * st));
-            const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb + 2 * st + 1));
-            const int u = static_cast<int>(st % 2);
-            even[u] = _mm512_dpwssd_epi32(even[u], _mm512_and_si512(t, low), xa);
-            even16[u] = _mm512_dpwssd_epi32(even16[u], _mm512_and_si512(t, high), xh);
-            odd[u] = _mm512_dpwssd_epi32(odd[u], _mm512_and_si512(_mm512_srli_epi16(t, 8), low), xa);
-            odd16[u] = _mm512_dpwssd_epi32(odd16[u], _mm512_srli_epi16(t, 12), xh);
+            for (int64_t st = 0; st < Block / 8; ++st) {
+              __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+              const __m512i t = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(wb + 4 * kGemmPanel * st));
+              const __m512i xa = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[0] + 2 * st));
+              const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[0] + 2 * st + 1));
+              const int u = static_cast<int>(st % 2);
+              even[u] = _mm512_dpwssd_epi32(even[u], _mm512_and_si512(t, low), xa);
+              even16[u] = _mm512_dpwssd_epi32(even16[u], _mm512_and_si512(t, high), xh);
+              odd[u] = _mm512_dpwssd_epi32(odd[u], _mm512_and_si512(_mm512_srli_epi16(t, 8), low), xa);
+              odd16[u] = _mm512_dpwssd_epi32(odd16[u], _mm512_srli_epi16(t, 12), xh);
+            }
+            even_ints[0] = _mm512_add_epi32(_mm512_add_epi32(even[0], even[1]),
+                                            _mm512_srai_epi32(_mm512_add_epi32(even16[0], even16[1]), 4));
+            odd_ints[0] = _mm512_add_epi32(_mm512_add_epi32(odd[0], odd[1]), _mm512_add_epi32(odd16[0], odd16[1]));
+          } else {
+            // The weights decoded once for every row: the rows' sums are the independent chains.
+            __m512i even[R], even16[R], odd[R], odd16[R];
+            for (int r = 0; r < R; ++r) even[r] = even16[r] = odd[r] = odd16[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int64_t st = 0; st < Block / 8; ++st) {
+              __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+              const __m512i t = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(wb + 4 * kGemmPanel * st));
+              const __m512i t_even = _mm512_and_si512(t, low), t_even16 = _mm512_and_si512(t, high);
+              const __m512i t_odd = _mm512_and_si512(_mm512_srli_epi16(t, 8), low), t_odd16 = _mm512_srli_epi16(t, 12);
+#pragma GCC unroll 4
+              for (int r = 0; r < R; ++r) {
+                const __m512i xa = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[r] + 2 * st));
+                const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[r] + 2 * st + 1));
+                even[r] = _mm512_dpwssd_epi32(even[r], t_even, xa);
+                even16[r] = _mm512_dpwssd_epi32(even16[r], t_even16, xh);
+                odd[r] = _mm512_dpwssd_epi32(odd[r], t_odd, xa);
+                odd16[r] = _mm512_dpwssd_epi32(odd16[r], t_odd16, xh);
+              }
+            }
+            for (int r = 0; r < R; ++r) {
+              even_ints[r] = _mm512_add_epi32(even[r], _mm512_srai_epi32(even16[r], 4));
+              odd_ints[r] = _mm512_add_epi32(odd[r], odd16[r]);
+            }
           }
-          const __m512 xs = _mm512_set1_ps(rows.xq_scale[b0 / Block]);  // first, as in panels_int16
-          const __m512i even_ints = _mm512_add_epi32(_mm512_add_epi32(even[0], even[1]),
-                                                     _mm512_srai_epi32(_mm512_add_epi32(even16[0], even16[1]), 4));
-          const __m512i odd_ints = _mm512_add_epi32(_mm512_add_epi32(odd[0], odd[1]), _mm512_add_epi32(odd16[0], odd16[1]));
-          sums_even = _mm512_fmadd_ps(scale_even, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(even_ints)), sums_even);
-          sums_odd = _mm512_fmadd_ps(scale_odd, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(odd_ints)), sums_odd);
+          for (int r = 0; r < R; ++r) {
+            const __m512 xs = _mm512_set1_ps(rows.xq_scale[r * blocks + b0 / Block]);  // first, as in panels_int16
+            sums_even[r] = _mm512_fmadd_ps(scale_even, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(even_ints[r])), sums_even[r]);
+            sums_odd[r] = _mm512_fmadd_ps(scale_odd, _mm512_mul_ps(xs, _mm512_cvtepi32_ps(odd_ints[r])), sums_odd[r]);
+          }
         }
-        sums_even = _mm512_sub_ps(sums_even, lanes(g.zero_term, false));
-        sums_odd = _mm512_sub_ps(sums_odd, lanes(g.zero_term, true));
+        for (int r = 0; r < R; ++r) {
+          const GroupTerms gr(a, p, segs.group[sg], rows.xsum[r * segs.count() + sg], 0.5f);
+          sums_even[r] = _mm512_sub_ps(sums_even[r], lanes(gr.zero_term, false));
+          sums_odd[r] = _mm512_sub_ps(sums_odd[r], lanes(gr.zero_term, true));
+        }
       }
-      const __m256 ordered[2] = {
-          in_order(_mm512_castps512_ps256(sums_even), _mm512_castps512_ps256(sums_odd)),
-          in_order(_mm512_extractf32x8_ps(sums_even, 1), _mm512_extractf32x8_ps(sums_odd, 1))};
-      finish_slice(a, rows, p, k0, ordered);
+      for (int r = 0; r < R; ++r) {
+        const __m256 ordered[2] = {
+            in_order(_mm512_castps512_ps256(sums_even[r]), _mm512_castps512_ps256(sums_odd[r])),
+            in_order(_mm512_extractf32x8_ps(sums_even[r], 1), _mm512_extractf32x8_ps(sums_odd[r], 1))};
+        finish_slice(a, rows, p, k0, ordered, r);
+      }
     }
   }
 }
@@ -604,7 +652,12 @@ NANOVLLM_VNNI512 void panels_int16_vnni(const QuantGemmArgs& a, const Segments& 
 void run_int16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0, int64_t p1, bool vnni) {
   const auto run = [&]<int64_t Block>() {
     if (vnni) {
-      panels_int16_vnni<Block>(a, segs, rows, p0, p1);
+      switch (a.m) {
+        case 1: panels_int16_vnni<Block, 1>(a, segs, rows, p0, p1); break;
+        case 2: panels_int16_vnni<Block, 2>(a, segs, rows, p0, p1); break;
+        case 3: panels_int16_vnni<Block, 3>(a, segs, rows, p0, p1); break;
+        default: panels_int16_vnni<Block, kVnniMaxRows>(a, segs, rows, p0, p1); break;
+      }
     } else if (a.bits == 4) {
       panels_int16<Block>(a, segs, rows, p0, p1);
     } else {
@@ -1414,24 +1467,32 @@ namespace {
 RowPrep::RowPrep(const QuantGemmArgs& a, const Segments& segs, bool int16, bool amx) {
   if (int16) {
     xq_block = int16_block_size(a.k, a.group_size);
-    xq = std::make_unique_for_overwrite<int32_t[]>(a.bits == 4 ? a.k * 2 : a.k / 2);  // int16_row writes it all
-    xq_scale.resize(a.k / xq_block);
-    std::vector<int32_t> sums(a.k / xq_block);
+    xq_stride = a.bits == 4 ? a.k * 2 : a.k / 2;
+    const int64_t blocks = a.k / xq_block;
+    xq = std::make_unique_for_overwrite<int32_t[]>(a.m * xq_stride);  // int16_row writes it all
+    xq_scale.resize(a.m * blocks);
+    xq_row_scale.assign(a.m, 0.0f);
+    xsum.assign(a.m * segs.count(), 0.0f);
+    std::vector<int32_t> sums(blocks);
+    for (int64_t r = 0; r < a.m; ++r) {
+      float* const scale = xq_scale.data() + r * blocks;
 #if defined(__x86_64__)
-    quant_avx2::int16_row(a.x_bf16, a.k, xq_block, a.bits, xq.get(), xq_scale.data(), sums.data());
+      quant_avx2::int16_row(a.x_bf16 + r * a.x_stride, a.k, xq_block, a.bits, xq.get() + r * xq_stride, scale,
+                            sums.data());
 #endif
-    // The scales relative to the largest (powers of two: exact), that one applied at a slice's end:
-    // the products of the largest blocks' sums with their scales stay near 1 whatever the row's
-    // magnitude (with absolute scales, a row of bf16's tiniest values lost precision to fp32's
-    // subnormals); blocks 2^126 below the row's largest fall to subnormals as in any fp32 sum. A row
-    // of zeros keeps 1.
-    for (const float s : xq_scale) xq_row_scale = std::isnan(s) ? xq_row_scale : std::max(xq_row_scale, s);
-    if (xq_row_scale == 0.0f) xq_row_scale = 1.0f;
-    for (float& s : xq_scale) s /= xq_row_scale;
-    xsum.assign(segs.count(), 0.0f);
-    for (int64_t b = 0, sg = 0; b < a.k / xq_block; ++b) {
-      while (segs.start[sg + 1] <= b * xq_block) ++sg;
-      xsum[sg] += xq_scale[b] * static_cast<float>(sums[b]);
+      // The scales relative to the largest (powers of two: exact), that one applied at a slice's end:
+      // the products of the largest blocks' sums with their scales stay near 1 whatever the row's
+      // magnitude (with absolute scales, a row of bf16's tiniest values lost precision to fp32's
+      // subnormals); blocks 2^126 below the row's largest fall to subnormals as in any fp32 sum. A row
+      // of zeros keeps 1.
+      float& largest = xq_row_scale[r];
+      for (int64_t b = 0; b < blocks; ++b) largest = std::isnan(scale[b]) ? largest : std::max(largest, scale[b]);
+      if (largest == 0.0f) largest = 1.0f;
+      for (int64_t b = 0; b < blocks; ++b) scale[b] /= largest;
+      for (int64_t b = 0, sg = 0; b < blocks; ++b) {
+        while (segs.start[sg + 1] <= b * xq_block) ++sg;
+        xsum[r * segs.count() + sg] += scale[b] * static_cast<float>(sums[b]);
+      }
     }
     return;
   }
@@ -1503,10 +1564,11 @@ bool amx_int_path(const QuantGemmArgs& a) {
   return a.bits == 8 && a.m <= kAmxIntMaxRows && a.k % 64 == 0 && (a.group_size % 64 == 0 || a.group_size >= a.k);
 }
 
-// One row against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers (panels_int16_vnni):
-// vpdpwssd outruns the bf16 dot products there; int8's one row reads at the memory's rate either way.
+// One to kVnniMaxRows rows against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers
+// (panels_int16_vnni): vpdpwssd outruns the bf16 dot products there, and at a few rows the AMX tiles;
+// int8's one row reads at the memory's rate either way.
 bool int16_vnni_path(const QuantGemmArgs& a, QuantIsa isa) {
-  return a.x_bf16 != nullptr && a.m == 1 && a.bits == 4 && (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512) &&
+  return a.x_bf16 != nullptr && a.m >= 1 && a.m <= kVnniMaxRows && a.bits == 4 && (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512) &&
          quant_has_vnni512() && int16_block_size(a.k, a.group_size) > 0;
 }
 
@@ -1557,7 +1619,7 @@ void quant_gemm(const QuantGemmArgs& a, QuantIsa isa, int num_threads) {
     std::tie(g.x, g.x_stride) = rows_as<float>(a.x_bf16, a.m, a.k, a.x_stride, wide);
     g.x_bf16 = nullptr;
   }
-  const bool amx = amx_path(g, isa);
+  const bool amx = !int16 && amx_path(g, isa);
   const RowPrep rows(g, segs, int16, amx);
   // bf16 output: the AMX path rounds each sum as it finishes it; on the others each thread rounds its
   // columns once their sums are whole, while they are in cache (a separate conversion was a pass and

@@ -135,12 +135,12 @@ def summed_magnitudes(x: torch.Tensor, w: QuantizedWeight, zero_offset: float) -
 
 def int16_call(x: torch.Tensor, p: cpu_kernel.PackedQuantWeight, y: torch.Tensor,
                bias: torch.Tensor | None = None, isa: str = "auto") -> None:
-    """quant_gemm_cpu on one row of bf16 activations (x_bf16), fp32 out."""
+    """quant_gemm_cpu on the rows of bf16 activations x (x_bf16, rows x.stride(0) apart), fp32 out."""
     k = p.in_features
     _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(), 0 if p.zeros is None else p.zeros.data_ptr(),
-                        0 if bias is None else bias.data_ptr(), y.data_ptr(), 1, p.out_features, k, x.shape[1],
-                        p.out_features, p.group_size, p.bits, p.zero_offset, cpu_kernel.ISA_CODES[isa], 1,
-                        x.data_ptr())
+                        0 if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0], p.out_features, k,
+                        x.stride(0), p.out_features, p.group_size, p.bits, p.zero_offset, cpu_kernel.ISA_CODES[isa],
+                        1, x.data_ptr())
 
 
 VNNI = _cpu.quant_has_vnni512()
@@ -200,7 +200,7 @@ def test_vnni_int4_row_gives_the_avx2_int16_bits() -> None:
     """One bf16 row against int4 on AVX512-VNNI (vpdpwssd over both halves of the AVX2 int16 kernel's
     step in one register) sums the same integers in the same lanes and scales them in the same order:
     the AVX2 kernel's bits, on ragged and strided shapes, every block size, with and without zero
-    points and bias; not the bf16 dot products' (the AVX-512 path for two rows and more)."""
+    points and bias; not the bf16 dot products' (the AVX-512 path past kVnniMaxRows rows)."""
     for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (512, 17, 512), (3072, 100, 64),
                                        (768, 50, 256), (320, 20, 64), (96, 1000, 32)]):
         w = random_quantized(n, k, 4, group, symmetric=bool(i % 2), seed=80 + i)
@@ -211,7 +211,50 @@ def test_vnni_int4_row_gives_the_avx2_int16_bits() -> None:
         int16_call(wide, p, vnni, bias)
         int16_call(wide, p, avx2, bias, isa="avx2")
         assert torch.equal(vnni, avx2), i
-        assert not torch.equal(vnni, cpu_kernel.linear(wide.expand(2, k), p, bias, isa="avx512")[:1].float()), i
+        dots = torch.empty(VNNI_MAX_ROWS + 1, n)
+        int16_call(wide.expand(VNNI_MAX_ROWS + 1, k).contiguous(), p, dots, bias, isa="avx512")
+        assert not torch.equal(vnni, dots[:1]), i
+
+
+VNNI_MAX_ROWS = 4  # csrc/cpu_gemm_quant.cpp's kVnniMaxRows
+
+
+@pytest.mark.skipif(not VNNI, reason="the CPU lacks AVX512-VNNI")
+@pytest.mark.parametrize("isa", ["auto", "avx512"])
+def test_vnni_int4_rows_give_each_row_alone_bits(isa: str) -> None:
+    """Two to kVnniMaxRows bf16 rows against int4 on AVX512-VNNI (the weights decoded once for every
+    row's vpdpwssd, on AMX CPUs too): each row's output is that row's alone, bit for bit, whatever
+    its neighbours' magnitudes (each row its own block scales), zero blocks, outliers and NaNs (which
+    stay in their row); strided rows; against the reference within the one-row path's bound."""
+    for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (3072, 100, 64), (768, 50, 256),
+                                       (320, 20, 64)]):
+        w = random_quantized(n, k, 4, group, symmetric=bool(i % 2), seed=90 + i)
+        p = cpu_kernel.pack(w)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(300 + i)) if i % 2 == 0 else None
+        for m in range(2, VNNI_MAX_ROWS + 1):
+            g = torch.Generator().manual_seed(10 * i + m)
+            wide = torch.randn(m, k + 40, generator=g) * torch.logspace(-3, 3, m)[:, None]
+            x = wide[:, 16:16 + k].to(torch.bfloat16)  # rows k + 40 apart
+            x[0, 5] = 5e4  # an outlier coarsens its own block of its own row only
+            x[m - 1, :32] = 0.0
+            if m == 3:
+                x[1, k // 3] = float("nan")
+            y = torch.empty(m, n)
+            int16_call(x, p, y, bias, isa)
+            for r in range(m):
+                alone = torch.empty(1, n)
+                int16_call(x[r:r + 1], p, alone, bias, isa)
+                assert torch.equal(y[r:r + 1], alone) or (torch.isnan(alone).all() and torch.isnan(y[r]).all()), (i, m, r)
+            if m == 3:
+                assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any(), i
+            # Within half a step of each value's block (test_one_bf16_row_as_16_bit_integers' bound), row by row.
+            block = int16_block(k, group)
+            blocks = x.float().reshape(m, -1, block).abs().amax(dim=2)
+            half_step = torch.ldexp(torch.ones_like(blocks), torch.frexp(blocks).exponent - 16)
+            bound = F.linear(half_step.repeat_interleave(block, dim=1).double(), w.dequantize(torch.float64).abs())
+            scale = F.linear(x.double().abs(), w.dequantize(torch.float64).abs())
+            ok = (y.double() - reference(x.float(), w, bias).double()).abs() <= bound + 1e-6 * scale
+            assert ok[~torch.isnan(y)].all(), (i, m)
 
 
 def int16_rounded(x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
