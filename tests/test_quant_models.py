@@ -344,7 +344,7 @@ def test_quantization_config_beside_config_json(dense: dict[str, Path], root: Pa
         (beside / "config.json").write_text(json.dumps(raw))
         (beside / side).write_text(json.dumps(qc))
         expected = our_dense_weights(inline)
-        for name in (method, f"{method}_marlin"):
+        for name in (method, f"{method}_marlin", f"auto_{method}"):
             got = our_dense_weights(beside, quantization=name)
             assert got.keys() == expected.keys()
             for module, w in got.items():
@@ -368,6 +368,16 @@ def test_quantization_config_beside_config_json(dense: dict[str, Path], root: Pa
     (beside / "quantize_config.json").write_text(json.dumps({"quant_method": "gptq", **gptq_qc}))
     with pytest.raises(ValueError, match="is quantized with 'gptq'"):
         load_model(beside, dtype="float32", quantization="awq")
+    # AutoGPTQ's file read as AWQ's (both spell it quantize_config.json): refused, naming what AWQ's lacks.
+    (beside / "quantize_config.json").write_text(json.dumps(gptq_qc))
+    with pytest.raises(ValueError, match="quantize_config.json lacks the AWQ config's zero_point"):
+        load_model(beside, dtype="float32", quantization="awq")
+    (beside / "quantize_config.json").write_text(json.dumps({"quant_method": None, **awq_qc}))  # null: none named
+    assert our_dense_weights(beside, quantization="awq").keys() == our_dense_weights(root / "side-awq-inline").keys()
+    with pytest.raises(ValueError, match="quantization='gptq_marlin': .*quantize_config.json lacks the GPTQ config's bits"):
+        load_model(beside, dtype="float32", quantization="gptq_marlin")  # the option as the user spelled it
+    with pytest.raises(ValueError, match="quantization='gptq_marlin', but .*config.json is quantized with 'awq'"):
+        load_model(root / "side-awq-inline", dtype="float32", quantization="gptq_marlin")
     with pytest.raises(ValueError, match="has no quantization_config and its directory no quantize_config.json"):
         load_model(src, dtype="float32", quantization="gptq")
     with pytest.raises(ValueError, match="compressed-tensors', but .* has no quantization_config$"):

@@ -26,12 +26,18 @@ from nanovllm.model_config import whole_number
 # (round to nearest), with `nanovllm quantize`'s defaults: (bits, group size (None: per channel)).
 LOAD_TIME_SCHEMES: dict[str, tuple[int, int | None]] = {"int8": (8, None), "int4": (4, 128)}
 CHECKPOINT_METHODS = ("compressed-tensors", "awq", "gptq")
-# vLLM's names for its GPU kernels of these formats: they read the same checkpoints.
-METHOD_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+# vLLM's other names for these formats (its GPU kernels, AutoGPTQ's and AutoAWQ's): the same checkpoints.
+METHOD_ALIASES = {"gptq_marlin": "gptq", "auto_gptq": "gptq", "awq_marlin": "awq", "auto_awq": "awq"}
 # Where a checkpoint whose config.json has no quantization_config keeps it (AutoGPTQ's and
-# AutoAWQ's older output), read when `quantization` names the format, as vLLM reads them.
+# AutoAWQ's older output), read when `quantization` names the format, as vLLM reads them, and the
+# keys such a file must hold (each a tuple of spellings), as vLLM requires them: AWQ reads
+# quantize_config.json too, which an AutoGPTQ checkpoint's is, and without them took it as AWQ.
 SIDE_FILES: dict[str, tuple[str, ...]] = {"gptq": ("quantize_config.json",),
                                           "awq": ("quant_config.json", "quantize_config.json")}
+SIDE_FILE_KEYS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "gptq": (("bits",), ("group_size",), ("desc_act",), ("sym",)),
+    "awq": (("w_bit", "bits"), ("q_group_size", "group_size"), ("zero_point",)),
+}
 # What quantizing a model leaves in its own dtype: the LM head, and the routers of mixture-of-experts
 # layers (Qwen3-MoE's `mlp.gate`, Mixtral's `block_sparse_moe.gate`), whose few weights decide which
 # experts run: rounding them moves tokens to other experts for no bandwidth saved (llmcompressor's
@@ -149,6 +155,7 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
     config.json, read from `where`) and the engine's `quantization` option: a load-time scheme for an
     unquantized checkpoint, or a format name that must match the checkpoint's. A format name for a
     config.json without quantization_config reads the format's file in `model_dir` (SIDE_FILES)."""
+    asked = requested  # as the user spelled it, for messages
     if requested is not None:
         requested = METHOD_ALIASES.get(requested, requested)
     qc = raw.get("quantization_config")
@@ -157,12 +164,12 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
             return None
         if requested not in CHECKPOINT_METHODS:
             return load_time_config(requested)
-        qc, where = side_config(requested, where, model_dir)
+        qc, where = side_config(requested, asked, where, model_dir)
     if not isinstance(qc, dict):
         raise ValueError(f"{where}: quantization_config must be an object")
     method = str(qc.get("quant_method", "")).lower()
     if requested is not None and requested != method:
-        raise ValueError(f"quantization={requested!r}, but {where} is quantized with {method!r}: a quantized "
+        raise ValueError(f"quantization={asked!r}, but {where} is quantized with {method!r}: a quantized "
                          "checkpoint runs as it is stored (leave quantization unset)")
     if method == "compressed-tensors":
         return _compressed_tensors_config(qc, where)
@@ -174,16 +181,17 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
                      f"{', '.join(CHECKPOINT_METHODS)})")
 
 
-def side_config(method: str, where: str, model_dir: Path | None) -> tuple[dict[str, Any], str]:
-    """The quantization config of a `method` checkpoint whose config.json (`where`) has none, from
-    the one file of SIDE_FILES[method] in `model_dir`, with the file's path (for messages)."""
+def side_config(method: str, asked: str | None, where: str, model_dir: Path | None) -> tuple[dict[str, Any], str]:
+    """The quantization config of a `method` checkpoint (`asked`: the option as spelled) whose
+    config.json (`where`) has none, from the one file of SIDE_FILES[method] in `model_dir`, with the
+    file's path (for messages)."""
     names = SIDE_FILES.get(method, ())
     found = [model_dir / name for name in names if model_dir is not None and (model_dir / name).is_file()]
     if not found:
         beside = f" and its directory no {' or '.join(names)}" if names else ""
-        raise ValueError(f"quantization={method!r}, but {where} has no quantization_config{beside}")
+        raise ValueError(f"quantization={asked!r}, but {where} has no quantization_config{beside}")
     if len(found) > 1:
-        raise ValueError(f"quantization={method!r}: {model_dir} holds both {' and '.join(f.name for f in found)}; "
+        raise ValueError(f"quantization={asked!r}: {model_dir} holds both {' and '.join(f.name for f in found)}; "
                          "which one configures the checkpoint is ambiguous (remove the other)")
     try:
         qc = json.loads(found[0].read_text())
@@ -191,8 +199,12 @@ def side_config(method: str, where: str, model_dir: Path | None) -> tuple[dict[s
         raise ValueError(f"cannot read {found[0]}: {e}") from e
     if not isinstance(qc, dict):
         raise ValueError(f"{found[0]} must hold a JSON object")
-    # The files rarely name their format; one that names another is refused by the caller.
-    return {"quant_method": method, **qc}, str(found[0])
+    missing = [" or ".join(spellings) for spellings in SIDE_FILE_KEYS[method] if not any(k in qc for k in spellings)]
+    if missing and (qc.get("quant_method") or method) == method:
+        raise ValueError(f"quantization={asked!r}: {found[0]} lacks the {method.upper()} config's "
+                         f"{', '.join(missing)} (another format's file?)")
+    # The files rarely name their format (null is none); one that names another is refused by the caller.
+    return {**qc, "quant_method": qc.get("quant_method") or method}, str(found[0])
 
 
 def _integer(value: Any, where: str, what: str, field: str) -> int:
