@@ -473,7 +473,7 @@ void bind_cpu_gemm_quant(py::module_& m) {
   m.def("quant_isa_best", [] { return static_cast<int>(quant_isa_best()); }, "The isa quant_gemm_cpu picks by default.");
   m.def("quant_has_bf16", &quant_has_bf16, "Whether quant_gemm_cpu takes bf16 activations (AVX512-BF16).");
   m.def("quant_has_vnni512", &quant_has_vnni512,
-        "Whether quant_gemm_cpu takes one bf16 row against int4 as 16-bit integers on AVX512-VNNI.");
+        "Whether quant_gemm_cpu takes one to four bf16 rows against int4 as 16-bit integers on AVX512-VNNI.");
   m.def("quant_gemm_packed_bytes", [](int64_t n, int64_t k, int64_t bits) {
         if (n < 1 || k < 1 || (bits != 4 && bits != 8)) value_error("quant_gemm_packed_bytes: n, k >= 1 and bits 4 or 8");
         if (gemm_panels(n) > std::numeric_limits<int64_t>::max() / kGemmPanel / (k + 1)) {

@@ -105,7 +105,7 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
 void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_t m, int num_threads) {
   const int64_t experts = e.layer.experts;
   void* logits = buffer(kLogits, m * experts * dtype_bytes(shape_.dtype));
-  linear(e.router, x, logits, m, num_threads);
+  timed(timing_ ? &parts_.gemm : nullptr, [&] { linear(e.router, x, logits, m, num_threads); });
   const float* logits32 = static_cast<const float*>(logits);
   if (shape_.dtype == CpuDtype::kBFloat16) {
     auto* wide = static_cast<float*>(buffer(kLogits32, m * experts * static_cast<int64_t>(sizeof(float))));
@@ -113,10 +113,11 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
     logits32 = wide;
   }
   const MoeLayerArgs layer = e.layer.on_rows(x, e.layer.hidden, logits32, experts, m, out, e.layer.hidden);
+  double* const clock = timing_ ? &parts_.experts : nullptr;
   if (!e.quantized) {
     MoeExpertsArgs a = e.dense;
     a.layer = layer;
-    moe_experts(a, num_threads);
+    timed(clock, [&] { moe_experts(a, num_threads); });
     return;
   }
   MoeQuantExpertsArgs a = e.quant;
@@ -124,7 +125,7 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
   const double assignments = static_cast<double>(m * layer.top_k);
   a.bf16_rows = e.bf16_min_per_expert > 0.0 &&
                 assignments / std::max(1.0, std::min(static_cast<double>(experts), assignments)) >= e.bf16_min_per_expert;
-  moe_quant_experts(a, num_threads);
+  timed(clock, [&] { moe_quant_experts(a, num_threads); });
 }
 
 void DecoderStack::forward(const DecoderStep& step, int num_threads) {
@@ -181,7 +182,7 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
     timed(gemm, [&] { linear(l.o, attn_out, layer_out, t, num_threads); });
     norm(layer_out, l.post_norm, normed);
     if (l.moe) {
-      timed(part(&DecoderPartTimes::experts), [&] { experts(*l.moe, normed, layer_out, t, num_threads); });
+      experts(*l.moe, normed, layer_out, t, num_threads);  // timed inside: the router's GEMM, the experts
     } else {
       void* gate_up = buffer(kGateUp, row * 2 * s.inter);
       void* act = buffer(kAct, row * s.inter);

@@ -36,6 +36,7 @@ constexpr int64_t kQuadMaxRows = 64;
 // From this many rows bf16 activations go to AMX tiles where the process has them (amx_path). The
 // Qwen3-shaped MLP's 6144 x 1024 int4 / int8 weights from memory (Intel Xeon with AMX, 2 threads):
 // 1.1x / 1.6x the vdpbf16ps path's speed at 2 rows, 1.7x / 1.3x at 4, 3x at 8, 4x at 32; 0.86x at one.
+// (int4 at up to kVnniMaxRows rows goes to AVX512-VNNI instead, where the CPU has it.)
 constexpr int64_t kAmxMinRows = 2;
 // Up to this many rows, int8 weights against bf16 rows go to the AMX int8 tiles (amx_int_path). A
 // 6144 x 1024 int8 weight (2 threads, Intel Xeon with AMX, L3-warm) against the bf16 tiles: 32 rows

@@ -67,8 +67,8 @@ bool quant_isa_supported(QuantIsa isa);
 QuantIsa quant_isa_best();
 // Whether this CPU runs the bf16 path (AVX-512 with AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids).
 bool quant_has_bf16();
-// Whether one bf16 row against int4 goes as 16-bit integers to vpdpwssd (AVX-512 with AVX512-VNNI:
-// Cascade Lake on, Zen 4 on).
+// Whether one to four bf16 rows against int4 go as 16-bit integers to vpdpwssd (AVX-512 with
+// AVX512-VNNI: Cascade Lake on, Zen 4 on).
 bool quant_has_vnni512();
 
 // The binding checks sizes, pointers and that the CPU runs `isa`.
