@@ -582,49 +582,40 @@ NANOVLLM_VNNI512 void panels_int16_vnni(const QuantGemmArgs& a, const Segments& 
           const uint8_t* pb = ahead + (b0 - k0) * (kGemmPanel / 2);
           const __m256i* xb[R];
           for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const __m256i*>(rows.xq.get() + r * rows.xq_stride) + b0 / 4;
-          __m512i even_ints[R], odd_ints[R];
-          if constexpr (R == 1) {
-            // Two sets of sums, alternate steps: a set's vpdpwssd waits on its last (5 cycles).
-            __m512i even[2] = {}, even16[2] = {}, odd[2] = {}, odd16[2] = {};
-#pragma GCC unroll 4
-            for (int64_t st = 0; st < Block / 8; ++st) {
-              __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
-              const __m512i t = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(wb + 4 * kGemmPanel * st));
-              const __m512i xa = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[0] + 2 * st));
-              const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[0] + 2 * st + 1));
-              const int u = static_cast<int>(st % 2);
-              even[u] = _mm512_dpwssd_epi32(even[u], _mm512_and_si512(t, low), xa);
-              even16[u] = _mm512_dpwssd_epi32(even16[u], _mm512_and_si512(t, high), xh);
-              odd[u] = _mm512_dpwssd_epi32(odd[u], _mm512_and_si512(_mm512_srli_epi16(t, 8), low), xa);
-              odd16[u] = _mm512_dpwssd_epi32(odd16[u], _mm512_srli_epi16(t, 12), xh);
-            }
-            even_ints[0] = _mm512_add_epi32(_mm512_add_epi32(even[0], even[1]),
-                                            _mm512_srai_epi32(_mm512_add_epi32(even16[0], even16[1]), 4));
-            odd_ints[0] = _mm512_add_epi32(_mm512_add_epi32(odd[0], odd[1]), _mm512_add_epi32(odd16[0], odd16[1]));
-          } else {
-            // The weights decoded once for every row: the rows' sums are the independent chains.
-            __m512i even[R], even16[R], odd[R], odd16[R];
-            for (int r = 0; r < R; ++r) even[r] = even16[r] = odd[r] = odd16[r] = _mm512_setzero_si512();
+          // The weights decoded once for every row. Each row's sums are independent chains; one
+          // row's come in two sets, alternate steps (a set's vpdpwssd waits on its last, 5 cycles).
+          constexpr int kSets = R == 1 ? 2 : 1;
+          __m512i even[kSets][R], even16[kSets][R], odd[kSets][R], odd16[kSets][R];
+          for (int u = 0; u < kSets; ++u) {
+            for (int r = 0; r < R; ++r) even[u][r] = even16[u][r] = odd[u][r] = odd16[u][r] = _mm512_setzero_si512();
+          }
 #pragma GCC unroll 2
-            for (int64_t st = 0; st < Block / 8; ++st) {
-              __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
-              const __m512i t = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(wb + 4 * kGemmPanel * st));
-              const __m512i t_even = _mm512_and_si512(t, low), t_even16 = _mm512_and_si512(t, high);
-              const __m512i t_odd = _mm512_and_si512(_mm512_srli_epi16(t, 8), low), t_odd16 = _mm512_srli_epi16(t, 12);
+          for (int64_t st = 0; st < Block / 8; ++st) {
+            __builtin_prefetch(pb + 4 * kGemmPanel * st, 0, 2);
+            const __m512i t = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(wb + 4 * kGemmPanel * st));
+            const __m512i t_even = _mm512_and_si512(t, low), t_even16 = _mm512_and_si512(t, high);
+            const __m512i t_odd = _mm512_and_si512(_mm512_srli_epi16(t, 8), low), t_odd16 = _mm512_srli_epi16(t, 12);
+            const int u = static_cast<int>(st % kSets);
 #pragma GCC unroll 4
-              for (int r = 0; r < R; ++r) {
-                const __m512i xa = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[r] + 2 * st));
-                const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[r] + 2 * st + 1));
-                even[r] = _mm512_dpwssd_epi32(even[r], t_even, xa);
-                even16[r] = _mm512_dpwssd_epi32(even16[r], t_even16, xh);
-                odd[r] = _mm512_dpwssd_epi32(odd[r], t_odd, xa);
-                odd16[r] = _mm512_dpwssd_epi32(odd16[r], t_odd16, xh);
-              }
-            }
             for (int r = 0; r < R; ++r) {
-              even_ints[r] = _mm512_add_epi32(even[r], _mm512_srai_epi32(even16[r], 4));
-              odd_ints[r] = _mm512_add_epi32(odd[r], odd16[r]);
+              const __m512i xa = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[r] + 2 * st));
+              const __m512i xh = _mm512_broadcast_i64x4(_mm256_loadu_si256(xb[r] + 2 * st + 1));
+              even[u][r] = _mm512_dpwssd_epi32(even[u][r], t_even, xa);
+              even16[u][r] = _mm512_dpwssd_epi32(even16[u][r], t_even16, xh);
+              odd[u][r] = _mm512_dpwssd_epi32(odd[u][r], t_odd, xa);
+              odd16[u][r] = _mm512_dpwssd_epi32(odd16[u][r], t_odd16, xh);
             }
+          }
+          __m512i even_ints[R], odd_ints[R];
+          for (int r = 0; r < R; ++r) {
+            __m512i e = even[0][r], e16 = even16[0][r], o = _mm512_add_epi32(odd[0][r], odd16[0][r]);
+            for (int u = 1; u < kSets; ++u) {
+              e = _mm512_add_epi32(e, even[u][r]);
+              e16 = _mm512_add_epi32(e16, even16[u][r]);
+              o = _mm512_add_epi32(o, _mm512_add_epi32(odd[u][r], odd16[u][r]));
+            }
+            even_ints[r] = _mm512_add_epi32(e, _mm512_srai_epi32(e16, 4));
+            odd_ints[r] = o;
           }
           for (int r = 0; r < R; ++r) {
             const __m512 xs = _mm512_set1_ps(rows.xq_scale[r * blocks + b0 / Block]);  // first, as in panels_int16
@@ -1569,8 +1560,9 @@ bool amx_int_path(const QuantGemmArgs& a) {
 // (panels_int16_vnni): vpdpwssd outruns the bf16 dot products there, and at a few rows the AMX tiles;
 // int8's one row reads at the memory's rate either way.
 bool int16_vnni_path(const QuantGemmArgs& a, QuantIsa isa) {
-  return a.x_bf16 != nullptr && a.m >= 1 && a.m <= kVnniMaxRows && a.bits == 4 && (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512) &&
-         quant_has_vnni512() && int16_block_size(a.k, a.group_size) > 0;
+  return a.x_bf16 != nullptr && a.m >= 1 && a.m <= kVnniMaxRows && a.bits == 4 &&
+         (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512) && quant_has_vnni512() &&
+         int16_block_size(a.k, a.group_size) > 0;
 }
 
 // bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the

@@ -114,7 +114,7 @@ def quant_has_bf16() -> bool:
 
 
 def quant_has_vnni512() -> bool:
-    """Whether quant_gemm_cpu takes one bf16 row against int4 as 16-bit integers (AVX512-VNNI)."""
+    """Whether quant_gemm_cpu takes one to four bf16 rows against int4 as 16-bit integers (AVX512-VNNI)."""
 
 def quant_gemm_packed_bytes(n: int, k: int, bits: int) -> int:
     """Bytes of quant_gemm_cpu's packed int4 / int8 [n, k] weight (csrc/cpu_gemm_quant.h's layout)."""
