@@ -105,7 +105,7 @@ void DecoderStack::linear(const DecoderLinear& w, const void* x, void* y, int64_
 void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_t m, int num_threads) {
   const int64_t experts = e.layer.experts;
   void* logits = buffer(kLogits, m * experts * dtype_bytes(shape_.dtype));
-  timed(timing_ ? &parts_.gemm : nullptr, [&] { linear(e.router, x, logits, m, num_threads); });
+  timed(clock(&DecoderPartTimes::gemm), [&] { linear(e.router, x, logits, m, num_threads); });
   const float* logits32 = static_cast<const float*>(logits);
   if (shape_.dtype == CpuDtype::kBFloat16) {
     auto* wide = static_cast<float*>(buffer(kLogits32, m * experts * static_cast<int64_t>(sizeof(float))));
@@ -113,11 +113,11 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
     logits32 = wide;
   }
   const MoeLayerArgs layer = e.layer.on_rows(x, e.layer.hidden, logits32, experts, m, out, e.layer.hidden);
-  double* const clock = timing_ ? &parts_.experts : nullptr;
+  double* const experts_clock = clock(&DecoderPartTimes::experts);
   if (!e.quantized) {
     MoeExpertsArgs a = e.dense;
     a.layer = layer;
-    timed(clock, [&] { moe_experts(a, num_threads); });
+    timed(experts_clock, [&] { moe_experts(a, num_threads); });
     return;
   }
   MoeQuantExpertsArgs a = e.quant;
@@ -125,7 +125,7 @@ void DecoderStack::experts(const DecoderMoe& e, const void* x, void* out, int64_
   const double assignments = static_cast<double>(m * layer.top_k);
   a.bf16_rows = e.bf16_min_per_expert > 0.0 &&
                 assignments / std::max(1.0, std::min(static_cast<double>(experts), assignments)) >= e.bf16_min_per_expert;
-  timed(clock, [&] { moe_quant_experts(a, num_threads); });
+  timed(experts_clock, [&] { moe_quant_experts(a, num_threads); });
 }
 
 void DecoderStack::forward(const DecoderStep& step, int num_threads) {
@@ -133,8 +133,7 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
   if (t == 0) return;
   const Clock::time_point start = timing_ ? Clock::now() : Clock::time_point{};
   const double timed_before = parts_.gemm + parts_.attention + parts_.experts;
-  const auto part = [this](double DecoderPartTimes::*p) { return timing_ ? &(parts_.*p) : nullptr; };
-  double* const gemm = part(&DecoderPartTimes::gemm);
+  double* const gemm = clock(&DecoderPartTimes::gemm);
   const DecoderShape& s = shape_;
   const int64_t item = dtype_bytes(s.dtype);
   const int64_t q_row = s.heads * s.head_dim, kv_row = s.kv_heads * s.head_dim;
@@ -175,7 +174,7 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
                         .k_cache = l.k_cache, .v_cache = l.v_cache, .tokens = t, .qkv_stride = q_row + 2 * kv_row,
                         .slot_tokens = step.slot_tokens, .eps = s.eps, .attn = step.attn};
     qa.attn.out = attn_out;
-    timed(part(&DecoderPartTimes::attention), [&] { qkv_attention(qa, num_threads); });
+    timed(clock(&DecoderPartTimes::attention), [&] { qkv_attention(qa, num_threads); });
     if (step.covered < t) {  // padding rows: zero, as cpu_backend's _zero_padding leaves them
       std::memset(static_cast<char*>(attn_out) + step.covered * q_row * item, 0, (t - step.covered) * q_row * item);
     }

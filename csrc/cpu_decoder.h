@@ -154,6 +154,8 @@ class DecoderStack {
   bool timing_ = false;
   DecoderPartTimes parts_;
   void* buffer(Buffer b, int64_t bytes) { return scratch_[b].at_least(bytes); }
+  // Where a part's time goes while timing (time_parts), else null: DecoderPartTimes' field `p`.
+  double* clock(double DecoderPartTimes::*p) { return timing_ ? &(parts_.*p) : nullptr; }
 };
 
 }  // namespace nanovllm
