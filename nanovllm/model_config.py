@@ -253,19 +253,24 @@ def end_tokens(raw: dict[str, Any], generation_dir: Path) -> tuple[int, ...]:
     return tuple(dict.fromkeys(_as_id_tuple(raw.get("eos_token_id")) + _generation_eos(generation_dir)))
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in the file at `path`; ValueError naming the path where it cannot be read or
+    holds something else (the model directory's side files: generation_config.json, a quantized
+    checkpoint's quantize_config.json)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path} as a JSON object: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"cannot read {path} as a JSON object: it holds a {type(raw).__name__}")
+    return raw
+
+
 def _generation_config(directory: Path) -> dict[str, Any] | None:
     """generation_config.json in `directory` as an object; None where there is none. ValueError
     where it is not a readable JSON object (its readers decide what that costs)."""
     path = directory / "generation_config.json"
-    if not path.is_file():
-        return None
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable JSON object: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} is not a readable JSON object: it holds a {type(raw).__name__}")
-    return raw
+    return read_json_object(path) if path.is_file() else None
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

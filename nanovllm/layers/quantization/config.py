@@ -10,7 +10,6 @@ the model is loaded, before any weight is read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from nanovllm.layers.quantization import awq, compressed_tensors, gptq
 from nanovllm.layers.quantization.weights import BITS, QuantizedWeight
-from nanovllm.model_config import whole_number
+from nanovllm.model_config import read_json_object, whole_number
 
 # `LLM(quantization=...)` values that quantize an unquantized checkpoint while it loads
 # (round to nearest), with `nanovllm quantize`'s defaults: (bits, group size (None: per channel)).
@@ -193,12 +192,7 @@ def side_config(method: str, asked: str | None, where: str, model_dir: Path | No
     if len(found) > 1:
         raise ValueError(f"quantization={asked!r}: {model_dir} holds both {' and '.join(f.name for f in found)}; "
                          "which one configures the checkpoint is ambiguous (remove the other)")
-    try:
-        qc = json.loads(found[0].read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read {found[0]}: {e}") from e
-    if not isinstance(qc, dict):
-        raise ValueError(f"{found[0]} must hold a JSON object")
+    qc = read_json_object(found[0])
     missing = [" or ".join(spellings) for spellings in SIDE_FILE_KEYS[method] if not any(k in qc for k in spellings)]
     if missing and (qc.get("quant_method") or method) == method:
         raise ValueError(f"quantization={asked!r}: {found[0]} lacks the {method.upper()} config's "
