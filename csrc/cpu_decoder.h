@@ -97,9 +97,10 @@ struct DecoderStep {
 // Where the forwards' time went since DecoderStack::time_parts(true), in seconds (roofline.py's
 // parts): the linear layers' GEMMs (a MoE router's too: roofline.py counts it with them),
 // qkv_attention (q/k norm, rotary, the K/V write and paged attention), a MoE layer's experts, and
-// the rest (the embedding rows, the RMSNorms, SiLU-and-mul, a router's logits widened). Read on the kernels as the engine runs them: timed on the Python layers under a
-// profiler instead, attention read 1.2-1.3x its time here and the GEMMs 1.2-1.4x at 32 sequences
-// (the parts summed past the step; Intel Xeon with AMX).
+// the rest (the embedding rows, the RMSNorms, SiLU-and-mul, a router's logits widened). Read on the
+// kernels as the engine runs them: timed on the Python layers under a profiler instead, attention
+// read 1.2-1.3x its time here and the GEMMs 1.2-1.4x at 32 sequences (the parts summed past the
+// step; Intel Xeon with AMX).
 struct DecoderPartTimes {
   double gemm = 0.0, attention = 0.0, experts = 0.0, rest = 0.0;
   int64_t forwards = 0;

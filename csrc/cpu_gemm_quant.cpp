@@ -1567,7 +1567,7 @@ bool int16_vnni_path(const QuantGemmArgs& a, QuantIsa isa) {
 
 // bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the
 // decode of the weights for fp32 FMAs bounds one row on AVX2, integer multiply-adds of pairs of
-// weights with pairs of activations take fewer operations; and int16_vnni_path's row.
+// weights with pairs of activations take fewer operations; and int16_vnni_path's rows.
 bool int16_path(const QuantGemmArgs& a, QuantIsa isa) {
 #if defined(__x86_64__)
   return (a.x_bf16 != nullptr && !bf16_dots(isa) && (isa == QuantIsa::kAuto ? quant_isa_best() : isa) == QuantIsa::kAvx2 &&

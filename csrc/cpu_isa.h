@@ -19,8 +19,8 @@ struct CpuIsa {
   // Cooper Lake, SPR; every CPU with BF16 has BW, VL and DQ, which those loops' masked moves and
   // vfpclassps need, but a VM may hide them).
   bool avx512_bf16 = false;
-  // AVX-512 (as avx512) + AVX512-VNNI: the quantized GEMM's one int4 row as 16-bit integers (vpdpwssd;
-  // Cascade Lake on, Zen 4 on).
+  // AVX-512 (as avx512) + AVX512-VNNI: the quantized GEMM's one to four int4 rows as 16-bit integers
+  // (vpdpwssd; Cascade Lake on, Zen 4 on).
   bool avx512_vnni = false;
   // AMX tiles with bf16 and int8 products, granted to the process (Sapphire Rapids on), and AVX512-VBMI's
   // byte permutes (which every AMX CPU has: the quantized GEMM's int8 path reorders weights with them).
