@@ -101,8 +101,9 @@ def our_dense_weights_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantized_weights(model_dir: Path, quantization: str | None = None) -> dict[str, QuantizedWeight]:
-    model, _ = load_model(model_dir, dtype="float32", quantization=quantization)
+def quantized_weights(model_dir: Path, quantization: str | None = None,
+                      dtype: str = "float32") -> dict[str, QuantizedWeight]:
+    model, _ = load_model(model_dir, dtype=dtype, quantization=quantization)
     return {name: layer.quant.weight for name, layer in model.named_modules()
             if isinstance(layer, LinearBase) and layer.quant is not None}
 
@@ -139,24 +140,30 @@ def test_quantize_command_loads_in_transformers_and_engine(case: str, dense: dic
 
 def test_load_time_quantization_equals_the_quantize_command(dense: dict[str, Path], root: Path) -> None:
     """LLM(quantization="int4"/"int8") and `nanovllm quantize` (defaults: int4 in groups of 128, int8
-    per channel, asymmetric) give the same integers, scales and zero points, hence the same tokens."""
+    per channel, asymmetric) give the same integers, scales and zero points, hence the same tokens,
+    whatever dtype the model runs in: the fp32 checkpoint's weights are rounded as stored, not after
+    their cast to bf16."""
+    assert json.loads((dense["qwen3"] / "config.json").read_text())["dtype"] == "float32"
     for name, scheme in (("int4", "w4a16"), ("int8", "w8a16")):
         out = root / f"default-{scheme}"
         assert cli_main(["quantize", str(dense["qwen3"]), str(out), "--scheme", scheme]) == 0
-        at_load, from_file = quantized_weights(dense["qwen3"], name), quantized_weights(out)
-        assert at_load.keys() == from_file.keys() and len(at_load) == 8
-        for layer, w in at_load.items():
-            f = from_file[layer]
-            expected = (4, 128) if name == "int4" else (8, w.in_features)  # int8: one group per output channel
-            assert (w.bits, w.group_size) == (f.bits, f.group_size) == expected
-            assert torch.equal(w.qweight, f.qweight) and torch.equal(w.scales, f.scales)
-            assert w.zeros is not None and torch.equal(w.zeros, f.zeros)  # type: ignore[arg-type]
+        for dtype in ("float32", "bfloat16"):
+            at_load, from_file = quantized_weights(dense["qwen3"], name, dtype), quantized_weights(out, dtype=dtype)
+            assert at_load.keys() == from_file.keys() and len(at_load) == 8
+            for layer, w in at_load.items():
+                f = from_file[layer]
+                expected = (4, 128) if name == "int4" else (8, w.in_features)  # int8: one group per output channel
+                assert (w.bits, w.group_size) == (f.bits, f.group_size) == expected
+                assert torch.equal(w.qweight, f.qweight) and torch.equal(w.scales, f.scales), (dtype, layer)
+                assert w.zeros is not None and torch.equal(w.zeros, f.zeros)  # type: ignore[arg-type]
         prompts = random_prompts([5, 30], 512, seed=4)
         params = SamplingParams(temperature=0, max_tokens=12)
-        a = [o.outputs[0].token_ids for o in LLM(str(dense["qwen3"]), quantization=name, **ENGINE).generate(
-            prompts, params, use_tqdm=False)]
-        b = [o.outputs[0].token_ids for o in LLM(str(out), **ENGINE).generate(prompts, params, use_tqdm=False)]
-        assert a == b
+        for dtype in ("float32", "bfloat16"):
+            a = [o.outputs[0].token_ids for o in LLM(str(dense["qwen3"]), quantization=name, dtype=dtype,
+                                                     **ENGINE).generate(prompts, params, use_tqdm=False)]
+            b = [o.outputs[0].token_ids
+                 for o in LLM(str(out), dtype=dtype, **ENGINE).generate(prompts, params, use_tqdm=False)]
+            assert a == b, dtype
 
 
 def _logits(model: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:

@@ -209,7 +209,7 @@ def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torc
         prepare_model(model, quant)
     load_weights(model, config.model_dir, quant.skipped_tensors if quant is not None else ())
     if quant is not None:
-        finish_model(model, quant, torch.device(device), config.torch_dtype)
+        finish_model(model, quant, torch.device(device))
     return model
 
 

@@ -98,7 +98,7 @@ class QuantConfig:
             return awq.TENSOR_NAMES
         if self.method == "gptq":
             return gptq.TENSOR_NAMES
-        return ()
+        return ("weight",)  # a load-time scheme reads the dense weight and rounds it (linear_method)
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], scheme: WeightScheme, out_features: int,
                in_features: int, where: str) -> QuantizedWeight:

@@ -5,9 +5,10 @@ dense `weight`, one placeholder parameter per checkpoint tensor of its format (n
 tensor: `weight_packed`, `qweight`, ...), whose weight loader keeps the tensor as read, per fused
 shard (q/k/v, gate/up). After loading, `finish_model` turns each layer's tensors into one
 QuantizedWeight (the format's unpacking checks every shape), drops the placeholders, and on CPU
-packs it for csrc/cpu_gemm_quant.cpp. A load-time scheme ("int8"/"int4") loads the dense weights
-as usual and quantizes each layer in `finish_model` instead. The embedding and the LM head stay in
-the model's dtype.
+packs it for csrc/cpu_gemm_quant.cpp. A load-time scheme ("int8"/"int4") has one placeholder, the
+dense `weight`, whose loader rounds each shard to nearest as it is read, in the checkpoint's own
+dtype: the weights `nanovllm quantize` writes, whatever dtype the model runs in, and no dense copy
+of the layer is ever held. The embedding and the LM head stay in the model's dtype.
 
 Forward: the CPU kernel on its packed copy; on CUDA the Triton dequantizing GEMM; elsewhere (or
 before packing) `F.linear` on the dequantized weight, the reference.
@@ -53,6 +54,7 @@ class QuantizedLinear:
         self.config = config
         self.scheme = scheme
         self.loaded: dict[ShardId, dict[str, torch.Tensor]] = {sid: {} for sid, _, _ in shards}
+        self.rounded: dict[ShardId, QuantizedWeight] = {}  # a load-time scheme's shards, as read
         self.weight: QuantizedWeight | None = None
         self.cpu: cpu_kernel.PackedQuantWeight | None = None
         self.triton: object | None = None  # triton_gemm.TritonWeight on CUDA
@@ -61,13 +63,34 @@ class QuantizedLinear:
         def load(param: nn.Parameter, loaded: Loaded, shard_id: ShardId = None) -> None:
             if shard_id not in self.loaded:
                 raise ValueError(f"shard id {shard_id!r} is not one of {list(self.loaded)}")
-            self.loaded[shard_id][name] = read_all(loaded)
+            if self.config.method == "rtn":
+                self.rounded[shard_id] = self._round(read_all(loaded), shard_id)
+            else:
+                self.loaded[shard_id][name] = read_all(loaded)
         return load
 
+    def _round(self, weight: torch.Tensor, shard_id: ShardId) -> QuantizedWeight:
+        """A load-time scheme's dense shard rounded to nearest, its scales in the tensor's own dtype
+        (what `nanovllm quantize` does to the same checkpoint tensor)."""
+        rows = next(rows for sid, rows, _ in self.shards if sid == shard_id)
+        if tuple(weight.shape) != (rows, self.in_features):
+            raise ValueError(f"shape {tuple(weight.shape)} does not match the layer's {[rows, self.in_features]}")
+        s = self.scheme
+        return quantize_rtn(weight, s.bits, s.group_size, s.symmetric, scale_dtype=weight.dtype)
+
     def finish(self, device: torch.device) -> None:
-        parts = [self.config.unpack(self.loaded[sid], self.scheme, rows, self.in_features, module)
-                 for sid, rows, module in self.shards]
-        self.loaded = {}
+        if self.config.method == "rtn":
+            parts = [self.rounded[sid] for sid, _, _ in self.shards]
+        else:
+            parts = []
+            for sid, rows, module in self.shards:
+                try:
+                    parts.append(self.config.unpack(self.loaded[sid], self.scheme, rows, self.in_features, module))
+                except ValueError as e:  # the checks of QuantizedWeight itself do not name the module
+                    if module in str(e):
+                        raise
+                    raise ValueError(f"{module}: {e}") from e
+        self.loaded, self.rounded = {}, {}
         self.set_weight(concat_rows(parts), device)
 
     def set_weight(self, weight: QuantizedWeight, device: torch.device) -> None:
@@ -136,13 +159,6 @@ class QuantizedExperts:
         set_weight_loader(w13, lambda p, loaded, sid=None: self.w13[sid[0]].tensor_loader(tensor)(p, loaded, sid[1]))
         set_weight_loader(w2, lambda p, loaded, sid=None: self.w2[sid].tensor_loader(tensor)(p, loaded, None))
         return w13, w2
-
-    def quantize(self, layer: FusedMoE, device: torch.device, scale_dtype: torch.dtype) -> None:
-        """Round each expert's dense weights to nearest (the load-time schemes), scales in `scale_dtype`."""
-        for e, (w13, w2) in enumerate(zip(layer.w13_weight, layer.w2_weight)):
-            for quant, weight in ((self.w13[e], w13), (self.w2[e], w2)):
-                quant.set_weight(quantize_rtn(weight, self.scheme.bits, self.scheme.group_size,
-                                              self.scheme.symmetric, scale_dtype=scale_dtype), device)
 
     def finish(self, device: torch.device) -> None:
         for quant in (*self.w13, *self.w2):
@@ -226,18 +242,17 @@ def _drop_dense_weight(layer: LinearBase) -> None:
 
 
 def prepare_model(model: nn.Module, config: QuantConfig) -> int:
-    """Before loading a quantized checkpoint: each quantized linear layer, and each mixture-of-experts
-    layer whose experts are quantized, gets its format's tensors in place of its dense weights.
-    Returns how many layers are quantized."""
-    if config.method == "rtn":
-        return 0
+    """Before loading: each quantized linear layer, and each mixture-of-experts layer whose experts
+    are quantized, gets placeholders for its checkpoint tensors (QuantConfig.tensor_names: the
+    format's, or a load-time scheme's dense `weight`) in place of its dense weights. Returns how many
+    layers are quantized."""
     count = 0
     for name, layer in _linear_layers(model):
-        _refuse_tensor_parallel(layer)
         shards = _checkpoint_shards(model, name, layer)
         scheme = _scheme(config, shards)
         if scheme is None:
             continue
+        _refuse_tensor_parallel(layer)
         quant = QuantizedLinear(shards, layer.input_size, config, scheme)
         _drop_dense_weight(layer)
         for tensor in config.tensor_names(scheme):
@@ -258,50 +273,26 @@ def prepare_model(model: nn.Module, config: QuantConfig) -> int:
     return count
 
 
-def finish_model(model: nn.Module, config: QuantConfig, device: torch.device, scale_dtype: torch.dtype) -> int:
-    """After loading: every quantized layer's weight unpacked (or, for a load-time scheme,
-    quantized from the dense weight just loaded, its scales rounded to `scale_dtype`: the
-    checkpoint's dtype, as `nanovllm quantize` writes them, whatever dtype the model runs in).
-    Returns how many layers are quantized."""
+def finish_model(model: nn.Module, config: QuantConfig, device: torch.device) -> int:
+    """After loading: every quantized layer's shards made into one QuantizedWeight (unpacked, or
+    as a load-time scheme rounded them) and its placeholders dropped. Returns how many layers are
+    quantized."""
     count = 0
-    for name, layer in _linear_layers(model):
+    for _, layer in _linear_layers(model):
         quant = layer.quant
-        if config.method == "rtn":
-            shards = _checkpoint_shards(model, name, layer)
-            scheme = _scheme(config, shards)
-            if scheme is None:
-                continue
-            _refuse_tensor_parallel(layer)
-            quant = QuantizedLinear(shards, layer.input_size, config, scheme)
-            try:
-                weight = quantize_rtn(layer.weight, scheme.bits, scheme.group_size, scheme.symmetric,
-                                      scale_dtype=scale_dtype)
-            except ValueError as e:
-                raise ValueError(f"quantizing {name}: {e}") from e
-            _drop_dense_weight(layer)
-            quant.set_weight(weight, device)
-            layer.quant = quant
-        elif quant is not None:
-            for tensor in config.tensor_names(quant.scheme):
-                delattr(layer, tensor)
-            quant.finish(device)
-        else:
+        if quant is None:
             continue
+        for tensor in config.tensor_names(quant.scheme):
+            delattr(layer, tensor)
+        _drop_dense_weight(layer)  # a load-time scheme's placeholder was the dense weight itself
+        quant.finish(device)
         count += 1
-    for name, moe, scheme in _quantized_experts(model, config):
-        if config.method == "rtn":
-            experts = QuantizedExperts(moe, checkpoint_module(model, name), config, scheme)
-            try:
-                experts.quantize(moe, device, scale_dtype)
-            except ValueError as e:
-                raise ValueError(f"quantizing the experts of {name}: {e}") from e
-            _drop_dense_experts(moe)
-            moe.quant = experts
-        else:
-            for tensor in config.tensor_names(scheme):
-                delattr(moe, f"w13_{tensor}")
-                delattr(moe, f"w2_{tensor}")
-            moe.quant.finish(device)  # type: ignore[union-attr]
+    for _, moe, scheme in _quantized_experts(model, config):
+        for tensor in config.tensor_names(scheme):
+            delattr(moe, f"w13_{tensor}")
+            delattr(moe, f"w2_{tensor}")
+        _drop_dense_experts(moe)
+        moe.quant.finish(device)  # type: ignore[union-attr]
         count += 1
     return count
 
