@@ -275,6 +275,67 @@ def test_unsupported_and_mismatched_schemes_fail_at_load(dense: dict[str, Path],
     assert not (root / "g100").exists()
 
 
+def test_quantize_command_refuses_quantized_or_unreadable_input_and_leaves_nothing(
+        dense: dict[str, Path], root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`nanovllm quantize` on a checkpoint quantized without a quantization_config (an AutoGPTQ side
+    file; quantized tensors), on a truncated weight file, or into a path it cannot make: a one-line
+    error, exit code 2, and no directory left of those it made."""
+    src = dense["qwen3"]
+    side = root / "refuse-side"
+    shutil.copytree(src, side)
+    (side / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "desc_act": False,
+                                                           "sym": True}))
+    stripped = root / "refuse-stripped"
+    assert cli_main(["quantize", str(src), str(stripped)]) == 0
+    raw = json.loads((stripped / "config.json").read_text())
+    del raw["quantization_config"]
+    (stripped / "config.json").write_text(json.dumps(raw))
+    truncated = root / "refuse-truncated"
+    shutil.copytree(src, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    (root / "refuse-file").write_text("not a directory")
+    cases = [(side, root / "refuse-out" / "a", "already quantized (quantize_config.json)"),
+             (stripped, root / "refuse-out" / "b", "already quantized (tensor"),
+             (truncated, root / "refuse-out" / "c", "cannot read safetensors file"),
+             (src, root / "refuse-file" / "out", "Not a directory"),
+             (src, root / "refuse-new" / "deeper" / "out", "not a multiple of the group size")]
+    for model, out, message in cases:
+        capsys.readouterr()
+        extra = ["--group-size", "100"] if message.startswith("not a multiple") else []
+        assert cli_main(["quantize", str(model), str(out), *extra]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    assert not (root / "refuse-out").exists() and not (root / "refuse-new").exists()
+
+
+def test_quantize_command_keeps_the_index_true_and_other_weight_formats_out(dense: dict[str, Path],
+                                                                            root: Path) -> None:
+    """A sharded checkpoint's index gets the quantized files' total size; a `pytorch_model.bin` beside
+    the safetensors (the dense model again) is not copied; `--group-size -1` is one group per output
+    channel."""
+    src = root / "index-src"
+    shutil.copytree(dense["qwen3"], src)
+    with safe_open(str(src / "model.safetensors"), framework="pt", device="cpu") as f:
+        names = list(f.keys())  # noqa: SIM118
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 123}, "weight_map": {name: "model.safetensors" for name in names}}))
+    (src / "pytorch_model.bin").write_bytes(b"dense weights in another format")
+    out = root / "index-out"
+    assert cli_main(["quantize", str(src), str(out), "--group-size", "-1"]) == 0
+    assert not (out / "pytorch_model.bin").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    with safe_open(str(out / "model.safetensors"), framework="pt", device="cpu") as f:
+        total = sum(f.get_tensor(name).numel() * f.get_tensor(name).element_size() for name in f.keys())  # noqa: SIM118
+        assert set(index["weight_map"]) == set(f.keys())  # noqa: SIM118
+    assert index["metadata"]["total_size"] == total
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    assert (weights["strategy"], weights["group_size"]) == ("channel", None)
+    for name, w in quantized_weights(out).items():
+        assert w.group_size == w.in_features, name
+
+
 MOE_CASES = {  # id: (tests/moe_models.py's model, --scheme, --group-size, expert projections)
     "qwen3_moe-w8a16": ("qwen3_moe_mixed", "w8a16", None, ("gate_proj", "up_proj", "down_proj")),
     "mixtral-w4a16-g16": ("mixtral", "w4a16", 16, ("w1", "w3", "w2")),

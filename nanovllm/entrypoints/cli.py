@@ -366,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: also a path that is not a directory, no permission, a full disk
         print(f"nanovllm: error: {e}", file=sys.stderr)
         return 2
 

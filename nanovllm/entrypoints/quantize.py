@@ -6,8 +6,9 @@ toolkit.
 Every linear layer of the decoder blocks (q/k/v/o, gate/up/down, and every expert's) is quantized
 with layers/quantization/weights.quantize_rtn, the function `LLM(..., quantization="int8"|"int4")`
 applies at load time, so both give the same weights. The embedding, the LM head and the routers of
-mixture-of-experts layers stay as they are (`ignore`: config.UNQUANTIZED_MODULES). Scales are stored in the checkpoint's dtype. Tokenizer files and
-everything else in MODEL are copied.
+mixture-of-experts layers stay as they are (`ignore`: config.UNQUANTIZED_MODULES). Scales are stored
+in the checkpoint's dtype. Tokenizer files and everything else in MODEL are copied, but weights in
+other formats (a `pytorch_model.bin` beside the safetensors files).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from safetensors.torch import save_file
 
 from nanovllm.builtin_code import resolve_builtin
 from nanovllm.layers.quantization import compressed_tensors
-from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES
+from nanovllm.layers.quantization.config import SIDE_FILES, UNQUANTIZED_MODULES
 from nanovllm.layers.quantization.weights import quantize_rtn
-from nanovllm.models.loader import SAFETENSORS_INDEX, find_weight_files
+from nanovllm.models.loader import QUANTIZED_TENSORS, SAFETENSORS_INDEX, find_weight_files, validate_weight_files
 from nanovllm.model_config import load_model_config
 from nanovllm.models.registry import get_model_class
 
@@ -36,6 +37,8 @@ SCHEMES = {"w4a16": (4, 128), "w8a16": (8, None)}  # bits, default group size (N
 # included (Qwen3-MoE's mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1).
 LINEAR = re.compile(r"^(.*\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj"
                     r"|mlp\.experts\.\d+\.(?:gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]))\.weight$")
+# Weights in other formats than safetensors, which OUT does not get (they would be the dense model).
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".bin.index.json")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheme", choices=sorted(SCHEMES), default="w4a16",
                    help="w4a16: int4 weights in groups of 128; w8a16: int8 weights per output channel (default: %(default)s)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="input columns per scale (default: 128 for w4a16, one per output channel for w8a16)")
+                   help="input columns per scale; -1: one per output channel (default: 128 for w4a16, one per "
+                        "output channel for w8a16)")
     p.add_argument("--symmetric", action="store_true", help="no zero points (default: asymmetric)")
 
 
@@ -72,37 +76,60 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, scheme: str 
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
     bits, default_group = SCHEMES[scheme]
-    group = default_group if group_size is None else group_size
+    group = default_group if group_size is None else None if group_size == -1 else group_size
     if group is not None and group < 1:
-        raise ValueError(f"group size must be >= 1, got {group}")
+        raise ValueError(f"group size must be >= 1 (or -1: per output channel), got {group}")
     config = load_model_config(src)
     get_model_class(config.architecture)  # only what nanovllm runs
-    if "quantization_config" in config.raw:
-        raise ValueError(f"{src} is already quantized ({config.raw['quantization_config'].get('quant_method')})")
     files = find_weight_files(src)
+    _refuse_quantized(src, config.raw, files)
     if out.exists():
         raise ValueError(f"{out} already exists")
+    made = out  # the outermost directory this call creates, removed again if it fails
+    while not made.parent.exists():
+        made = made.parent
     out.mkdir(parents=True)
     try:
         for item in src.iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", SAFETENSORS_INDEX):
+            if item.is_file() and item.suffix != ".safetensors" and item.name not in ("config.json", SAFETENSORS_INDEX) \
+                    and not item.name.endswith(OTHER_WEIGHTS):
                 shutil.copy2(item, out / item.name)
         weight_map: dict[str, str] = {}
+        total = 0
         for file in files:
             tensors = _quantize_file(file, bits, group, symmetric)
             save_file(tensors, str(out / file.name), metadata={"format": "pt"})
             weight_map.update({name: file.name for name in tensors})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
         if (src / SAFETENSORS_INDEX).is_file():
             index = json.loads((src / SAFETENSORS_INDEX).read_text())
+            index["metadata"] = {**index.get("metadata", {}), "total_size": total}
             index["weight_map"] = dict(sorted(weight_map.items()))
             (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
         raw = dict(config.raw)
         raw["quantization_config"] = quantization_config(bits, group, symmetric)
         (out / "config.json").write_text(json.dumps(raw, indent=2))
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(made, ignore_errors=True)
         raise
     return out
+
+
+def _refuse_quantized(src: Path, raw: dict[str, Any], files: list[Path]) -> None:
+    """A ValueError where MODEL is quantized already: its config.json says so, it has an AutoGPTQ /
+    AutoAWQ side file, or a tensor only quantized checkpoints hold; or where a weight file is not
+    readable (validate_weight_files), before OUT is made."""
+    if "quantization_config" in raw:
+        raise ValueError(f"{src} is already quantized ({raw['quantization_config'].get('quant_method')})")
+    for name in sorted({n for names in SIDE_FILES.values() for n in names}):
+        if (src / name).is_file():
+            raise ValueError(f"{src} is already quantized ({name})")
+    validate_weight_files(files)
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            quantized = next((name for name in f.keys() if name.endswith(QUANTIZED_TENSORS)), None)  # noqa: SIM118
+        if quantized is not None:
+            raise ValueError(f"{src} is already quantized (tensor {quantized!r} in {file.name})")
 
 
 def _quantize_file(file: Path, bits: int, group: int | None, symmetric: bool) -> dict[str, torch.Tensor]:
