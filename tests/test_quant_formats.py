@@ -15,7 +15,7 @@ from quant_helpers import awq_tensors, gptq_tensors, random_quantized
 from nanovllm.layers.quantization import awq, compressed_tensors, gptq
 from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES, QuantConfig, WeightScheme, resolve_quant_config
 from nanovllm.layers.quantization.packing import pack_int32, unpack_int32
-from nanovllm.layers.quantization.weights import QuantizedWeight, quantize_rtn
+from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn
 
 # --- references, one value at a time ------------------------------------------------------------
 
@@ -112,6 +112,36 @@ def test_gptq_matches_reference(bits: int, symmetric: bool, desc_act: bool, zero
     assert torch.equal(dequant64(got), ref)
     assert (got.perm is not None) == desc_act
     assert (got.zeros is None) == symmetric
+
+
+def test_a_group_wider_than_the_layer_is_one_group() -> None:
+    """The formats store ceil(in / group) groups: a group of 128 over a layer of 64 input columns is
+    one group of all of them (AWQ, GPTQ, compressed-tensors)."""
+    k, n = 64, 16
+    w = random_quantized(n, k, 4, k, symmetric=False, seed=9)
+    w = QuantizedWeight(w.qweight, w.scales.half().float(), w.zeros.clamp(-7, 7), 4, k)  # type: ignore[union-attr]
+    wide = WeightScheme(4, 128, False)
+    t = awq_tensors(w)
+    got = QuantConfig("awq", ((("Linear",), wide),)).unpack(t, wide, n, k, "m.q_proj")
+    assert got.group_size == k and torch.equal(dequant64(got), ref_awq(t["qweight"], t["qzeros"], t["scales"], k))
+    g_idx = torch.arange(k) // 128
+    t = gptq_tensors(w, g_idx, 1)
+    got = QuantConfig("gptq", ((("Linear",), wide),), extra={"zero_offset": 1}).unpack(t, wide, n, k, "m.q_proj")
+    assert torch.equal(dequant64(got), ref_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, 4, 1))
+    got = QuantConfig("compressed-tensors", ((("Linear",), wide),)).unpack(compressed_tensors.pack(w, torch.float16),
+                                                                           wide, n, k, "m.q_proj")
+    assert torch.equal(got.dequantize(torch.float64), w.dequantize(torch.float64))
+
+
+def test_fused_shards_with_and_without_zero_points() -> None:
+    """GPTQ's sym=true keeps a shard's zero points only where they leave the midpoint: the fused
+    layer (q/k/v, gate/up) gives the shards without them explicit zeros, the same weights."""
+    a = random_quantized(8, 64, 4, 32, symmetric=True, seed=1)
+    b = random_quantized(12, 64, 4, 32, symmetric=False, seed=2)
+    for parts in ([a, b], [b, a], [a, a]):
+        fused = concat_rows(parts)
+        assert (fused.zeros is None) == all(p.zeros is None for p in parts)
+        assert torch.equal(fused.dequantize(torch.float64), torch.cat([p.dequantize(torch.float64) for p in parts]))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -219,6 +249,10 @@ def test_configs_and_unsupported_schemes() -> None:
     assert cfg is not None and cfg.method == "compressed-tensors"
     assert cfg.scheme_for("model.layers.0.mlp.up_proj") == WeightScheme(4, 128, True)
     assert cfg.scheme_for("model.layers.1.mlp.up_proj") is None  # ignored by regex
+    for size, scheme in ((32, WeightScheme(4, 32, True)), (-1, WeightScheme(4, None, True))):
+        inferred = resolve_quant_config(_ct_config(strategy=None, group_size=size), None, "c.json")
+        assert inferred is not None  # no strategy: compressed-tensors infers it from the group size
+        assert inferred.scheme_for("model.layers.0.mlp.up_proj") == scheme, size
     assert resolve_quant_config({}, None, "c.json") is None
     rtn = resolve_quant_config({}, "int4", "c.json")
     assert rtn == QuantConfig("rtn", ((("Linear",), WeightScheme(4, 128, False)),), UNQUANTIZED_MODULES)
@@ -239,6 +273,7 @@ def test_configs_and_unsupported_schemes() -> None:
         "lm_head": _ct_config(top={"ignore": []}),
         "gemv": {"quantization_config": {"quant_method": "awq", "bits": 4, "version": "gemv"}},
         "marlin": {"quantization_config": {"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}},
+        "marlin flag": {"quantization_config": {"quant_method": "gptq", "bits": 4, "is_marlin_format": True}},
         "fp8": {"quantization_config": {"quant_method": "fp8"}},
     }
     for name, raw in refused.items():

@@ -104,7 +104,7 @@ class QuantConfig:
                in_features: int, where: str) -> QuantizedWeight:
         """One module's checkpoint tensors -> its QuantizedWeight ([out_features, in_features])."""
         if self.method == "compressed-tensors":
-            return compressed_tensors.unpack(tensors, scheme.bits, scheme.group_size, scheme.symmetric,
+            return compressed_tensors.unpack(tensors, scheme.bits, _group(scheme, in_features), scheme.symmetric,
                                              out_features, in_features, where)
         if self.method == "awq":
             return awq.unpack(tensors, scheme.bits, _group(scheme, in_features), out_features, in_features, where)
@@ -115,7 +115,9 @@ class QuantConfig:
 
 
 def _group(scheme: WeightScheme, in_features: int) -> int:
-    return in_features if scheme.group_size is None else scheme.group_size
+    """The group size over `in_features` columns: a group wider than them is one group, all of them
+    (the formats store ceil(in / group) groups)."""
+    return in_features if scheme.group_size is None else min(scheme.group_size, in_features)
 
 
 def _match_rank(pattern: str, module: str) -> int | None:
@@ -247,6 +249,8 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
             raise ValueError(f"{where}: {what}: weights of type {w.get('type')!r} (dynamic={w.get('dynamic')}) are "
                              "not supported; only static int weights")
         strategy = w.get("strategy")
+        if strategy is None and w.get("group_size") is not None:  # compressed-tensors infers it
+            strategy = "channel" if w.get("group_size") == -1 else "group"
         if strategy not in ("group", "channel"):
             raise ValueError(f"{where}: {what}: weight strategy {strategy!r} is not supported (group, channel)")
         group_size = _group_size(w.get("group_size"), where, what) if strategy == "group" else None
@@ -292,7 +296,8 @@ def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
 
 
 def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
-    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    # AutoGPTQ (0.7.1 and before) marks Marlin's repacked checkpoints with is_marlin_format instead.
+    fmt = "marlin" if qc.get("is_marlin_format") else str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
     if qc.get("lm_head"):

@@ -96,11 +96,14 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
                              f"columns vs {first.bits}-bit in groups of {first.group_size} over {first.in_features}")
         if (p.perm is None) != (first.perm is None) or (p.perm is not None and not torch.equal(p.perm, first.perm)):
             raise ValueError("fused shards have different activation orders (g_idx); they must share one")
-        if (p.zeros is None) != (first.zeros is None):
-            raise ValueError("fused shards mix symmetric and asymmetric quantization")
     if len(parts) == 1:
         return first
-    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])  # type: ignore[misc]
+    # A shard without zero points next to one with them (GPTQ's sym=true drops a shard's when all sit
+    # at the midpoint) takes explicit zeros: the same weights.
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat([torch.zeros_like(p.scales, dtype=torch.int8) if p.zeros is None else p.zeros
+                           for p in parts])
     return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), zeros,
                            first.bits, first.group_size, first.perm)
 
