@@ -347,7 +347,7 @@ def test_mixture_of_experts_quantizes_experts_not_routers(case: str, root: Path)
     """On a Qwen3-MoE (sparse and dense layers) and a Mixtral, `nanovllm quantize` and
     LLM(quantization=) quantize every expert and linear layer but the routers (ignored by name in
     the checkpoint's config); the tokens equal transformers' on the dense checkpoint carrying our
-    dequantized weights (transformers 5 does not read compressed-tensors experts stored per expert),
+    dequantized weights (transformers 5 does not read asymmetric compressed-tensors experts),
     and the two ways of quantizing give the same integers and tokens."""
     name, scheme, group, projections = MOE_CASES[case]
     dense_dir = moe_dense(root, name)
