@@ -7,8 +7,8 @@ Every linear layer of the decoder blocks (q/k/v/o, gate/up/down, and every exper
 with layers/quantization/weights.quantize_rtn, the function `LLM(..., quantization="int8"|"int4")`
 applies at load time, so both give the same weights. The embedding, the LM head and the routers of
 mixture-of-experts layers stay as they are (`ignore`: config.UNQUANTIZED_MODULES). Scales are stored
-in the checkpoint's dtype. Tokenizer files and everything else in MODEL are copied, but weights in
-other formats (a `pytorch_model.bin` beside the safetensors files).
+in the checkpoint's dtype. Tokenizer files and everything else in MODEL are copied, except weights
+in other formats (a `pytorch_model.bin` beside the safetensors files).
 """
 
 from __future__ import annotations
