@@ -7,11 +7,12 @@ bandwidth-bound at batch 1, compute-bound once enough rows share each weight; on
 AVX512-BF16 CPU without AMX a bf16 step of 32 sequences is compute-bound). This script
 
 1. measures the read bandwidth with the engine's threads (torch.get_num_threads()): the best of a
-   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are), taken again
-   right before each variant and batch is timed (a shared VM's bandwidth drifts by tens of percent
-   within minutes, and a floor from another minute's bandwidth misstates the step), and the GEMM
+   few sums over a 1 GiB float32 buffer (a streaming read, as a GEMM's weights are), and the GEMM
    rate: the best of a few bf16 [256, 1024] x [1024, 6144] products on the kernel the engine runs
-   such a layer on (cpu/gemm.py's choice for this CPU);
+   such a layer on (cpu/gemm.py's choice for this CPU); both taken again right before each variant
+   and batch is timed (a shared VM's bandwidth drifts by tens of percent within minutes, and its
+   GEMM rate by up to 9x when another process takes a core: a floor from another minute's rate
+   misstates the step);
 2. counts the bytes a decode step must read: each linear layer's weight at its stored precision
    (packed values, scales and zero points for int8/int4), the LM head, and the KV cache rows the
    attention kernel reads (context x layers x 2 x KV heads x head_dim, the context the sequences'
@@ -168,22 +169,29 @@ def profiled_parts(llm: LLM, steps: int) -> dict[str, float]:
 
 
 def run_variant(model: str, variant: str, batches: list[int], args: argparse.Namespace,
-                probe: torch.Tensor, rate: float, head: CallClock) -> list[dict[str, Any]]:
+                probe: torch.Tensor, head: CallClock) -> list[dict[str, Any]]:
     max_batch = max(batches)
+    # A sequence decodes from its prefill on, the first while the others still prefill (at most
+    # `context` steps: the budget covers max_num_seqs tokens), and none may finish before the timed
+    # steps end.
+    generated = args.context + 2 + args.steps * (args.repeats + 1) + 8
     llm = LLM(model, dtype="bfloat16", quantization=VARIANTS[variant], max_num_seqs=max_batch,
-              max_model_len=args.context + args.steps * (args.repeats + 2) + 64, kv_cache_memory_bytes=2 << 30)
+              max_model_len=args.context + generated + 64, kv_cache_memory_bytes=2 << 30)
     engine = llm.engine
+    budget = engine.config.max_num_batched_tokens
     rows = []
     for batch in batches:
         rng = random.Random(batch)
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.steps * (args.repeats + 1) + 8)
+        warmup = 2 + -(-batch * args.context // budget)  # prefill, then decode only
+        params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                max_tokens=warmup + args.steps * (args.repeats + 1) + 8)
         ids = [engine.next_request_id() for _ in range(batch)]
         for rid in ids:
             engine.add_request(rid, [rng.randrange(min(engine.vocab_size, 4000)) for _ in range(args.context)], params)
-        budget = engine.config.max_num_batched_tokens
-        for _ in range(2 + -(-batch * args.context // budget)):  # prefill, then decode only
+        for _ in range(warmup):
             engine.step()
         bandwidth = read_bandwidth(probe, repeats=3)
+        rate = gemm_rate()
         stack = layer_stack(llm)
         walls, contexts, timed_parts = [], [], []
         for _ in range(args.repeats):
@@ -214,7 +222,7 @@ def run_variant(model: str, variant: str, batches: list[int], args: argparse.Nam
         compute_ms = {k: 1000 * v / rate for k, v in flops.items()}
         floor_ms = {k: max(read_ms[k], compute_ms[k]) for k in nbytes}
         rows.append({"variant": variant, "batch": batch, "context": contexts[best],
-                     "bandwidth_bytes_s": bandwidth, "step_ms": step_ms,
+                     "bandwidth_bytes_s": bandwidth, "gemm_flops_s": rate, "step_ms": step_ms,
                      "tok_s": batch / step_ms * 1000,
                      "floor_ms": sum(floor_ms.values()), "bytes": nbytes, "flops": flops, "parts_ms": parts_ms,
                      "floor_parts_ms": floor_ms, "read_floor_parts_ms": read_ms,
@@ -239,6 +247,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         table.append({
             "variant": r["variant"], "batch": r["batch"], "context": f"{r['context']:.0f}",
             "GB/s": f"{r['bandwidth_bytes_s'] / 1e9:.1f}",
+            "GFLOP/s": f"{r['gemm_flops_s'] / 1e9:.0f}",
             "tok/s": f"{r['tok_s']:.1f}",
             "step ms (floor, %)": f"{r['step_ms']:.2f} ({r['floor_ms']:.2f}, {pct(r['floor_ms'], r['step_ms'])})",
             "MB read": f"{sum(r['bytes'].values()) / 1e6:.0f}",
@@ -265,12 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = read_bandwidth(probe)
     rate = gemm_rate()
     print(f"{args.model}, context {args.context}, {torch.get_num_threads()} threads, {machine()}\n"
-          f"read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s (each row's: GB/s, probed before its steps); "
-          f"bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s; parts timed in the same steps (the C++ stack's clocks, the LM "
-          "head's); a part's "
-          "floor is the larger of its bytes over the row's bandwidth and its FLOPs over the GEMM rate (bw / compute: "
-          "which), its % that floor over its time")
-    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, probe, rate, head)]
+          f"read bandwidth at the start: {bandwidth / 1e9:.1f} GB/s, bf16 GEMM rate {rate / 1e9:.0f} GFLOP/s (each "
+          "row's: GB/s, GFLOP/s, probed before its steps); parts timed in the same steps (the C++ stack's clocks, the "
+          "LM head's); a part's floor is the larger of its bytes over the row's bandwidth and its FLOPs over the "
+          "row's GEMM rate (bw / compute: which), its % that floor over its time")
+    rows = [r for v in variants for r in run_variant(args.model, v, batches, args, probe, head)]
     print_rows(rows)
     if args.json is not None:
         write_json(args.json, {"model": args.model, "context": args.context, "threads": torch.get_num_threads(),

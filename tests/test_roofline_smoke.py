@@ -22,6 +22,7 @@ def test_every_part_of_the_step_is_timed(tmp_path: Path) -> None:
     assert [(r["variant"], r["batch"]) for r in rows] == [("bf16", 2), ("int4", 2)]
     for r in rows:  # a clock no call passes through any more reads 0 ms
         assert r["parts_timed_by"] == "stack"
+        assert r["gemm_flops_s"] > 0 and r["bandwidth_bytes_s"] > 0  # each row's own, probed before its steps
         assert all(r["parts_ms"][part] > 0 for part in ("gemm", "attention", "lm_head")), r["parts_ms"]
         assert sum(r["parts_ms"][part] for part in ("gemm", "attention", "lm_head")) < r["step_ms"]
         # The 16-token prompts' one prefill step and two decode steps, then two timed steps that read
