@@ -133,7 +133,7 @@ def step_flops(llm: LLM, batch: int, context: float) -> dict[str, int]:
             "lm_head": 2 * batch * model.lm_head.vocab_size * model.lm_head.hidden_size}
 
 
-def gemm_rate(repeats: int = 5) -> float:
+def gemm_rate(repeats: int = 11) -> float:
     """FLOP/s of a bf16 [256, 1024] x [1024, 6144] product on the engine's kernel for such a layer."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(6144, 1024, generator=g).bfloat16()
