@@ -124,10 +124,8 @@ def _refuse_quantized(src: Path, raw: dict[str, Any], files: list[Path]) -> None
     for name in sorted({n for names in SIDE_FILES.values() for n in names}):
         if (src / name).is_file():
             raise ValueError(f"{src} is already quantized ({name})")
-    validate_weight_files(files)
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            quantized = next((name for name in f.keys() if name.endswith(QUANTIZED_TENSORS)), None)  # noqa: SIM118
+    for file, names in validate_weight_files(files).items():
+        quantized = next((name for name in names if name.endswith(QUANTIZED_TENSORS)), None)
         if quantized is not None:
             raise ValueError(f"{src} is already quantized (tensor {quantized!r} in {file.name})")
 

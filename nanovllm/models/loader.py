@@ -69,19 +69,23 @@ def _indexed_files(index: Path) -> list[Path]:
     return files
 
 
-def validate_weight_files(files: list[Path]) -> None:
-    """Check that every file is a readable safetensors file, before any memory is reserved.
+def validate_weight_files(files: list[Path]) -> dict[Path, list[str]]:
+    """Check that every file is a readable safetensors file, before any memory is reserved; returns
+    each file's tensor names.
 
     Reads only the headers: a truncated or corrupt file (header damaged, or data not covering
     what the header declares) raises ValueError naming the file.
     """
+    names: dict[Path, list[str]] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+                names[file] = list(f.keys())  # noqa: SIM118  (safe_open handles are not iterable)
+                for name in names[file]:
                     f.get_slice(name).get_shape()
         except Exception as e:  # safetensors raises its own error types for damaged files
             raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+    return names
 
 
 def checkpoint_targets(model: DecoderForCausalLM) -> dict[str, _Target]:
