@@ -1,6 +1,7 @@
 """The CPU GEMM on int8 / int4 weights (csrc/cpu_gemm_quant.cpp) beside the bf16 GEMM the engine runs
 for an unquantized layer (oneDNN where the CPU computes bf16, else our AVX2 `gemm_cpu`), at the
-Qwen3-shaped bench model's layer shapes, per instruction set the CPU runs.
+Qwen3-shaped bench model's layer shapes: the engine's own pick ("auto") and each instruction set the
+CPU runs, forced.
 
 Each variant cycles through enough copies of the weight to overflow the last-level cache, so the
 weights stream from DRAM as in a decode step. Reported: microseconds per call and the weight bytes
@@ -50,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    isas = [i for i in ("avx512", "avx2") if cpu_kernel.isa_supported(i)]  # type: ignore[arg-type]
+    # "auto" is the path the engine takes (AMX tiles from 2 rows where the CPU has them); the others
+    # forced, each that this CPU runs.
+    isas = ["auto"] + [i for i in ("amx", "avx512", "avx2") if cpu_kernel.isa_supported(i)]  # type: ignore[arg-type]
     rows_out = []
     for k, n in SHAPES:
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(k + n)).to(torch.bfloat16)

@@ -43,6 +43,13 @@ constexpr int64_t kAmxMinRows = 2;
 // 230 against 320 us, 64 rows 394 against 459, 128 rows 784 against 734, 512 rows 3.55 against 3.03 ms
 // (past ~100 rows each slice's rows no longer stay in L1, and the totals of every pair grow with them).
 constexpr int64_t kAmxIntMaxRows = 64;
+// Up to this many rows int4 goes to the int8 tiles too (its nibbles widened to bytes: three operations
+// per 64 weights, where bf16 pairs take twice the bytes and more), past the few rows that
+// int16_vnni_path takes first. The Qwen3-shaped layers' int4 GEMMs from memory against the bf16
+// tiles (2 threads, Intel Xeon with AMX, in turns): 5 rows 1.29-1.57x faster, 8 rows 1.17-1.54x,
+// 12 rows 1.09-1.39x, 16 rows 1.08-1.29x, 20 rows 1.11x, 24 rows 0.96-1.04x, 32 rows 0.90-0.93x:
+// the scaling of a group of 128 takes two sums a value, which more rows make the larger part.
+constexpr int64_t kAmxInt4MaxRows = 20;
 // Up to this many bf16 rows go to AVX512-VNNI as 16-bit integers against int4 (int16_vnni_path), not
 // to AMX tiles: the nibbles decoded once for every row's vpdpwssd, where the tiles decode them to bf16
 // pairs for 16 rows and use a few. The Qwen3-shaped layers' int4 GEMMs from memory (2 threads, Intel
@@ -1098,9 +1105,9 @@ NANOVLLM_AMX void panels_amx(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
 // activations becomes 16-bit integers q times a power of two per segment (int16_block's rule: exact
 // for every value within 2^7 of the segment's largest, the others within 2^-16 of it), split into a
 // signed high byte and an unsigned low byte, q = 256 hi + lo, and int8 tiles multiply both against
-// the weights' signed bytes: two 64-deep products per 32-deep bf16 one, so the tiles take as long as
-// on the bf16 path while the weights are only reordered (one byte permute per 64 weights, against
-// seven operations per 32 to make bf16 pairs). A segment is a
+// the weights' bytes (int8 as stored, int4's nibbles widened, 0..15): two 64-deep products per 32-deep
+// bf16 one, so the tiles take as long as on the bf16 path while the weights are only reordered (one
+// byte permute per 64 int8 weights, against seven operations per 32 to make bf16 pairs). A segment is a
 // group's part of a 256-deep slice (kQuantKc): the slices go outermost, so a slice's rows (16 KB
 // at 32 rows) stay in L1 while every pair of panels multiplies them; column-pair-outermost, each
 // pair read all of k's rows from L2, a tile load's 16 lines at a time in order with the multiplies.
@@ -1121,8 +1128,14 @@ struct IntSegments {
   }
 };
 
+// The rows of the int path's A and C tiles: 16, or m where m is less (one block, its tiles only as
+// tall as its rows: the multiplies, loads and stores of fewer rows; the Qwen3-shaped layers' int8
+// GEMMs at 2-12 rows 1.03-1.05x faster, Intel Xeon with AMX).
+constexpr int64_t int_block_rows(int64_t m) { return std::min(m, amx::kTileRows); }
+
 // Columns [k0, k1) of rows [0, m) of x as a slice's A tiles, in blocks of 16 rows:
-// [block][(c - k0) / 64][hi, lo][16 rows][64 bytes]; the rows past m in the last block zeros.
+// [block][(c - k0) / 64][hi, lo][int_block_rows(m) rows][64 bytes]; the rows past m in the last
+// block zeros.
 // f[r * kIntMaxSegments + i]: row r's power of two in segment i (NaN where it holds a NaN or an
 // infinity, 0 for zeros); xq: the sum of its integers.
 NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1, const IntSegments& segs, int8_t* out,
@@ -1150,7 +1163,7 @@ NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1,
     _mm512_store_si512(at + kIntATile, _mm512_permutexvar_epi8(order, lo));
     return _mm512_add_epi32(_mm512_madd_epi16(w01, ones), _mm512_madd_epi16(w23, ones));
   };
-  for (int64_t r = 0; r < blocks * amx::kTileRows; ++r) {
+  for (int64_t r = 0; r < (blocks - 1) * amx::kTileRows + int_block_rows(a.m); ++r) {
     if (r >= a.m) {
       const __m512i zeros[4] = {};
       for (int64_t c = k0; c < k1; c += kIntDepth) put64(r, c, zeros);
@@ -1201,13 +1214,41 @@ NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1,
 
 // Four depths of a panel's int8 weights (64 bytes, [4][16]) as a row of an int8 B tile ([16][4]:
 // each column's four bytes together).
-NANOVLLM_AMX inline __m512i weight_quads(const uint8_t* w) {
+NANOVLLM_AMX inline __m512i int8_quads(const uint8_t* w) {
   // byte 4c + i <- depth i's column c, at 16 i + c
   const __m512i index = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11,
                                         58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53,
                                         37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32,
                                         16, 0);
   return _mm512_permutexvar_epi8(index, _mm512_loadu_si512(w));
+}
+
+// Four depths of a panel's int4 weights (32 bytes: two rows of [16] bytes, a byte a column's two
+// depths, the first in its low nibble) as a row of an int8 B tile, the values 0..15: a byte permute
+// puts both rows' bytes of columns 2q and 2q + 1 in qword q, a multishift takes each depth's nibble
+// to its byte, an AND clears the nibble above it.
+NANOVLLM_AMX inline __m512i int4_quads(const uint8_t* w) {
+  alignas(64) static constexpr auto kIndex = [] {
+    std::array<uint8_t, 64> b{};
+    for (int q = 0; q < 8; ++q) {
+      for (int i = 0; i < 4; ++i) b[8 * q + i] = static_cast<uint8_t>(16 * (i / 2) + 2 * q + i % 2);
+    }
+    return b;
+  }();
+  // byte 4 c' + d of qword q (column 2q + c', depth d): bits from 8 c' + 16 (d / 2) + 4 (d % 2)
+  const __m512i shifts = _mm512_set1_epi64(0x1c180c0814100400LL);
+  const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(kIndex.data()),
+                                                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))));
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, bytes), _mm512_set1_epi8(0x0f));
+}
+
+template <int Bits>
+NANOVLLM_AMX inline __m512i weight_quads(const uint8_t* w) {
+  if constexpr (Bits == 8) {
+    return int8_quads(w);
+  } else {
+    return int4_quads(w);
+  }
 }
 
 // For one block of 16 rows and `steps` 64-deep steps: C0/C1 (panels 0/1) = hi x B, C2/C3 = lo x B,
@@ -1238,14 +1279,15 @@ NANOVLLM_AMX void int_segment(const int8_t* a, const int8_t* w, int64_t steps, i
   if constexpr (P == 2) _tile_stored(3, c + amx::kTileRows * 2 * kGemmPanel + kGemmPanel, kRow);
 }
 
-// panels_amx on int8 tiles, a slice at a time: each pair of panels' slice reordered into quads
-// (weight_quads, the next pair's between the tiles' steps), then for each segment and block of 16
+// panels_amx on int8 tiles, a slice at a time: each pair of panels' slice reordered (int8) or
+// widened (int4) into quads (weight_quads, the next pair's between the tiles' steps), then for each segment and block of 16
 // rows the tiles sum hi x q and lo x q, and the group's scale and zero point apply to
 // f (256 sum_hi + sum_lo - z sum q), f the row's power of two in the segment, summed over the slices
 // in fp32 totals per pair (every row by 32 columns).
+template <int Bits>
 NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
   using amx::kTileRows;
-  const int64_t panels = gemm_panels(a.n), blocks = (a.m + kTileRows - 1) / kTileRows;
+  const int64_t panels = gemm_panels(a.n), kp = padded_depth(a.k, Bits), blocks = (a.m + kTileRows - 1) / kTileRows;
   const int64_t group_size = std::min(a.group_size, a.k), pairs = (p1 - p0 + 1) / 2;
   const int64_t rows_padded = blocks * kTileRows, slices = (a.k + kQuantKc - 1) / kQuantKc;
   thread_local std::vector<int8_t> tiles_storage, decoded_storage;
@@ -1266,7 +1308,7 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
   // Quad rows [r0, r1) of the slice at k0 of the pair at panel p into w: row R (depths k0 + 4R ..
   // k0 + 4R + 3) of panel q at (R * np + q) * 64 bytes. The pair after it (or the thread's first
   // pair of the next slice) is asked for into L2 as the weights are read, a line per 64 bytes.
-  constexpr int64_t kRowBytes = 4 * kGemmPanel;  // a quad row's packed bytes
+  constexpr int64_t kRowBytes = 4 * kGemmPanel * Bits / 8;  // a quad row's packed bytes
   // The quad rows of the slice at k0; the pair slice the thread takes after the pair at p's at k0
   // (the next pair's, or the next slice's first pair's).
   const auto quad_rows = [&](int64_t k0) { return (std::min(kQuantKc, a.k - k0) + 3) / 4; };
@@ -1277,14 +1319,16 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
     const int np = static_cast<int>(std::min<int64_t>(2, p1 - p));
     const auto [after_p, after_k] = after(p, k0);
     for (int q = 0; q < np; ++q) {
-      const uint8_t* ws = a.packed + slice_bytes(panels, a.k, p + q, k0, 8);
+      const uint8_t* ws = a.packed + slice_bytes(panels, kp, p + q, k0, Bits);
       const uint8_t* next = after_k < a.k && after_p + q < p1
-                                ? a.packed + slice_bytes(panels, a.k, after_p + q, after_k, 8)
+                                ? a.packed + slice_bytes(panels, kp, after_p + q, after_k, Bits)
                                 : nullptr;
       const int64_t next_rows = next == nullptr ? 0 : quad_rows(after_k);
       for (int64_t r = r0; r < r1; ++r) {
-        if (r < next_rows) _mm_prefetch(reinterpret_cast<const char*>(next + r * kRowBytes), _MM_HINT_T1);
-        _mm512_store_si512(w + (r * np + q) * 64, weight_quads(ws + r * kRowBytes));
+        if (r < next_rows && r * kRowBytes % 64 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + r * kRowBytes), _MM_HINT_T1);
+        }
+        _mm512_store_si512(w + (r * np + q) * 64, weight_quads<Bits>(ws + r * kRowBytes));
       }
     }
   };
@@ -1347,7 +1391,11 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
   int64_t turn = 0;  // pair slices multiplied so far: the current one's decode in decoded[turn % 2]
   decode(p0, 0, decoded, 0, quad_rows(0));
   amx::fence();
-  _tile_loadconfig(&amx::kConfig);
+  {
+    amx::TileConfig config = amx::kConfig;
+    for (int t = 0; t < 6; ++t) config.rows[t] = static_cast<uint8_t>(int_block_rows(a.m));
+    _tile_loadconfig(&config);
+  }
   for (int64_t sl = 0; sl < slices; ++sl) {
     const int64_t k0 = sl * kQuantKc, k1 = std::min(a.k, k0 + kQuantKc);
     const IntSegments segs(k0, k1, group_size);
@@ -1396,8 +1444,10 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
 
 NANOVLLM_AVX512BF16 void run_bf16(const QuantGemmArgs& a, const Segments& segs, const RowPrep& rows, int64_t p0,
                                   int64_t p1, bool amx, bool amx_int) {
-  if (amx_int) {
-    panels_amx_int(a, p0, p1);
+  if (amx_int && a.bits == 8) {
+    panels_amx_int<8>(a, p0, p1);
+  } else if (amx_int) {
+    panels_amx_int<4>(a, p0, p1);
   } else if (amx) {
     if (a.bits == 8) {
       panels_amx<8>(a, p0, p1);
@@ -1548,12 +1598,10 @@ bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
 }
 
 // bf16 activations as integers on AMX int8 tiles (panels_amx_int), where amx_path takes the call too:
-// int8 weights, up to kAmxIntMaxRows rows, where the steps (k, every group) are multiples of 64 (a segment's
-// 256 columns at most keep its int32 sums far from overflow). int4 on these tiles (nibbles widened to
-// bytes, a scaling per group of 128 with two sums a value) ran no faster than as bf16 pairs: the
-// Qwen3-shaped decode step of 32 1.04x slower.
+// int8 weights up to kAmxIntMaxRows rows, int4 up to kAmxInt4MaxRows, where the steps (k, every
+// group) are multiples of 64 (a segment's 256 columns at most keep its int32 sums far from overflow).
 bool amx_int_path(const QuantGemmArgs& a) {
-  return a.bits == 8 && a.m <= kAmxIntMaxRows && a.k % 64 == 0 && (a.group_size % 64 == 0 || a.group_size >= a.k);
+  return a.m <= (a.bits == 8 ? kAmxIntMaxRows : kAmxInt4MaxRows) && a.k % 64 == 0 && (a.group_size % 64 == 0 || a.group_size >= a.k);
 }
 
 // One to kVnniMaxRows rows against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers

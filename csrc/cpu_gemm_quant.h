@@ -43,8 +43,9 @@ struct QuantGemmArgs {
   // integers, a power-of-two scale per block of 128, 64 or 32 columns (the largest dividing k and
   // the group size), with integer multiply-adds (exact for values within 2^7 of their block's
   // largest, the others within 2^-16 of it); otherwise widened to fp32. On AMX tiles (kAmx, or kAuto
-  // from 2 rows) int8 weights against up to 64 rows (k and the groups multiples of 64) take the rows
-  // as 16-bit integers too, a power of two per group's part of each 256-deep slice, on int8 tiles.
+  // from 2 rows) int8 weights against up to 64 rows, and int4 against up to 20 (k and the groups
+  // multiples of 64), take the rows as 16-bit integers too, a power of two per group's part of each
+  // 256-deep slice, on int8 tiles.
   const uint16_t* x_bf16;
   const uint8_t* packed;     // quant_gemm_packed_bytes(n, k, bits) bytes
   const float* scales;       // [groups][panels][16]

@@ -306,16 +306,21 @@ def amx_int_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 
 @pytest.mark.skipif(not cpu_kernel.isa_supported("amx"), reason="the CPU lacks AMX tiles")
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int8_weights_on_amx_int8_tiles(symmetric: bool) -> None:
-    """int8 weights against 2-64 bf16 rows on an AMX CPU: the rows as 16-bit integers per segment
-    (amx_int_rows: values within 2^7 of their segment's largest exact, an outlier coarsening its own
-    segment only), each a signed high and an unsigned low byte on int8 tiles, so the product of those
-    integers to fp32 summation; which is not the bf16 tiles' result on rows with outliers. Groups across
-    slices (192, 384), a partial last slice, rows of zeros, tiny rows, a NaN or an infinity (NaN in
-    every output of the row), partial blocks of 16 rows and an odd panel at the end."""
-    for i, (rows, k, n, group) in enumerate([(2, 64, 16, 64), (17, 512, 40, 512), (32, 1024, 100, 128),
-                                             (33, 640, 33, 192), (64, 768, 48, 384), (50, 320, 20, 64)]):
-        w = random_quantized(n, k, 8, group, symmetric, seed=80 + i)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
+    """int8 weights against 2-64 bf16 rows, int4 against 5-20, on an AMX CPU: the rows as 16-bit
+    integers per segment (amx_int_rows: values within 2^7 of their segment's largest exact, an outlier
+    coarsening its own segment only), each a signed high and an unsigned low byte on int8 tiles, so the
+    product of those integers to fp32 summation; which is not the bf16 tiles' result on rows with
+    outliers. Groups across slices (192, 384), a partial last slice, rows of zeros, tiny rows, a NaN or
+    an infinity (NaN in every output of the row), blocks of fewer than 16 rows (tiles as tall as the
+    rows), partial blocks of 16 rows and an odd panel at the end."""
+    cases = {8: [(2, 64, 16, 64), (17, 512, 40, 512), (32, 1024, 100, 128), (33, 640, 33, 192),
+                 (64, 768, 48, 384), (50, 320, 20, 64)],
+             4: [(5, 64, 16, 64), (17, 512, 40, 512), (20, 1024, 100, 128), (12, 640, 33, 192),
+                 (8, 768, 48, 384), (19, 320, 20, 64), (6, 1024, 32, 1024)]}[bits]
+    for i, (rows, k, n, group) in enumerate(cases):
+        w = random_quantized(n, k, bits, group, symmetric, seed=80 + i)
         p = cpu_kernel.pack(w)
         g = torch.Generator().manual_seed(i)
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
@@ -331,7 +336,7 @@ def test_int8_weights_on_amx_int8_tiles(symmetric: bool) -> None:
             y = torch.empty(rows, n)
             _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(),
                                 0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n,
-                                k, k, n, group, 8, p.zero_offset, 0, threads, x.data_ptr())
+                                k, k, n, group, bits, p.zero_offset, 0, threads, x.data_ptr())
             return y
 
         y = product(2)
