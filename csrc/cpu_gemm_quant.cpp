@@ -1134,8 +1134,8 @@ struct IntSegments {
 constexpr int64_t int_block_rows(int64_t m) { return std::min(m, amx::kTileRows); }
 
 // Columns [k0, k1) of rows [0, m) of x as a slice's A tiles, in blocks of 16 rows:
-// [block][(c - k0) / 64][hi, lo][int_block_rows(m) rows][64 bytes]; the rows past m in the last
-// block zeros.
+// [block][(c - k0) / 64][hi, lo][16 rows][64 bytes], of which the tiles' int_block_rows(m) rows are
+// written; the rows past m in the last block zeros.
 // f[r * kIntMaxSegments + i]: row r's power of two in segment i (NaN where it holds a NaN or an
 // infinity, 0 for zeros); xq: the sum of its integers.
 NANOVLLM_AMX void pack_slice_int(const QuantGemmArgs& a, int64_t k0, int64_t k1, const IntSegments& segs, int8_t* out,
@@ -1237,8 +1237,8 @@ NANOVLLM_AMX inline __m512i int4_quads(const uint8_t* w) {
   }();
   // byte 4 c' + d of qword q (column 2q + c', depth d): bits from 8 c' + 16 (d / 2) + 4 (d % 2)
   const __m512i shifts = _mm512_set1_epi64(0x1c180c0814100400LL);
-  const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(kIndex.data()),
-                                                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))));
+  const __m256i rows = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(kIndex.data()), _mm512_castsi256_si512(rows));
   return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, bytes), _mm512_set1_epi8(0x0f));
 }
 
@@ -1253,7 +1253,8 @@ NANOVLLM_AMX inline __m512i weight_quads(const uint8_t* w) {
 
 // For one block of 16 rows and `steps` 64-deep steps: C0/C1 (panels 0/1) = hi x B, C2/C3 = lo x B,
 // A from `a` (each step's hi and lo tiles), B from w (each step 16 quad rows, a row's P panels' 64
-// bytes together); between() after each step. The sums go to c: [hi, lo][16 rows][32 columns].
+// bytes together); between() after each step. The sums go to c: [hi, lo][16 rows][32 columns] (the
+// tiles' rows of them: int_block_rows).
 template <int P, typename Between>
 NANOVLLM_AMX void int_segment(const int8_t* a, const int8_t* w, int64_t steps, int32_t* c, const Between& between) {
   _tile_zero(0);
@@ -1280,10 +1281,10 @@ NANOVLLM_AMX void int_segment(const int8_t* a, const int8_t* w, int64_t steps, i
 }
 
 // panels_amx on int8 tiles, a slice at a time: each pair of panels' slice reordered (int8) or
-// widened (int4) into quads (weight_quads, the next pair's between the tiles' steps), then for each segment and block of 16
-// rows the tiles sum hi x q and lo x q, and the group's scale and zero point apply to
-// f (256 sum_hi + sum_lo - z sum q), f the row's power of two in the segment, summed over the slices
-// in fp32 totals per pair (every row by 32 columns).
+// widened (int4) into quads (weight_quads, the next pair's between the tiles' steps), then for each
+// segment and block of 16 rows the tiles sum hi x q and lo x q, and the group's scale and zero point
+// apply to f (256 sum_hi + sum_lo - z sum q), f the row's power of two in the segment, summed over
+// the slices in fp32 totals per pair (every row by 32 columns).
 template <int Bits>
 NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1) {
   using amx::kTileRows;
@@ -1372,8 +1373,10 @@ NANOVLLM_AMX void panels_amx_int(const QuantGemmArgs& a, int64_t p0, int64_t p1)
       }
       const auto scaled = [&](int64_t j) NANOVLLM_AMX {
         const __m512 before = first ? pg.bias : _mm512_load_ps(total + j * 2 * kGemmPanel);
-        return _mm512_fmadd_ps(_mm512_mul_ps(pg.s, _mm512_set1_ps(fr[j * kIntMaxSegments])),
-                               _mm512_fnmadd_ps(pg.z, _mm512_set1_ps(qr[j * kIntMaxSegments]), sum(j)), before);
+        // f times the integers' sum first: f is a power of two, so that product is exact, where s * f
+        // fell below fp32's normal range for rows near 2^-108 and lost the scale's bits.
+        const __m512 sums = _mm512_fnmadd_ps(pg.z, _mm512_set1_ps(qr[j * kIntMaxSegments]), sum(j));
+        return _mm512_fmadd_ps(pg.s, _mm512_mul_ps(_mm512_set1_ps(fr[j * kIntMaxSegments]), sums), before);
       };
       put_scaled(a, last, total, r0, rows, pg, scaled);
     }
@@ -1601,7 +1604,8 @@ bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
 // int8 weights up to kAmxIntMaxRows rows, int4 up to kAmxInt4MaxRows, where the steps (k, every
 // group) are multiples of 64 (a segment's 256 columns at most keep its int32 sums far from overflow).
 bool amx_int_path(const QuantGemmArgs& a) {
-  return a.m <= (a.bits == 8 ? kAmxIntMaxRows : kAmxInt4MaxRows) && a.k % 64 == 0 && (a.group_size % 64 == 0 || a.group_size >= a.k);
+  return a.m <= (a.bits == 8 ? kAmxIntMaxRows : kAmxInt4MaxRows) && a.k % 64 == 0 &&
+         (a.group_size % 64 == 0 || a.group_size >= a.k);
 }
 
 // One to kVnniMaxRows rows against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers

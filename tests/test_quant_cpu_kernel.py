@@ -332,11 +332,11 @@ def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
             x[4, 5] = float("inf")
         bias = torch.randn(n, generator=g)
 
-        def product(threads: int) -> torch.Tensor:
+        def product(threads: int, with_bias: bool = True) -> torch.Tensor:
             y = torch.empty(rows, n)
             _cpu.quant_gemm_cpu(0, p.packed.data_ptr(), p.scales.data_ptr(),
-                                0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, n,
-                                k, k, n, group, bits, p.zero_offset, 0, threads, x.data_ptr())
+                                0 if p.zeros is None else p.zeros.data_ptr(), bias.data_ptr() if with_bias else 0,
+                                y.data_ptr(), rows, n, k, k, n, group, bits, p.zero_offset, 0, threads, x.data_ptr())
             return y
 
         y = product(2)
@@ -346,6 +346,10 @@ def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
         assert y[~finite].isnan().all(), i
         bound = 1e-6 * summed_magnitudes(x[finite].float(), w, p.zero_offset) + 1e-6 * bias.abs().double()
         assert ((y[finite].double() - expected[finite]).abs() <= bound).all(), i
+        # Without the bias, whose size the tiny row's products sit far below, each row on its own scale.
+        y0 = product(2, with_bias=False)[finite].double()
+        expected0 = F.linear(xr, w.dequantize(torch.float64))[finite]
+        assert ((y0 - expected0).abs() <= 1e-6 * summed_magnitudes(x[finite].float(), w, p.zero_offset)).all(), i
         exact = F.linear(x[finite].double(), w.dequantize(torch.float64), bias.double())
         assert not torch.allclose(y[finite].double()[0], exact[0], rtol=0, atol=1e-7 * exact[0].abs().max().item()), i
         for threads in (1, 3):  # threads split the panels, never a sum
