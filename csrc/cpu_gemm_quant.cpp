@@ -43,13 +43,15 @@ constexpr int64_t kAmxMinRows = 2;
 // 230 against 320 us, 64 rows 394 against 459, 128 rows 784 against 734, 512 rows 3.55 against 3.03 ms
 // (past ~100 rows each slice's rows no longer stay in L1, and the totals of every pair grow with them).
 constexpr int64_t kAmxIntMaxRows = 64;
-// Up to this many rows int4 goes to the int8 tiles too (its nibbles widened to bytes: three operations
-// per 64 weights, where bf16 pairs take twice the bytes and more), past the few rows that
-// int16_vnni_path takes first. The Qwen3-shaped layers' int4 GEMMs from memory against the bf16
-// tiles (2 threads, Intel Xeon with AMX, in turns): 5 rows 1.29-1.57x faster, 8 rows 1.17-1.54x,
-// 12 rows 1.09-1.39x, 16 rows 1.08-1.29x, 20 rows 1.11x, 24 rows 0.96-1.04x, 32 rows 0.90-0.93x:
-// the scaling of a group of 128 takes two sums a value, which more rows make the larger part.
-constexpr int64_t kAmxInt4MaxRows = 20;
+// From kAmxInt4MinRows to kAmxInt4MaxRows rows int4 goes to the int8 tiles too (its nibbles widened to
+// bytes: three operations per 64 weights, where bf16 pairs take twice the bytes and more). The
+// Qwen3-shaped layers' int4 GEMMs from memory against the bf16 tiles (2 threads, Intel Xeon with AMX,
+// in turns): 5 rows 1.29-1.57x faster, 8 rows 1.17-1.54x, 12 rows 1.09-1.39x, 16 rows 1.08-1.29x,
+// 20 rows 1.11x, 24 rows 0.96-1.04x, 32 rows 0.90-0.93x: the scaling of a group of 128 takes two sums
+// a value, which more rows make the larger part. Against AVX512-VNNI (int16_vnni_path, whose
+// vpdpwssd per row bound it from 3 rows), from memory / one layer cache-warm: 1 row 0.92x / 0.98x,
+// 2 rows 0.89x / 0.97x, 3 rows 1.02x / 1.13x, 4 rows 1.25x / 1.56x.
+constexpr int64_t kAmxInt4MinRows = 3, kAmxInt4MaxRows = 20;
 // Up to this many bf16 rows go to AVX512-VNNI as 16-bit integers against int4 (int16_vnni_path), not
 // to AMX tiles: the nibbles decoded once for every row's vpdpwssd, where the tiles decode them to bf16
 // pairs for 16 rows and use a few. The Qwen3-shaped layers' int4 GEMMs from memory (2 threads, Intel
@@ -1601,20 +1603,22 @@ bool amx_path(const QuantGemmArgs& a, QuantIsa isa) {
 }
 
 // bf16 activations as integers on AMX int8 tiles (panels_amx_int), where amx_path takes the call too:
-// int8 weights up to kAmxIntMaxRows rows, int4 up to kAmxInt4MaxRows, where the steps (k, every
-// group) are multiples of 64 (a segment's 256 columns at most keep its int32 sums far from overflow).
+// int8 weights up to kAmxIntMaxRows rows, int4 up to kAmxInt4MaxRows (its first rows go to
+// int16_vnni_path where that takes them), where the steps (k, every group) are multiples of 64 (a
+// segment's 256 columns at most keep its int32 sums far from overflow).
 bool amx_int_path(const QuantGemmArgs& a) {
   return a.m <= (a.bits == 8 ? kAmxIntMaxRows : kAmxInt4MaxRows) && a.k % 64 == 0 &&
          (a.group_size % 64 == 0 || a.group_size >= a.k);
 }
 
 // One to kVnniMaxRows rows against int4 on AVX512-VNNI (isa auto or AVX-512) as 16-bit integers
-// (panels_int16_vnni): vpdpwssd outruns the bf16 dot products there, and at a few rows the AMX tiles;
-// int8's one row reads at the memory's rate either way.
+// (panels_int16_vnni): vpdpwssd outruns the bf16 dot products there, and at one or two rows the AMX
+// tiles (from kAmxInt4MinRows the int8 tiles take the shapes they can); int8's one row reads at the
+// memory's rate either way.
 bool int16_vnni_path(const QuantGemmArgs& a, QuantIsa isa) {
   return a.x_bf16 != nullptr && a.m >= 1 && a.m <= kVnniMaxRows && a.bits == 4 &&
          (isa == QuantIsa::kAuto || isa == QuantIsa::kAvx512) && quant_has_vnni512() &&
-         int16_block_size(a.k, a.group_size) > 0;
+         int16_block_size(a.k, a.group_size) > 0 && !(a.m >= kAmxInt4MinRows && amx_path(a, isa) && amx_int_path(a));
 }
 
 // bf16 activations of one row against int4 or int8 on AVX2 as 16-bit integers (RowPrep::xq): the

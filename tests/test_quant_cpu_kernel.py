@@ -217,6 +217,7 @@ def test_vnni_int4_row_gives_the_avx2_int16_bits() -> None:
 
 
 VNNI_MAX_ROWS = 4  # csrc/cpu_gemm_quant.cpp's kVnniMaxRows
+AMX_INT4_MIN_ROWS = 3  # and kAmxInt4MinRows: from there "auto" takes AMX int8 tiles where the CPU has them
 
 
 @pytest.mark.skipif(not VNNI, reason="the CPU lacks AVX512-VNNI")
@@ -225,13 +226,15 @@ def test_vnni_int4_rows_give_each_row_alone_bits(isa: str) -> None:
     """Two to kVnniMaxRows bf16 rows against int4 on AVX512-VNNI (the weights decoded once for every
     row's vpdpwssd, on AMX CPUs too): each row's output is that row's alone, bit for bit, whatever
     its neighbours' magnitudes (each row its own block scales), zero blocks, outliers and NaNs (which
-    stay in their row); strided rows; against the reference within the one-row path's bound."""
+    stay in their row); strided rows; against the reference within the one-row path's bound. On an
+    AMX CPU "auto" gives the int8 tiles the rows from AMX_INT4_MIN_ROWS (test_weights_on_amx_int8_tiles)."""
+    most = AMX_INT4_MIN_ROWS - 1 if isa == "auto" and cpu_kernel.isa_supported("amx") else VNNI_MAX_ROWS
     for i, (k, n, group) in enumerate([(1024, 40, 128), (256, 33, 32), (3072, 100, 64), (768, 50, 256),
                                        (320, 20, 64)]):
         w = random_quantized(n, k, 4, group, symmetric=bool(i % 2), seed=90 + i)
         p = cpu_kernel.pack(w)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(300 + i)) if i % 2 == 0 else None
-        for m in range(2, VNNI_MAX_ROWS + 1):
+        for m in range(2, most + 1):
             g = torch.Generator().manual_seed(10 * i + m)
             wide = torch.randn(m, k + 40, generator=g) * torch.logspace(-3, 3, m)[:, None]
             x = wide[:, 16:16 + k].to(torch.bfloat16)  # rows k + 40 apart
@@ -308,7 +311,7 @@ def amx_int_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
-    """int8 weights against 2-64 bf16 rows, int4 against 5-20, on an AMX CPU: the rows as 16-bit
+    """int8 weights against 2-64 bf16 rows, int4 against 3-20, on an AMX CPU: the rows as 16-bit
     integers per segment (amx_int_rows: values within 2^7 of their segment's largest exact, an outlier
     coarsening its own segment only), each a signed high and an unsigned low byte on int8 tiles, so the
     product of those integers to fp32 summation; which is not the bf16 tiles' result on rows with
@@ -318,7 +321,8 @@ def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
     cases = {8: [(2, 64, 16, 64), (17, 512, 40, 512), (32, 1024, 100, 128), (33, 640, 33, 192),
                  (64, 768, 48, 384), (50, 320, 20, 64)],
              4: [(5, 64, 16, 64), (17, 512, 40, 512), (20, 1024, 100, 128), (12, 640, 33, 192),
-                 (8, 768, 48, 384), (19, 320, 20, 64), (6, 1024, 32, 1024)]}[bits]
+                 (8, 768, 48, 384), (19, 320, 20, 64), (6, 1024, 32, 1024), (3, 256, 24, 128),
+                 (4, 512, 16, 64)]}[bits]
     for i, (rows, k, n, group) in enumerate(cases):
         w = random_quantized(n, k, bits, group, symmetric, seed=80 + i)
         p = cpu_kernel.pack(w)
