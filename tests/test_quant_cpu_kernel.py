@@ -311,14 +311,14 @@ def amx_int_rows(x: torch.Tensor, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
-    """int8 weights against 2-64 bf16 rows, int4 against 3-20, on an AMX CPU: the rows as 16-bit
+    """int8 weights against 1-64 bf16 rows, int4 against 3-20, on an AMX CPU: the rows as 16-bit
     integers per segment (amx_int_rows: values within 2^7 of their segment's largest exact, an outlier
     coarsening its own segment only), each a signed high and an unsigned low byte on int8 tiles, so the
     product of those integers to fp32 summation; which is not the bf16 tiles' result on rows with
     outliers. Groups across slices (192, 384), a partial last slice, rows of zeros, tiny rows, a NaN or
     an infinity (NaN in every output of the row), blocks of fewer than 16 rows (tiles as tall as the
     rows), partial blocks of 16 rows and an odd panel at the end."""
-    cases = {8: [(2, 64, 16, 64), (17, 512, 40, 512), (32, 1024, 100, 128), (33, 640, 33, 192),
+    cases = {8: [(1, 256, 24, 256), (2, 64, 16, 64), (17, 512, 40, 512), (32, 1024, 100, 128), (33, 640, 33, 192),
                  (64, 768, 48, 384), (50, 320, 20, 64)],
              4: [(5, 64, 16, 64), (17, 512, 40, 512), (20, 1024, 100, 128), (12, 640, 33, 192),
                  (8, 768, 48, 384), (19, 320, 20, 64), (6, 1024, 32, 1024), (3, 256, 24, 128),
@@ -358,6 +358,24 @@ def test_weights_on_amx_int8_tiles(bits: int, symmetric: bool) -> None:
         assert not torch.allclose(y[finite].double()[0], exact[0], rtol=0, atol=1e-7 * exact[0].abs().max().item()), i
         for threads in (1, 3):  # threads split the panels, never a sum
             assert torch.equal(product(threads).nan_to_num(), y.nan_to_num()), (i, threads)
+
+
+@pytest.mark.skipif(not cpu_kernel.isa_supported("amx"), reason="the CPU lacks AMX tiles")
+def test_int8_rows_on_amx_int8_tiles_keep_their_bits_at_any_row_count() -> None:
+    """int8 against bf16 rows on an AMX CPU (cpu_kernel.linear, "auto"): from one row to 64 the AMX
+    int8 tiles take them where k and the groups are multiples of 64 (one row handed over as bf16), so
+    a row's output is the same bits whatever rows share its GEMM; elsewhere one row stays fp32."""
+    for i, (k, n, group) in enumerate([(512, 100, 512), (1024, 48, 128), (320, 33, 64)]):
+        w = random_quantized(n, k, 8, group, symmetric=bool(i % 2), seed=60 + i)
+        p = cpu_kernel.pack(w)
+        assert cpu_kernel.bf16_row_range(p) == (1, 0), i
+        x = torch.randn(64, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        x[:, k // 5] *= 300.0  # an outlier in every row: the int rule rounds its segment's small values
+        full = cpu_kernel.linear(x, p, None)
+        for m in (1, 2, 3, 15, 16, 17, 33):
+            assert torch.equal(cpu_kernel.linear(x[:m], p, None), full[:m]), (i, m)
+    odd = cpu_kernel.pack(random_quantized(16, 96, 8, 96, symmetric=True, seed=69))
+    assert cpu_kernel.bf16_row_range(odd) == (2, 0)  # k = 96: the bf16 dot products from 2 rows
 
 
 GUARDED_ROWS = """

@@ -27,6 +27,7 @@ BF16_MIN_ROWS = {4: 1, 8: 2}
 Isa = Literal["auto", "portable", "avx2", "avx512", "amx"]
 ISA_CODES: dict[str, int] = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "amx": 4}
 HAS_BF16 = _cpu.quant_has_bf16()  # AVX512-BF16: asked once, a forward runs dozens of these GEMMs
+HAS_AMX = bool(_cpu.quant_isa_supported(ISA_CODES["amx"]))
 AVX2_BEST = _cpu.quant_isa_best() == ISA_CODES["avx2"]  # AVX2 without AVX-512
 
 
@@ -35,14 +36,23 @@ def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
     (else widened to fp32): where the CPU has AVX512-BF16, its dot products from BF16_MIN_ROWS rows;
     on an AVX2 CPU one row, as 16-bit integers (csrc/cpu_gemm_quant.cpp: fewer operations than the
     fp32 decode, exact to bf16's precision for values within 2^7 of the largest of their block of
-    128, 64 or 32 columns). (0, 0): never (groups of an odd size)."""
+    128, 64 or 32 columns). (0, 0): never (groups of an odd size). On an AMX CPU int8 from one row
+    where the AMX int8 tiles take its shape (amx_int_takes)."""
     if not groups_pair(p.group_size, p.in_features):
         return 0, 0
     if HAS_BF16 and isa in ("auto", "avx512", "amx"):
+        if p.bits == 8 and HAS_AMX and isa in ("auto", "amx") and amx_int_takes(p):
+            return 1, 0
         return BF16_MIN_ROWS[p.bits], 0
     if isa in ("auto", "avx2") and AVX2_BEST:
         return 1, 1
     return 0, 0
+
+
+def amx_int_takes(p: PackedQuantWeight) -> bool:
+    """Whether AMX int8 tiles take this weight's bf16 rows (csrc/cpu_gemm_quant.cpp amx_int_path): k
+    and every group multiples of 64."""
+    return p.in_features % 64 == 0 and (p.group_size % 64 == 0 or p.group_size >= p.in_features)
 
 
 def groups_pair(group_size: int, k: int) -> bool:
