@@ -81,6 +81,23 @@ def test_bf16_activations_within_bf16_rounding(case: Case, fmt: str, bf16_rows: 
     assert (got.double() - ref).abs().max() < 0.02 * ref.abs().max()
 
 
+@pytest.mark.skipif(not cpu_kernel.HAS_AMX, reason="the CPU lacks AMX tiles")
+def test_int8_experts_keep_a_tokens_bits_in_any_batch() -> None:
+    """int8 experts whose shapes AMX int8 tiles take (hidden, intermediate and groups multiples of
+    64), bf16 activations on an AMX CPU: a token's output is the same bits alone (one row per chosen
+    expert, handed over as bf16 as the dense layers' one row) and in a batch (cpu_kernel.bf16_min_rows)."""
+    g = torch.Generator().manual_seed(5)
+    experts, top_k, hidden, inter = 8, 2, 256, 128
+    w13 = [random_weight(2 * inter, hidden, 8, None, True, g) for _ in range(experts)]
+    w2 = [random_weight(hidden, inter, 8, 64, False, g) for _ in range(experts)]
+    packed = cpu_moe.pack_experts(w13, w2)
+    x = torch.randn(8, hidden, generator=g).bfloat16()
+    logits = torch.randn(8, experts, generator=g)
+    batch = cpu_moe.fused_experts(x, logits, packed, top_k, True)
+    for t in range(8):
+        assert torch.equal(cpu_moe.fused_experts(x[t:t + 1], logits[t:t + 1], packed, top_k, True), batch[t:t + 1]), t
+
+
 def test_other_dtypes_run_in_fp32() -> None:
     c = Case(8, 2, 6, 32, 16, True)
     x, logits, _, _ = make_weights(c, seed=13)

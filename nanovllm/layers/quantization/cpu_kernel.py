@@ -36,23 +36,24 @@ def bf16_row_range(p: PackedQuantWeight, isa: Isa = "auto") -> tuple[int, int]:
     (else widened to fp32): where the CPU has AVX512-BF16, its dot products from BF16_MIN_ROWS rows;
     on an AVX2 CPU one row, as 16-bit integers (csrc/cpu_gemm_quant.cpp: fewer operations than the
     fp32 decode, exact to bf16's precision for values within 2^7 of the largest of their block of
-    128, 64 or 32 columns). (0, 0): never (groups of an odd size). On an AMX CPU int8 from one row
-    where the AMX int8 tiles take its shape (amx_int_takes)."""
+    128, 64 or 32 columns). (0, 0): never (groups of an odd size)."""
     if not groups_pair(p.group_size, p.in_features):
         return 0, 0
     if HAS_BF16 and isa in ("auto", "avx512", "amx"):
-        if p.bits == 8 and HAS_AMX and isa in ("auto", "amx") and amx_int_takes(p):
-            return 1, 0
-        return BF16_MIN_ROWS[p.bits], 0
+        return bf16_min_rows(p.bits, p.group_size, p.in_features, isa), 0
     if isa in ("auto", "avx2") and AVX2_BEST:
         return 1, 1
     return 0, 0
 
 
-def amx_int_takes(p: PackedQuantWeight) -> bool:
-    """Whether AMX int8 tiles take this weight's bf16 rows (csrc/cpu_gemm_quant.cpp amx_int_path): k
-    and every group multiples of 64."""
-    return p.in_features % 64 == 0 and (p.group_size % 64 == 0 or p.group_size >= p.in_features)
+def bf16_min_rows(bits: int, group_size: int, k: int, isa: Isa = "auto") -> int:
+    """From how many rows bf16 activations reach a `k`-column weight as bf16 on a CPU with AVX512-BF16:
+    BF16_MIN_ROWS, but int8 from one row where AMX int8 tiles take its shape (k and every group
+    multiples of 64: csrc/cpu_gemm_quant.cpp amx_int_path), so a row's bits do not depend on its
+    GEMM's row count up to 64 rows."""
+    if bits == 8 and HAS_AMX and isa in ("auto", "amx") and k % 64 == 0 and (group_size % 64 == 0 or group_size >= k):
+        return 1
+    return BF16_MIN_ROWS[bits]
 
 
 def groups_pair(group_size: int, k: int) -> bool:

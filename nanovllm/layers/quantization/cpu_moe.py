@@ -87,13 +87,14 @@ def pack_experts(w13: list[QuantizedWeight], w2: list[QuantizedWeight]) -> Packe
 
 def _bf16_min_per_expert(dtype: torch.dtype, p: PackedQuantExperts) -> int:
     """The rows an expert must see on average for bf16 activations to take the bf16 dot products
-    (cpu_kernel.BF16_MIN_ROWS), where the CPU has them and the groups allow pairs of input
-    columns; 0: never."""
+    (cpu_kernel.bf16_min_rows, as the dense layers), where the CPU has them and the groups allow
+    pairs of input columns; 0: never."""
     if dtype != torch.bfloat16 or not cpu_kernel.HAS_BF16 or p.hidden % 2:
         return 0
     if not (cpu_kernel.groups_pair(p.w13.group_size, p.hidden) and cpu_kernel.groups_pair(p.w2.group_size, p.inter)):
         return 0
-    return max(cpu_kernel.BF16_MIN_ROWS[p.w13.bits], cpu_kernel.BF16_MIN_ROWS[p.w2.bits])
+    return max(cpu_kernel.bf16_min_rows(p.w13.bits, p.w13.group_size, p.hidden),
+               cpu_kernel.bf16_min_rows(p.w2.bits, p.w2.group_size, p.inter))
 
 
 def _bf16_rows(x: torch.Tensor, p: PackedQuantExperts, top_k: int) -> bool:
