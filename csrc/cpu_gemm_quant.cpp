@@ -38,8 +38,8 @@ constexpr int64_t kQuadMaxRows = 64;
 // 1.1x / 1.6x the vdpbf16ps path's speed at 2 rows, 1.7x / 1.3x at 4, 3x at 8, 4x at 32; 0.86x at one.
 // (int4 at up to kVnniMaxRows rows goes to AVX512-VNNI instead, where the CPU has it.)
 // int8 takes the int8 tiles from one row where they take its shape (amx_int_path): the Qwen3-shaped
-// layers at one row 1.04-1.09x faster from memory than the fp32 path, 1.23x cache-warm; its decode
-// step 1.03-1.07x the tokens/s; and a row's bits the same at 1 to kAmxIntMaxRows rows.
+// layers at one row 1.04-1.09x faster from memory than the fp32 path, the decode step of one
+// sequence 1.01-1.07x the tokens/s, and a row's bits the same at 1 to kAmxIntMaxRows rows.
 constexpr int64_t kAmxMinRows = 2;
 // Up to this many rows, int8 weights against bf16 rows go to the AMX int8 tiles (amx_int_path). A
 // 6144 x 1024 int8 weight (2 threads, Intel Xeon with AMX, L3-warm) against the bf16 tiles: 32 rows
