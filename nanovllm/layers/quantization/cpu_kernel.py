@@ -20,7 +20,8 @@ PANEL = 16  # csrc/cpu_gemm.h kGemmPanel
 SLICE = 256  # csrc/cpu_gemm_quant.cpp kQuantKc
 # bf16 activations take the bf16 dot-product path from this many rows on, by bit width: int4 always
 # (one Zen 4 core, 6144 x 1024: 202 us at 1 row against 245 for the fp32 path, 1.0 ms at 12 against
-# 2.2); int8 from 2 (its values need a conversion per row of weights: 332 us at 1 row against 263).
+# 2.2); int8 from 2 (its values need a conversion per row of weights: 332 us at 1 row against 263),
+# but from 1 on AMX int8 tiles (bf16_min_rows).
 BF16_MIN_ROWS = {4: 1, 8: 2}
 # "amx": AVX-512 with bf16 activations on AMX tiles (k and the groups multiples of 32), which "auto"
 # takes from 2 rows where the process has them.
