@@ -140,6 +140,13 @@ struct Scratch {
 // 8 x 2000, bf16, 1 and 2 threads, Zen 4).
 constexpr int64_t kPrefetchBlocks = 2;
 
+// The rows the tile path's passes take at a time and ask for ahead: 16 whatever the block size,
+// where it divides it (each chunk within a block), else a block. A block ahead of 128-token blocks
+// (vLLM's CPU default) made every task's first burst of requests 128 rows and the values pass's
+// 128 rows at a time: 32 decodes x 296 keys, 8 layers, from memory took 5.3-5.5 ms against 4.4 with
+// 16 rows (4.7-4.8 ms with 16-token blocks; Intel Xeon with AMX).
+constexpr int64_t tile_chunk(int64_t block_size) { return block_size % 16 == 0 ? 16 : block_size; }
+
 // Every cache line of [p, p + bytes) asked for into L2 (a range need not start on a line).
 [[gnu::always_inline]] inline void prefetch_bytes(const char* p, int64_t bytes) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes);
@@ -537,15 +544,15 @@ void run_bf16(const PagedAttentionArgs& a, const Task* tasks, int64_t count, std
 }
 
 // How many parts of its keys a step's only row, a decode on the tile path, is cut into: a power of
-// two up to kMaxKeyParts with at least kMinBlocksPerPart blocks each (part i from block
-// blocks * i / parts), whatever the thread count (the output must not depend on it; the parts' sums
-// merge in order).
+// two up to kMaxKeyParts with at least kMinChunksPerPart of the tile path's chunks (tile_chunk)
+// each (part i from chunk chunks * i / parts), whatever the thread count (the output must not
+// depend on it; the parts' sums merge in order).
 constexpr int32_t kMaxKeyParts = 8;
-constexpr int32_t kMinBlocksPerPart = 8;
+constexpr int32_t kMinChunksPerPart = 8;
 
-int32_t key_parts(int32_t blocks) {
+int32_t key_parts(int32_t chunks) {
   int32_t parts = 1;
-  while (parts < kMaxKeyParts && blocks >= 2 * parts * kMinBlocksPerPart) parts *= 2;
+  while (parts < kMaxKeyParts && chunks >= 2 * parts * kMinChunksPerPart) parts *= 2;
   return parts;
 }
 
@@ -573,12 +580,13 @@ std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64
     const int32_t prefix = a.context_lens[seq] - q_len;
     if (q_len == 1) {
       work += prefix + 1;
-      const int32_t blocks = prefix / a.block_size + 1;
-      const int32_t pieces = a.num_seqs == 1 && takes_tiles(a) ? key_parts(blocks) : 1;
+      const auto chunk = static_cast<int32_t>(tile_chunk(a.block_size));
+      const int32_t chunks = prefix / chunk + 1;
+      const int32_t pieces = a.num_seqs == 1 && takes_tiles(a) ? key_parts(chunks) : 1;
       if (pieces > 1) {
         for (int32_t i = 0; i < pieces; ++i) {
-          const int32_t begin = blocks * i / pieces * a.block_size;
-          const int32_t end = std::min(prefix + 1, blocks * (i + 1) / pieces * a.block_size);
+          const int32_t begin = chunks * i / pieces * chunk;
+          const int32_t end = std::min(prefix + 1, chunks * (i + 1) / pieces * chunk);
           decode.push_back({seq, 0, a.num_kv_heads, 0, 1, begin, end, parts++});
         }
         continue;

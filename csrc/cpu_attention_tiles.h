@@ -134,8 +134,9 @@ inline void weighted_rows(const float* __restrict p, int64_t p_stride, const T* 
 // up to fp32 rounding. qf holds the task's V scaled query vectors, sc is [V, stride] (column j: key
 // k0 + j) with stride >= L - k0 rounded up to 8, acc [V, D] zeros. qb, when not null, holds the same
 // vectors unscaled in bf16 instead (qf is then not filled), and the scores take Isa::scores_bf16.
-// Keys [k0, L) (k0 a multiple of the block size); with `stats`, a part of a row's keys: the values
-// unnormalized, each vector's max score and sum of exponentials into stats (softmax_visible).
+// Keys [k0, L) (k0 a multiple of tile_chunk(block size)); with `stats`, a part of a row's keys:
+// the values unnormalized, each vector's max score and sum of exponentials into stats
+// (softmax_visible).
 template <typename T>
 void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t head_off, int heads, int per_head,
                   int base, int64_t L, int64_t stride, const float* qf, const Bf16* qb, float* sc, float* acc,
@@ -149,14 +150,15 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
   // Eight keys at a time (bs % 8 == 0: never across blocks). Past L, the last chunk reads rows of
   // its block this pass does not take (unwritten, or the next part's): their scores land past L's
   // column and are never used.
-  // Each pass asks for the rows one block ahead as it goes, a share on each KV head's turn
-  // (RowFeed), fed to the kernels a line a step where the task has every KV head and the kernel
-  // takes the feed (else asked for at the turn's start or end). The scores pass's last block of
-  // steps (all of them in a pass shorter than a block) asks for the values pass's first rows
-  // instead of keys past L. Measured (Zen 3, bf16, 2 threads; RESULTS.md "Decode attention at the
-  // memory's rate"): one block ahead instead of two 1.05-1.06x, the values' first rows asked for
-  // by the scores pass 1.02-1.04x more, the lines fed from the loops 1.20-1.28x from memory.
-  const int64_t ahead = bs;
+  // Each pass asks for the rows a chunk (tile_chunk: 16 rows, or a block) ahead as it goes, a share
+  // on each KV head's turn (RowFeed), fed to the kernels a line a step where the task has every KV
+  // head and the kernel takes the feed (else asked for at the turn's start or end). The scores
+  // pass's last chunk of steps (all of them in a pass shorter than a chunk) asks for the values
+  // pass's first rows instead of keys past L. Measured (Zen 3, bf16, 16-token blocks, 2 threads;
+  // RESULTS.md "Decode attention at the memory's rate"): one block ahead instead of two
+  // 1.05-1.06x, the values' first rows asked for by the scores pass 1.02-1.04x more, the lines fed
+  // from the loops 1.20-1.28x from memory.
+  const int64_t ahead = tile_chunk(bs);
   const int64_t L8 = k0 + (L - k0 + 7) / 8 * 8;  // the scores pass's end
   const int64_t handoff = std::max(k0, L8 - ahead);  // its first step that asks for value rows
   const RowFeed<T> rows8(a, table, head_off, 8, heads);
@@ -199,15 +201,15 @@ void attend_tiles(const PagedAttentionArgs& a, const int32_t* table, int64_t hea
     }
   }
   softmax_visible(sc, stride, V, per_head, group, base, L, k0, stats);
-  // Values a block at a time: each head's vectors, four at a time, add up the block's rows in
+  // Values a chunk at a time: each head's vectors, four at a time, add up the chunk's rows in
   // registers (the portable loop loaded and stored every accumulator once per key). A vector's
   // scores past the keys it sees are 0 (softmax_visible), so every vector takes every key of the
-  // pass. The block was asked for ahead, so walking it head by head reads from cache.
+  // pass. The chunk was asked for ahead, so walking it head by head reads from cache.
   const T* v_cache = static_cast<const T*>(a.v_cache) + head_off;
-  const RowFeed<T> block(a, table, head_off, bs, heads);
-  for (int64_t t0 = k0; t0 < L; t0 += bs) {
-    const T* x = v_cache + static_cast<int64_t>(table[t0 / bs]) * bs * kv_row;
-    const int n = static_cast<int>(std::min<int64_t>(bs, L - t0));
+  const RowFeed<T> block(a, table, head_off, static_cast<int>(ahead), heads);
+  for (int64_t t0 = k0; t0 < L; t0 += ahead) {
+    const T* x = v_cache + (static_cast<int64_t>(table[t0 / bs]) * bs + t0 % bs) * kv_row;
+    const int n = static_cast<int>(std::min<int64_t>(ahead, L - t0));
     const char* next = block.rows(a.v_cache, t0 + ahead, L);
     for (int h = 0; h < heads; ++h) {
       Feed<T> feed = block.template turn<Feed<T>>(next, h);

@@ -59,7 +59,9 @@ def assert_matches_reference(query: torch.Tensor, k: torch.Tensor, v: torch.Tens
                          # AVX512-BF16 CPUs) 1 or 2 vectors with 128, 3 or 4 with 64, then 64, then sixteen at a
                          # time, and score two vectors at once: groups 1 to 5, head_dims that leave columns over.
                          [(4, 4, 32, 16), (8, 4, 48, 16), (12, 4, 40, 8), (8, 2, 64, 16), (16, 2, 128, 4),
-                          (6, 3, 20, 256), (4, 1, 7, 1), (10, 2, 80, 8), (4, 2, 128, 16), (3, 3, 144, 16)])
+                          (6, 3, 20, 256), (4, 1, 7, 1), (10, 2, 80, 8), (4, 2, 128, 16), (3, 3, 144, 16),
+                          # blocks the tiles walk 16 rows at a time (vLLM's CPU default 128), or whole (24)
+                          (8, 2, 64, 128), (8, 4, 64, 48), (4, 2, 32, 24)])
 def test_decode_matches_reference(heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype) -> None:
     ctx = [1, block_size, block_size + 1, 3 * block_size, 37, 2]
     query, k, v, meta = random_case(1, [1] * len(ctx), ctx, heads, kv_heads, dim, block_size, dtype)
@@ -92,11 +94,13 @@ def test_few_decode_rows_split_their_heads_over_threads(heads: int, kv_heads: in
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("ctx", "block_size"), [(255, 16), (256, 16), (257, 16), (1000, 16), (3000, 16), (130, 8),
-                                                 (2 * 8 * 256 + 1, 256), (100, 16)])
+                                                 (2 * 8 * 256 + 1, 256), (100, 16), (300, 128), (2000, 128),
+                                                 (1000, 48), (700, 24)])
 def test_a_lone_decode_row_split_by_keys(ctx: int, block_size: int, dtype: torch.dtype) -> None:
-    """A step's only row, a decode, is cut into 1, 2, 4 or 8 parts of its keys (at least 8 blocks
-    each; the last part shorter), whose partial softmaxes are merged: the reference's output, and
-    the same bits on 1, 2 or 3 threads (the parts do not depend on the thread count)."""
+    """A step's only row, a decode, is cut into 1, 2, 4 or 8 parts of its keys (at least 8 chunks
+    of 16 keys each, or of a block where 16 does not divide it, so parts may end within a block; the
+    last part shorter), whose partial softmaxes are merged: the reference's output, and the same bits
+    on 1, 2 or 3 threads (the parts do not depend on the thread count)."""
     query, k, v, meta = random_case(11, [1], [ctx], 8, 2, 64, block_size, dtype)
     ref = torch_backend.paged_attention(query, k, v, meta, 0.125)
     previous = torch.get_num_threads()
