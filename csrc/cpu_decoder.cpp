@@ -33,7 +33,12 @@ void timed(double* part, const F& f) {
 DecoderStack::DecoderStack(const DecoderShape& shape, std::vector<DecoderLayerWeights> layers, const void* final_norm,
                            int64_t block_size, int64_t num_blocks, const void* embedding, int64_t vocab)
     : shape_(shape), layers_(std::move(layers)), final_norm_(final_norm), block_size_(block_size),
-      num_blocks_(num_blocks), embedding_(embedding), vocab_(vocab) {}
+      num_blocks_(num_blocks), embedding_(embedding), vocab_(vocab) {
+  const int64_t half = shape_.head_dim / 2;
+  shared_angles_ = !layers_.empty() && std::all_of(layers_.begin(), layers_.end(), [&](const DecoderLayerWeights& l) {
+    return std::equal(l.inv_freq, l.inv_freq + half, layers_.front().inv_freq);
+  });
+}
 
 void DecoderStack::adopt_buffers(DecoderStack& other) {
   for (size_t b = 0; b < scratch_.size(); ++b) scratch_[b] = std::exchange(other.scratch_[b], GrowingScratch{});
@@ -153,6 +158,14 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
     std::memcpy(embedded + i * row_bytes, static_cast<const std::byte*>(embedding_) + step.input_ids[i] * row_bytes,
                 row_bytes);
   }
+  // The rotary angles once for every layer where they share inv_freq.
+  float* angles = nullptr;
+  if (shared_angles_) {
+    angles = static_cast<float*>(buffer(kAngles, t * s.head_dim * static_cast<int64_t>(sizeof(float))));
+    rotary_angles({nullptr, nullptr, step.positions, layers_.front().inv_freq, t, s.heads, s.kv_heads, s.head_dim, 0,
+                   0, s.dtype},
+                  angles, num_threads);
+  }
   const void* hidden = embedded;
   const void* stream = nullptr;
   int next = 0;
@@ -172,7 +185,7 @@ void DecoderStack::forward(const DecoderStep& step, int num_threads) {
     QkvAttentionArgs qa{.qkv = qkv, .q_norm = l.q_norm, .k_norm = l.k_norm, .positions = step.positions,
                         .inv_freq = l.inv_freq, .scratch = attn_scratch, .slot_mapping = step.slot_mapping,
                         .k_cache = l.k_cache, .v_cache = l.v_cache, .tokens = t, .qkv_stride = q_row + 2 * kv_row,
-                        .slot_tokens = step.slot_tokens, .eps = s.eps, .attn = step.attn};
+                        .slot_tokens = step.slot_tokens, .eps = s.eps, .attn = step.attn, .angles = angles};
     qa.attn.out = attn_out;
     timed(clock(&DecoderPartTimes::attention), [&] { qkv_attention(qa, num_threads); });
     if (step.covered < t) {  // padding rows: zero, as cpu_backend's _zero_padding leaves them

@@ -150,7 +150,10 @@ class DecoderStack {
   const void* embedding_;
   int64_t vocab_;
   enum Buffer : int { kEmbedded, kResidual0, kResidual1, kNormed, kQkv, kAttnScratch, kAttnOut, kLayerOut, kGateUp, kAct,
-                      kX32, kY32, kXBf16, kLogits, kLogits32, kBuffers };
+                      kX32, kY32, kXBf16, kLogits, kLogits32, kAngles, kBuffers };
+  // Whether every layer's inv_freq holds the same values: a forward's rotary cos and sin are then
+  // computed once, for all layers (rotary_angles).
+  bool shared_angles_ = false;
   std::array<GrowingScratch, kBuffers> scratch_;
   bool timing_ = false;
   DecoderPartTimes parts_;

@@ -16,7 +16,7 @@ void qkv_attention(const QkvAttentionArgs& a, int num_threads) {
   char* q = static_cast<char*>(a.scratch);
   char* k = q + a.tokens * q_row * item;
   const RotaryArgs turn{q, k, a.positions, a.inv_freq, a.tokens, at.num_heads, at.num_kv_heads, at.head_dim, q_row,
-                        k_row, at.dtype};
+                        k_row, at.dtype, a.angles};
   if (a.q_norm != nullptr) {
     norm_rotary({qkv, nullptr, a.q_norm, q, nullptr, a.tokens * at.num_heads, at.head_dim, at.num_heads, a.qkv_stride,
                  a.eps, at.dtype},

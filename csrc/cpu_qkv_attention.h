@@ -24,6 +24,7 @@ struct QkvAttentionArgs {
   int64_t tokens, qkv_stride, slot_tokens;
   float eps;
   PagedAttentionArgs attn;      // the rest of the attention; its query and caches are set from the above
+  const float* angles = nullptr;  // nullable: the tokens' rotary cos and sin (RotaryArgs::angles)
 };
 
 void qkv_attention(const QkvAttentionArgs& a, int num_threads);

@@ -100,6 +100,17 @@ def test_stack_follows_a_new_kv_cache(root: Path) -> None:
         llm.engine.shutdown()
 
 
+def test_each_layer_turns_by_its_own_rotary(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack computes a forward's rotary angles once where every layer's inv_freq is the same;
+    a layer whose differ still turns q and k by its own."""
+    llm = make_llm(make_tiny_model(root / "own_rotary", "qwen3"), "float32")
+    shared = generate(llm, True)
+    decoder_model(llm).layers[1].self_attn.rotary_emb.inv_freq.mul_(0.5)
+    decoder_model(llm).forget_layer_stack()  # built again: the stack compares the layers' inv_freq once
+    assert generate(llm, True) != shared
+    assert_stack_equals_python_layers(llm, monkeypatch)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe_mixed", "mixtral", "qwen3_moe_ragged"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stack_equals_the_python_layers_mixture_of_experts(name: str, dtype: str, root: Path,
