@@ -25,46 +25,56 @@ constexpr int64_t kNormGroup = 16;
   for (int64_t j = 0; j < kNormGroup; ++j) inv[j] = 1.0f / std::sqrt(squares[j] / static_cast<float>(hidden) + eps);
 }
 
-template <typename T>
-[[gnu::always_inline]] inline void rms_norm_rows(const RmsNormArgs& a, int64_t begin, int64_t end) {
+// Rows [begin, end) of a: squares(x, res, res_out) gives a row's sum of squares (of x, or of x + res
+// rounded, written to res_out, where res is not null), scale(x, out, inv) its output from its input
+// (x, or res_out's sum) and 1 / rms.
+template <typename T, typename Squares, typename Scale>
+[[gnu::always_inline]] inline void rms_norm_groups(const RmsNormArgs& a, int64_t begin, int64_t end,
+                                                   const Squares& squares_of, const Scale& scale) {
   const int64_t H = a.hidden;
-  const T* w = static_cast<const T*>(a.weight);
-  // Row i's input: x's, or with a residual the sum rms_norm writes to residual_out.
-  const auto row_x = [&a, H](int64_t i) {
-    return a.residual != nullptr ? static_cast<const T*>(a.residual_out) + i * H
-                                 : static_cast<const T*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
+  const auto x_row = [&a, H](int64_t i) {
+    return static_cast<const T*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
   };
   alignas(64) float squares[kNormGroup] = {}, inv[kNormGroup];
   for (int64_t g = begin; g < end; g += kNormGroup) {
     const int64_t rows = std::min(kNormGroup, end - g);
     for (int64_t i = g; i < g + rows; ++i) {
-      float sum = 0.0f;
-      if (a.residual != nullptr) {
-        const T* x = static_cast<const T*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
-        const T* res = static_cast<const T*>(a.residual) + i * H;
-        T* res_out = static_cast<T*>(a.residual_out) + i * H;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < H; ++d) {
-          const float r = round_to<T>(widen(x[d]) + widen(res[d]));
-          narrow_rounded(r, res_out + d);
-          sum += r * r;
-        }
-      } else {
-        const T* x = row_x(i);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < H; ++d) sum += widen(x[d]) * widen(x[d]);
-      }
-      squares[i - g] = sum;
+      squares[i - g] = a.residual == nullptr ? squares_of(x_row(i), nullptr, nullptr)
+                                             : squares_of(x_row(i), static_cast<const T*>(a.residual) + i * H,
+                                                          static_cast<T*>(a.residual_out) + i * H);
     }
     inverse_rms(squares, H, a.eps, inv);
     for (int64_t i = g; i < g + rows; ++i) {
-      const T* x = row_x(i);
-      T* out = static_cast<T*>(a.out) + i * H;
-      const float scale = inv[i - g];
-#pragma omp simd
-      for (int64_t d = 0; d < H; ++d) narrow(widen(w[d]) * round_to<T>(widen(x[d]) * scale), out + d);
+      scale(a.residual == nullptr ? x_row(i) : static_cast<const T*>(a.residual_out) + i * H,
+            static_cast<T*>(a.out) + i * H, inv[i - g]);
     }
   }
+}
+
+template <typename T>
+[[gnu::always_inline]] inline void rms_norm_rows(const RmsNormArgs& a, int64_t begin, int64_t end) {
+  const int64_t H = a.hidden;
+  const T* w = static_cast<const T*>(a.weight);
+  const auto squares = [H](const T* __restrict x, const T* __restrict res, T* __restrict res_out) {
+    float sum = 0.0f;
+    if (res != nullptr) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < H; ++d) {
+        const float r = round_to<T>(widen(x[d]) + widen(res[d]));
+        narrow_rounded(r, res_out + d);
+        sum += r * r;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < H; ++d) sum += widen(x[d]) * widen(x[d]);
+    }
+    return sum;
+  };
+  const auto scale = [H, w](const T* __restrict x, T* __restrict out, float inv) {
+#pragma omp simd
+    for (int64_t d = 0; d < H; ++d) narrow(widen(w[d]) * round_to<T>(widen(x[d]) * inv), out + d);
+  };
+  rms_norm_groups<T>(a, begin, end, squares, scale);
 }
 
 #if defined(__x86_64__)
@@ -74,45 +84,31 @@ NANOVLLM_AVX512BF16 void rms_norm_bf16x16(const RmsNormArgs& a, int64_t begin, i
   using namespace bf16x16;
   const int64_t H = a.hidden;
   const Bf16* w = static_cast<const Bf16*>(a.weight);
-  const auto row_x = [&a, H](int64_t i) {
-    return a.residual != nullptr ? static_cast<const Bf16*>(a.residual_out) + i * H
-                                 : static_cast<const Bf16*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
-  };
-  alignas(64) float squares[kNormGroup] = {}, inv[kNormGroup];
-  for (int64_t g = begin; g < end; g += kNormGroup) {
-    const int64_t rows = std::min(kNormGroup, end - g);
-    for (int64_t i = g; i < g + rows; ++i) {
-      __m512 sum = _mm512_setzero_ps();
-      if (a.residual != nullptr) {
-        const Bf16* x = static_cast<const Bf16*>(a.x) + (i / a.heads) * a.x_stride + (i % a.heads) * H;
-        const Bf16* res = static_cast<const Bf16*>(a.residual) + i * H;
-        Bf16* res_out = static_cast<Bf16*>(a.residual_out) + i * H;
-        for (int64_t d = 0; d < H; d += 16) {
-          const __mmask16 live = lanes(H - d);
-          const __m512 r = round(_mm512_add_ps(load(x + d, live), load(res + d, live)));
-          store_rounded(res_out + d, r, live);
-          sum = _mm512_fmadd_ps(r, r, sum);
-        }
-      } else {
-        const Bf16* x = row_x(i);
-        for (int64_t d = 0; d < H; d += 16) {
-          const __m512 v = load(x + d, lanes(H - d));
-          sum = _mm512_fmadd_ps(v, v, sum);
-        }
-      }
-      squares[i - g] = bf16x16::sum(sum);
-    }
-    inverse_rms(squares, H, a.eps, inv);
-    for (int64_t i = g; i < g + rows; ++i) {
-      const Bf16* x = row_x(i);
-      Bf16* out = static_cast<Bf16*>(a.out) + i * H;
-      const __m512 scale = _mm512_set1_ps(inv[i - g]);
+  const auto squares = [H](const Bf16* x, const Bf16* res, Bf16* res_out) NANOVLLM_AVX512BF16 {
+    __m512 sum = _mm512_setzero_ps();
+    if (res != nullptr) {
       for (int64_t d = 0; d < H; d += 16) {
         const __mmask16 live = lanes(H - d);
-        store(out + d, _mm512_mul_ps(load(w + d, live), round(_mm512_mul_ps(load(x + d, live), scale))), live);
+        const __m512 r = round(_mm512_add_ps(load(x + d, live), load(res + d, live)));
+        store_rounded(res_out + d, r, live);
+        sum = _mm512_fmadd_ps(r, r, sum);
+      }
+    } else {
+      for (int64_t d = 0; d < H; d += 16) {
+        const __m512 v = load(x + d, lanes(H - d));
+        sum = _mm512_fmadd_ps(v, v, sum);
       }
     }
-  }
+    return bf16x16::sum(sum);
+  };
+  const auto scale = [H, w](const Bf16* x, Bf16* out, float inv) NANOVLLM_AVX512BF16 {
+    const __m512 by = _mm512_set1_ps(inv);
+    for (int64_t d = 0; d < H; d += 16) {
+      const __mmask16 live = lanes(H - d);
+      store(out + d, _mm512_mul_ps(load(w + d, live), round(_mm512_mul_ps(load(x + d, live), by))), live);
+    }
+  };
+  rms_norm_groups<Bf16>(a, begin, end, squares, scale);
 }
 #endif
 
