@@ -15,7 +15,7 @@ from quant_helpers import awq_tensors, gptq_tensors, random_quantized
 from nanovllm.layers.quantization import awq, compressed_tensors, gptq
 from nanovllm.layers.quantization.config import UNQUANTIZED_MODULES, QuantConfig, WeightScheme, resolve_quant_config
 from nanovllm.layers.quantization.packing import pack_int32, unpack_int32
-from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn
+from nanovllm.layers.quantization.weights import QuantizedWeight, concat_rows, quantize_rtn, unpacked
 
 # --- references, one value at a time ------------------------------------------------------------
 
@@ -234,6 +234,9 @@ def test_shape_errors_name_the_tensor() -> None:
     with pytest.raises(ValueError, match="does not split"):  # a group of 33 columns
         gptq.unpack(dict(g, g_idx=torch.tensor([0] * 33 + [1] * 31 + [2] * 32 + [3] * 32)), 4, 32, True, 1, 16, 128,
                     "m.down_proj")
+    # What the formats hand QuantizedWeight's own checks fails naming the module too.
+    with pytest.raises(ValueError, match=r"^m\.o_proj: quantized values outside the 4-bit range"):
+        unpacked("m.o_proj", torch.full((2, 64), 9, dtype=torch.int8), torch.ones(2, 2), None, 4, 32)
 
 
 def _ct_config(group: dict | None = None, top: dict | None = None, **weights: object) -> dict:

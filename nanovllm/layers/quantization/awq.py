@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from nanovllm.layers.quantization.packing import unpack_int32
-from nanovllm.layers.quantization.weights import QuantizedWeight
+from nanovllm.layers.quantization.weights import QuantizedWeight, unpacked
 
 TENSOR_NAMES = ("qweight", "qzeros", "scales")
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -34,5 +34,5 @@ def unpack(t: Mapping[str, torch.Tensor], bits: int, group_size: int, out_featur
                              f"{'int32 ' if name != 'scales' else ''}{list(shape)} (groups of {group_size})")
     q = unpack_int32(t["qweight"], bits, 1, n, ORDER).t() - 8
     z = unpack_int32(t["qzeros"], bits, 1, n, ORDER).t() - 8
-    return QuantizedWeight(q.to(torch.int8).contiguous(), t["scales"].float().t().contiguous(),
-                           z.to(torch.int8).contiguous(), bits, group_size)
+    return unpacked(where, q.to(torch.int8).contiguous(), t["scales"].float().t().contiguous(),
+                    z.to(torch.int8).contiguous(), bits, group_size)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from nanovllm.layers.quantization.packing import pack_int32, unpack_int32
-from nanovllm.layers.quantization.weights import QuantizedWeight, permutation_from_g_idx
+from nanovllm.layers.quantization.weights import QuantizedWeight, permutation_from_g_idx, unpacked
 
 
 def tensor_names(symmetric: bool, actorder: bool) -> tuple[str, ...]:
@@ -62,7 +62,7 @@ def unpack(t: Mapping[str, torch.Tensor], bits: int, group_size: int | None, sym
         perm = permutation_from_g_idx(g_idx, gs, f"{where}.weight_g_idx")
         if perm is not None:
             q = q[:, perm].contiguous()
-    return QuantizedWeight(q, scale.float().contiguous(), zeros, bits, gs, perm)
+    return unpacked(where, q, scale.float().contiguous(), zeros, bits, gs, perm)
 
 
 def pack(w: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:

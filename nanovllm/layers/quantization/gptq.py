@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from nanovllm.layers.quantization.packing import unpack_int32
-from nanovllm.layers.quantization.weights import QuantizedWeight, permutation_from_g_idx
+from nanovllm.layers.quantization.weights import QuantizedWeight, permutation_from_g_idx, unpacked
 
 TENSOR_NAMES = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -44,5 +44,5 @@ def unpack(t: Mapping[str, torch.Tensor], bits: int, group_size: int, symmetric:
     zeros = None if symmetric and not bool(z.any()) else z.to(torch.int8).contiguous()
     perm = permutation_from_g_idx(t["g_idx"], group_size, f"{where}.g_idx")
     q = q if perm is None else q[:, perm]
-    return QuantizedWeight(q.to(torch.int8).contiguous(), t["scales"].float().t().contiguous(), zeros, bits,
-                           group_size, perm)
+    return unpacked(where, q.to(torch.int8).contiguous(), t["scales"].float().t().contiguous(), zeros, bits,
+                    group_size, perm)

@@ -82,14 +82,8 @@ class QuantizedLinear:
         if self.config.method == "rtn":
             parts = [self.rounded[sid] for sid, _, _ in self.shards]
         else:
-            parts = []
-            for sid, rows, module in self.shards:
-                try:
-                    parts.append(self.config.unpack(self.loaded[sid], self.scheme, rows, self.in_features, module))
-                except ValueError as e:  # the checks of QuantizedWeight itself do not name the module
-                    if module in str(e):
-                        raise
-                    raise ValueError(f"{module}: {e}") from e
+            parts = [self.config.unpack(self.loaded[sid], self.scheme, rows, self.in_features, module)
+                     for sid, rows, module in self.shards]
         self.loaded, self.rounded = {}, {}
         self.set_weight(concat_rows(parts), device)
 

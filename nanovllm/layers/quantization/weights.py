@@ -86,6 +86,16 @@ class QuantizedWeight:
         return n * self.in_features * self.bits // 8 + n * groups * scale_bytes + zeros
 
 
+def unpacked(where: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+             group_size: int, perm: torch.Tensor | None = None) -> QuantizedWeight:
+    """A checkpoint module's tensors as a QuantizedWeight: its own checks, which do not know the
+    module, raise naming `where`."""
+    try:
+        return QuantizedWeight(qweight, scales, zeros, bits, group_size, perm)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """The fused weight of shards stacked along the output dimension (q/k/v, gate/up): they must
     agree on bits, groups and column order."""
