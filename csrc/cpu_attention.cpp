@@ -134,7 +134,7 @@ struct Scratch {
 // sequence's blocks runs at memory latency, not bandwidth (measured ~3x below it). The portable
 // loops ask for whole blocks two ahead: 64 decodes x 230 keys (8/4 heads x 32, 2 threads) 1.1-1.9
 // ms against 2.1 ms one block ahead and 1.9 ms four ahead, Zen 4 (the tile path, whose requests
-// are spread over its loads, asks one block ahead: RowFeed). Into L2, not L1: the block in use
+// are spread over its loads, asks one chunk ahead: RowFeed). Into L2, not L1: the block in use
 // and two ahead (16 KB each for 8 bf16 heads of 64) overflow a 32 KB L1, and each prefetch
 // evicted rows still to be read; into L2 decode attention ran 15-30% faster (32 x 1000 keys and
 // 8 x 2000, bf16, 1 and 2 threads, Zen 4).
@@ -179,7 +179,7 @@ struct LineFeed {
   }
 };
 
-// A tile pass's requests for the n rows at a time (within one block) it will read one block later:
+// A tile pass's requests for the n rows at a time (within one block) it will read a chunk later:
 // on each of the task's KV heads' turns a share. Where the task has every KV head, the n rows are
 // one contiguous range cut into equal shares (of whole lines; the last turn takes the remainder),
 // fed to the kernels by a LineFeed; a task of some heads (their slices of the rows, apart) asks for

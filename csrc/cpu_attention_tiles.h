@@ -8,7 +8,7 @@
 // lanes on its own and store the score with a stride; here eight keys are dotted at once, lanes
 // accumulating along head_dim, and one transpose-and-add turns the eight accumulators into eight
 // contiguous scores (2.5-3x faster per key with the data in cache, AVX2 on Zen 4); and the values'
-// accumulators stay in registers across a block's rows. Summation order differs from the portable
+// accumulators stay in registers across a chunk's rows (tile_chunk). Summation order differs from the portable
 // loops (fp32 rounding only). Two query vectors share each key's loads (a GQA group's vectors read
 // the same keys; AVX2 in two passes of four keys, its 16 registers short of 16 accumulators: bf16
 // 1.12-1.16x with the KV in cache, Zen 3). On AVX-512 (16 floats a register) a head of 64 takes

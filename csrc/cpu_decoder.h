@@ -151,8 +151,10 @@ class DecoderStack {
   int64_t vocab_;
   enum Buffer : int { kEmbedded, kResidual0, kResidual1, kNormed, kQkv, kAttnScratch, kAttnOut, kLayerOut, kGateUp, kAct,
                       kX32, kY32, kXBf16, kLogits, kLogits32, kAngles, kBuffers };
-  // Whether every layer's inv_freq holds the same values: a forward's rotary cos and sin are then
-  // computed once, for all layers (rotary_angles).
+  // Whether every layer's inv_freq held the same values when the stack was built: a forward's
+  // rotary cos and sin are then computed once, from the first layer's, for all layers
+  // (rotary_angles). A layer's inv_freq changed in place later needs a new stack (nothing does so:
+  // RotaryEmbedding replaces its tensor).
   bool shared_angles_ = false;
   std::array<GrowingScratch, kBuffers> scratch_;
   bool timing_ = false;

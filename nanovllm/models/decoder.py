@@ -207,7 +207,8 @@ class DecoderModel(nn.Module):
         return layers
 
     def forget_layer_stack(self) -> None:
-        """Build the stack again at the next forward: the layers changed (their attention backend)."""
+        """Build the stack again at the next forward: the layers changed (their attention backend, or a
+        rotary inv_freq in place: the stack compares the layers' once, when built)."""
         self._stack = None
 
     def layer_stack(self) -> cpu_stack.CpuStack | None:
