@@ -53,6 +53,15 @@ def test_greedy_matches_transformers(arch_dir: Path) -> None:
     check_against_hf(llm, arch_dir, random_prompts(LENGTHS, VOCAB, seed=1))
 
 
+@pytest.mark.parametrize("block_size", [48, 128])
+def test_larger_blocks_match_transformers(qwen3_dir: Path, block_size: int) -> None:
+    """vLLM's CPU default block size (128) and one that 16 divides into three: the CPU attention walks
+    them 16 rows at a time, prefill chunks end inside blocks, and the longest prompt decodes alone
+    at the end, its keys cut into parts that end inside blocks."""
+    llm = make_llm(qwen3_dir, block_size=block_size, num_kvcache_blocks=64, max_num_batched_tokens=100)
+    check_against_hf(llm, qwen3_dir, random_prompts([1, 15, 130, 300], VOCAB, seed=3), max_new=40)
+
+
 def test_tiny_token_budget_chunks_prefill_among_decodes(qwen3_dir: Path) -> None:
     llm = make_llm(qwen3_dir, max_num_batched_tokens=7, max_num_seqs=3)
     check_against_hf(llm, qwen3_dir, random_prompts(LENGTHS, VOCAB, seed=1))
