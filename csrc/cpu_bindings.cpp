@@ -1,6 +1,7 @@
 // pybind11 module `nanovllm._cpu`: the CPU math kernels (paged attention, fused layers, sampler,
 // GEMM, mixture of experts). They take raw pointers, sizes and strides; the Python wrappers in nanovllm/cpu/ check the
 // tensors, and everything a pointer's extent depends on is checked again here, at the boundary.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -447,17 +448,24 @@ void bind_cpu_gemm(py::module_& m) {
       "(cpu/gemm.py's linear, then .float()), from raw pointers (nanovllm.cpu.gemm checks the tensors).");
   m.def(
       "gemm_greedy_cpu",
-      [](uintptr_t x, int64_t x_dtype, uintptr_t packed, int64_t packed_dtype, bool pairs, uintptr_t ids, int64_t m,
-         int64_t n, int64_t k, int64_t x_stride, int64_t num_threads) {
+      [](uintptr_t x, int64_t x_dtype, uintptr_t packed, int64_t packed_dtype, bool pairs, int64_t m, int64_t n,
+         int64_t k, int64_t x_stride, int64_t num_threads) {
         const GemmLogitsArgs a =
             checked_head_args("gemm_greedy_cpu", x, x_dtype, packed, packed_dtype, pairs, m, n, k, x_stride);
-        if (m > 0 && !ids) value_error("null pointer passed to gemm_greedy_cpu");
-        py::gil_scoped_release release;
-        gemm_greedy(a, reinterpret_cast<int64_t*>(ids), clamp_threads(num_threads));
+        std::vector<int64_t> ids(m);
+        {
+          py::gil_scoped_release release;
+          gemm_greedy(a, ids.data(), clamp_threads(num_threads));
+        }
+        // The step's host tokens as the sampler hands them on: no torch tensor, whose calls after a
+        // step's weights streamed through the caches cost tens of microseconds each.
+        py::array_t<int32_t> tokens(m);
+        std::copy(ids.begin(), ids.end(), tokens.mutable_data());
+        return tokens;
       },
-      py::arg("x"), py::arg("x_dtype"), py::arg("packed"), py::arg("packed_dtype"), py::arg("pairs"), py::arg("ids"),
-      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("num_threads") = 1,
-      "The argmax of each row of gemm_logits_cpu's logits into ids [m] (int64; the first largest, NaNs passed "
+      py::arg("x"), py::arg("x_dtype"), py::arg("packed"), py::arg("packed_dtype"), py::arg("pairs"), py::arg("m"),
+      py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("num_threads") = 1,
+      "The argmax of each row of gemm_logits_cpu's logits as a numpy int32 [m] (the first largest, NaNs passed "
       "over, 0 for a row of NaNs), without writing the logits where it can (bf16 rows on AMX tiles), from raw "
       "pointers (nanovllm.cpu.gemm checks the tensors).");
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,11 +47,11 @@ def rows(m: int, k: int, dtype: torch.dtype, seed: int, weight: torch.Tensor) ->
 
 
 def greedy_ids(x: torch.Tensor, packed: cpu_gemm.PackedWeight, threads: int) -> torch.Tensor:
-    ids = torch.full((x.shape[0],), -7, dtype=torch.int64)
-    _cpu.gemm_greedy_cpu(x.data_ptr(), KERNEL_DTYPES[x.dtype], packed.data.data_ptr(),
-                         KERNEL_DTYPES[packed.data.dtype], packed.pairs, ids.data_ptr(), x.shape[0],
-                         packed.out_features, x.shape[1], x.stride(0), threads)
-    return ids
+    ids = _cpu.gemm_greedy_cpu(x.data_ptr(), KERNEL_DTYPES[x.dtype], packed.data.data_ptr(),
+                               KERNEL_DTYPES[packed.data.dtype], packed.pairs, x.shape[0], packed.out_features,
+                               x.shape[1], x.stride(0), threads)
+    assert ids.dtype == np.int32 and ids.shape == (x.shape[0],)
+    return torch.from_numpy(ids).long()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,10 +67,10 @@ def test_greedy_tokens_equal_the_argmax_of_the_logits(dtype: torch.dtype, weight
         assert expected[1] == 0 and expected[2] == 0 and expected[4] == TIES[0]
     for threads in (1, 2, 3):
         assert torch.equal(greedy_ids(x, packed, threads), expected), threads
-    assert torch.equal(cpu_gemm.greedy(x, packed), expected)
+    assert torch.equal(torch.from_numpy(cpu_gemm.greedy(x, packed)).long(), expected)
     strided = torch.cat([x, x[:, :5]], dim=1)[:, :k]  # read in place at a row stride past k
     assert m < 2 or not strided.is_contiguous()
-    assert torch.equal(cpu_gemm.greedy(strided, packed), expected)
+    assert torch.equal(torch.from_numpy(cpu_gemm.greedy(strided, packed)).long(), expected)
 
 
 def test_greedy_tokens_over_row_chunks() -> None:
@@ -87,14 +88,13 @@ def test_greedy_rejects_bad_rows_and_sizes() -> None:
     with pytest.raises(ValueError, match="float64"):
         cpu_gemm.greedy(torch.randn(2, 96, dtype=torch.float64), packed)
     x = torch.randn(2, 96)
-    ids = torch.empty(2, dtype=torch.int64)
     data, pairs = packed.data.data_ptr(), packed.pairs
     with pytest.raises(ValueError, match="bad sizes"):
-        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 0, pairs, ids.data_ptr(), 2, N, 96, 95)
+        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 0, pairs, 2, N, 96, 95)
     with pytest.raises(ValueError, match="null pointer"):
-        _cpu.gemm_greedy_cpu(x.data_ptr(), 0, data, 0, pairs, 0, 2, N, 96, 96)
+        _cpu.gemm_greedy_cpu(0, 0, data, 0, pairs, 2, N, 96, 96)
     with pytest.raises(ValueError, match="x_dtype"):
-        _cpu.gemm_greedy_cpu(x.data_ptr(), 4, data, 0, pairs, ids.data_ptr(), 2, N, 96, 96)
+        _cpu.gemm_greedy_cpu(x.data_ptr(), 4, data, 0, pairs, 2, N, 96, 96)
 
 
 # A bf16 model whose head is packed for our GEMM (the "avx2" head kernel packs any size).
@@ -124,7 +124,7 @@ def test_the_engine_takes_the_greedy_head_only_for_all_greedy_steps(llm: LLM,
     users: list[tuple[int, int, int]] = []  # the live sequences' features at each greedy-head call
     greedy = cpu_gemm.greedy
 
-    def spy(x: torch.Tensor, packed: cpu_gemm.PackedWeight) -> torch.Tensor:
+    def spy(x: torch.Tensor, packed: cpu_gemm.PackedWeight) -> np.ndarray:
         u = sampler.state.users
         users.append((u.sampled, u.logprobs, u.processed))
         return greedy(x, packed)

@@ -19,6 +19,8 @@ from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.layers.linear import Loaded, check_shape, loaded_shape, read_part, set_weight_loader, tp_rank_size
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from nanovllm.distributed.parallel_state import TPGroup
 
 
@@ -88,10 +90,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Whether `greedy` can give tokens at all: the head whole on this rank and packed for our GEMM."""
         return self.tp is None and isinstance(self.packed, cpu_gemm.PackedWeight)
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The greedy token of each row, int64 `[S]` (cpu_sampler.argmax of `logits(hidden)`), in one
-        C++ call that does not keep the logits (cpu_gemm.greedy); None where the head does not take
-        that call (not `takes_greedy`, or rows it does not read): take `logits` then."""
+    def greedy(self, hidden: torch.Tensor) -> np.ndarray | None:
+        """The greedy token of each row, a host int32 array `[S]` (cpu_sampler.argmax of
+        `logits(hidden)`), in one C++ call that does not keep the logits (cpu_gemm.greedy); None where
+        the head does not take that call (not `takes_greedy`, or rows it does not read): take `logits`
+        then."""
         if self.takes_greedy() and hidden.dim() == 2 and cpu_gemm.takes_head_rows(hidden):
             assert isinstance(self.packed, cpu_gemm.PackedWeight)
             return cpu_gemm.greedy(hidden, self.packed)

@@ -35,6 +35,8 @@ from nanovllm.models import cpu_stack
 if TYPE_CHECKING:
     import weakref
 
+    import numpy as np
+
     from nanovllm.distributed.parallel_state import TPGroup
 
 
@@ -271,9 +273,9 @@ class DecoderForCausalLM(nn.Module):
         """Whether `compute_greedy` can give tokens (ParallelLMHead.takes_greedy)."""
         return self.lm_head.takes_greedy()
 
-    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden `[S, H]` -> each row's greedy token, int64 `[S]`, without the logits where the head
-        can (ParallelLMHead.greedy); None where it cannot."""
+    def compute_greedy(self, hidden: torch.Tensor) -> np.ndarray | None:
+        """hidden `[S, H]` -> each row's greedy token, a host int32 array `[S]`, without the logits where
+        the head can (ParallelLMHead.greedy); None where it cannot."""
         return self.lm_head.greedy(hidden)
 
     def set_attention_backend(self, name: str) -> None:

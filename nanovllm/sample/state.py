@@ -286,9 +286,10 @@ class SamplingState:
             ids += banned
         return (np.array(rows, dtype=np.int64), np.array(ids, dtype=np.int64)) if rows else None
 
-    def record(self, sids: np.ndarray, tokens: torch.Tensor, host_tokens: np.ndarray) -> GrammarEnds:
-        """The tokens just sampled for rows `sids` (each sequence at most once), on the device and
-        on the host. Returns the sequences whose grammar ended or rejected its token."""
+    def record(self, sids: np.ndarray, tokens: torch.Tensor | None, host_tokens: np.ndarray) -> GrammarEnds:
+        """The tokens just sampled for rows `sids` (each sequence at most once), on the device and on
+        the host; the device's None where nothing is processed (the greedy head's steps, which give
+        them on the host only). Returns the sequences whose grammar ended or rejected its token."""
         ends = GrammarEnds()
         if not self.users.processed:  # nothing reads the counts below
             return ends
@@ -307,6 +308,7 @@ class SamplingState:
         if len(rows):
             dev = self._penalties.data.device
             idx = to_device(rows, dev)
+            assert tokens is not None, "penalties are processing: the tokens come from the sampler, on the device"
             self._penalties.data.index_put_(
                 (to_device(slots[rows], dev), torch.ones_like(idx), tokens[idx].to(dev)),
                 torch.ones(len(rows), device=dev), accumulate=True)

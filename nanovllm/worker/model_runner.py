@@ -344,8 +344,8 @@ class ModelRunner:
         return logits
 
     @inference
-    def greedy(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        """The greedy token of each of the hidden-state rows `rows`, int64 `[rows]`, without the
+    def greedy(self, hidden: torch.Tensor, rows: torch.Tensor) -> np.ndarray | None:
+        """The greedy token of each of the hidden-state rows `rows`, a host int32 array, without the
         logits (compute_greedy; a model whose head has_greedy_head, never sharded, so no rank waits
         on `before_logits`); None where the head does not read the rows: take `logits` then."""
         return self.model.compute_greedy(hidden if rows.shape[0] == hidden.shape[0] else hidden[rows])

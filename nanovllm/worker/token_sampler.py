@@ -43,7 +43,7 @@ from nanovllm.worker.inference import inference
 from nanovllm.worker.step import PromptLogprobRows, RunnerOutput, SchedulerOutput
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor, "np.ndarray | None"], torch.Tensor]
-GreedyFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+GreedyFn = Callable[[torch.Tensor, torch.Tensor], "np.ndarray | None"]
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
@@ -63,7 +63,7 @@ class TokenSampler:
         the step's sample indices). `max_rows`
         bounds the rows of one logits call beyond the step's samples (the memory profile
         reserved that many: max_num_seqs). `greedy(hidden, rows)`: the rows' argmax tokens without
-        the logits, or None where the model cannot give them so; asked first while no live sequence
+        the logits, a host int32 array, or None where the model cannot give them so; asked first while no live sequence
         samples, wants logprobs or has a logits processor, and no prompt fans out."""
         self._logits = logits
         self._greedy = greedy
@@ -117,11 +117,9 @@ class TokenSampler:
         state = self.state
         if self._greedy is not None and not (state.users.sampled or state.users.processed or state.users.logprobs
                                              or self._children):
-            tokens = self._greedy(hidden, sample_indices)
-            if tokens is not None:  # the same tokens as the sampler's argmax of the logits below
-                host, = to_host(tokens)
-                host = host.astype(np.int32)
-                return RunnerOutput(sids, host, None, [], None, _NO_ROWS, state.record(sids, tokens, host),
+            host = self._greedy(hidden, sample_indices)
+            if host is not None:  # the same tokens as the sampler's argmax of the logits below, on the host
+                return RunnerOutput(sids, host, None, [], None, _NO_ROWS, state.record(sids, None, host),
                                     prompt_logprobs)
         raw = self._logits(hidden, sample_indices, None)
         rows, raw, repeats = self._fan_rows(sids, raw) if self._children else (sids, raw, None)
