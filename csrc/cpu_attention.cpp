@@ -29,6 +29,13 @@ constexpr int kAmxMinVectors = 16;
 // Query vectors per prefill task on AMX tiles: each task gathers its keys and values into tiles,
 // which more vectors share.
 constexpr int kAmxVectorsPerTask = 256;
+// A sequence of at most this many query rows stays on the vector path, whose rows get a decode
+// row's arithmetic: a speculative verification's (num_speculative_tokens <= 64, config.py, and
+// the row's own token), so that greedy speculation gives decoding's tokens, as docs/design.md
+// promises. The AMX tiles round the softmax weights to bf16, and a bf16 Qwen3-shaped model (4
+// query heads a KV head, head_dim 128) verifying 3 drafts chose the other of two tokens 0.004
+// apart. Prompts and chunk tails this short cost little on the vector path.
+constexpr int kDecodeExactRows = 65;
 // Below this many multiply-adds a step is not worth waking a second thread for.
 constexpr int64_t kMinWorkPerThread = 1 << 16;
 
@@ -448,7 +455,8 @@ template <typename T>
   const int per_head = rows * group;
   const int V = heads * per_head;
   const int64_t L = task.part >= 0 ? task.key_end : base + rows;  // keys the last row sees (or the part's end)
-  if (std::is_same_v<T, Bf16> && task.part < 0 && rows > 1 && per_head >= kAmxMinVectors && attention_amx_takes(a)) {
+  if (std::is_same_v<T, Bf16> && task.part < 0 && rows > 1 && per_head >= kAmxMinVectors && q_len > kDecodeExactRows &&
+      attention_amx_takes(a)) {
     attend_rows_amx(a, task.seq, task.head_begin, task.head_end, task.row_begin, task.row_end);
     return;
   }
@@ -566,7 +574,7 @@ int32_t key_parts(int32_t chunks) {
 // tiles go first: handing out the long tasks first balances the threads. `parts`: the key parts.
 std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64_t& work, int32_t& parts) {
   const int group = a.num_heads / a.num_kv_heads;
-  const int tile = std::max(1, (attention_amx_takes(a) ? kAmxVectorsPerTask : kQueryVectorsPerTask) / group);
+  const bool amx = attention_amx_takes(a);
   int32_t decodes = 0;
   for (int32_t seq = 0; seq < a.num_seqs; ++seq) decodes += a.cu_seqlens_q[seq + 1] - a.cu_seqlens_q[seq] == 1;
   const int32_t heads_split = decodes > 0 && decodes == a.num_seqs && decodes < num_threads
@@ -596,6 +604,8 @@ std::vector<Task> make_tasks(const PagedAttentionArgs& a, int num_threads, int64
       }
       continue;
     }
+    const int per_task = amx && q_len > kDecodeExactRows ? kAmxVectorsPerTask : kQueryVectorsPerTask;
+    const int tile = std::max(1, per_task / group);
     for (int32_t r = 0; r < q_len; r += tile) {
       const int32_t end = std::min(q_len, r + tile);
       work += static_cast<int64_t>(end - r) * (prefix + end);

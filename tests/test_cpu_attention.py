@@ -116,6 +116,26 @@ def test_a_lone_decode_row_split_by_keys(ctx: int, block_size: int, dtype: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "dim"), [(4, 8, 2, 128), (8, 4, 2, 64), (65, 4, 2, 64)])
+def test_verification_rows_get_decode_rows_bits(rows: int, heads: int, kv_heads: int, dim: int,
+                                                dtype: torch.dtype) -> None:
+    """A speculative verification's rows (a sequence of up to 65 query rows) attend as the same rows
+    decoded one at a time, bit for bit: greedy speculation must give decoding's tokens. (On a CPU
+    with AMX tiles such a bf16 task of 16 or more query vectors a KV head went to the tiles, which
+    round the softmax weights to bf16.)"""
+    ctx, bs = 300, 16
+    query, k, v, meta = random_case(5, [rows], [ctx], heads, kv_heads, dim, bs, dtype)
+    table = meta.block_tables[0].tolist()
+    lens = [ctx - rows + 1 + j for j in range(rows)]
+    decoded = make_attention_metadata(slot_mapping=[-1] * rows, cu_seqlens_q=list(range(rows + 1)), context_lens=lens,
+                                      block_tables=[table] * rows, num_decode_tokens=rows, block_size=bs)
+    together = cpu_backend.paged_attention(query, k, v, meta, dim**-0.5)
+    one_by_one = cpu_backend.paged_attention(query, k, v, decoded, dim**-0.5)
+    torch.testing.assert_close(together, torch_backend.paged_attention(query, k, v, meta, dim**-0.5), **TOL[dtype])
+    assert torch.equal(together, one_by_one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [8, 16, 256])
 def test_one_sequence_reads_only_its_own_blocks(block_size: int, dtype: torch.dtype) -> None:
     """One sequence a call, its block table exactly its blocks: decodes shorter than eight keys, than
