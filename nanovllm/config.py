@@ -34,6 +34,10 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 # and no faster at 4096 (Intel Xeon with AMX, bf16).
 DEFAULT_CPU_MOE_BATCHED_TOKENS = 2048
 
+# The C++ core's bounds on the KV cache (csrc/bindings.cpp): block ids and slots are int32.
+MAX_BLOCK_SIZE = 1 << 16
+MAX_CACHE_SLOTS = 2**31 - 1
+
 SPEC_METHODS = ("ngram", "draft_model")
 # With `adaptive` speculation and no disable_by_batch_size: no drafts while this many sequences run
 # or wait. A draft costs a step what a token does once its GEMMs are compute-bound, which on a CPU
@@ -150,7 +154,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None, "tokens per step, prompts chunked to fit (default: 8192 on GPU, 512 on CPU, 2048 for a mixture-of-experts "
         "model on CPU; at least max_num_seqs)")
-    block_size: int = option(16, "tokens per KV-cache block")
+    block_size: int | None = option(16, "tokens per KV-cache block (None: 16)")
     kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto, the model's (--dtype); fp8 KV caches are not "
                                  "supported")
     enable_chunked_prefill: bool = option(
@@ -214,6 +218,13 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_kvcache_blocks"):
             positive(name)
+        if self.block_size is None:  # vLLM's None: the platform's default
+            object.__setattr__(self, "block_size", 16)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
+        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks * self.block_size > MAX_CACHE_SLOTS:
+            raise ValueError(f"num_kvcache_blocks x block_size must be at most {MAX_CACHE_SLOTS} tokens, got "
+                             f"{self.num_kvcache_blocks} x {self.block_size}")
         if self.seed is None:  # vLLM's: unseeded; one draw here, so every rank shares it
             object.__setattr__(self, "seed", secrets.randbelow(2**31))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX:
@@ -330,7 +341,9 @@ class ResolvedConfig:
 
     @property
     def block_size(self) -> int:
-        return self.options.block_size
+        size = self.options.block_size
+        assert size is not None  # the options' __post_init__ resolved None to 16
+        return size
 
     @property
     def max_num_seqs(self) -> int:

@@ -291,6 +291,18 @@ def test_llm_takes_what_the_command_line_takes(model_dir: Path) -> None:
         LLM(str(model_dir), max_num_seq=3)
 
 
+def test_block_size_none_is_the_default_and_the_cores_bounds_are_checked_first(model_dir: Path) -> None:
+    """vLLM's block_size=None (the platform's default) is 16 here; a block size or a cache past the C++
+    core's int32 slots is refused when the options are read, not by an allocation after the load."""
+    llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, max_model_len=128, block_size=None)
+    assert llm.engine.config.block_size == 16
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"block_size must be in \[1, 65536\], got 1099511627776"):
+        LLM(str(model_dir), block_size=2**40, num_kvcache_blocks=1)
+    with pytest.raises(ValueError, match="num_kvcache_blocks x block_size must be at most 2147483647 tokens"):
+        LLM(str(model_dir), block_size=65536, num_kvcache_blocks=2**20)
+
+
 def test_refused_engine_values_are_reported_by_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = parse_error(subparser("serve"), ["--enable-lora"], capsys)
     assert "--enable-lora is not supported by nanovllm: LoRA adapters are not supported" in err
