@@ -34,6 +34,8 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 # and no faster at 4096 (Intel Xeon with AMX, bf16).
 DEFAULT_CPU_MOE_BATCHED_TOKENS = 2048
 
+# Tokens per KV-cache block, also where block_size is None (vLLM's "the platform's default").
+DEFAULT_BLOCK_SIZE = 16
 # The C++ core's bounds on the KV cache (csrc/bindings.cpp): block ids and slots are int32.
 MAX_BLOCK_SIZE = 1 << 16
 MAX_CACHE_SLOTS = 2**31 - 1
@@ -154,7 +156,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = option(
         None, "tokens per step, prompts chunked to fit (default: 8192 on GPU, 512 on CPU, 2048 for a mixture-of-experts "
         "model on CPU; at least max_num_seqs)")
-    block_size: int | None = option(16, "tokens per KV-cache block (None: 16)")
+    block_size: int | None = option(DEFAULT_BLOCK_SIZE, f"tokens per KV-cache block (None: {DEFAULT_BLOCK_SIZE})")
     kv_cache_dtype: str = option("auto", "the KV cache's dtype: auto, the model's (--dtype); fp8 KV caches are not "
                                  "supported")
     enable_chunked_prefill: bool = option(
@@ -218,8 +220,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory_bytes", "num_kvcache_blocks"):
             positive(name)
-        if self.block_size is None:  # vLLM's None: the platform's default
-            object.__setattr__(self, "block_size", 16)
+        if self.block_size is None:
+            object.__setattr__(self, "block_size", DEFAULT_BLOCK_SIZE)
         if self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks * self.block_size > MAX_CACHE_SLOTS:
@@ -342,7 +344,7 @@ class ResolvedConfig:
     @property
     def block_size(self) -> int:
         size = self.options.block_size
-        assert size is not None  # the options' __post_init__ resolved None to 16
+        assert size is not None  # the options' __post_init__ resolved None to DEFAULT_BLOCK_SIZE
         return size
 
     @property

@@ -63,8 +63,9 @@ class TokenSampler:
         the step's sample indices). `max_rows`
         bounds the rows of one logits call beyond the step's samples (the memory profile
         reserved that many: max_num_seqs). `greedy(hidden, rows)`: the rows' argmax tokens without
-        the logits, a host int32 array, or None where the model cannot give them so; asked first while no live sequence
-        samples, wants logprobs or has a logits processor, and no prompt fans out."""
+        the logits, a host int32 array, or None where the model cannot give them so; asked first
+        while no live sequence samples, wants logprobs or has a logits processor, and no prompt fans
+        out."""
         self._logits = logits
         self._greedy = greedy
         self.device = device
