@@ -99,6 +99,8 @@ class SpeculativeConfig:
             return x
 
         integer("num_speculative_tokens", 1, required=True)
+        # The CPU attention keeps a verification's rows (this many + 1) on its decode arithmetic up to
+        # 65 (csrc/cpu_attention.cpp kDecodeExactRows): raising this bound means raising that one.
         if v["num_speculative_tokens"] > 64:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most 64, got "
                              f"{v['num_speculative_tokens']}")
