@@ -234,24 +234,30 @@ struct Threshold {
   return keep;
 }
 
-// A row with top-k and/or top-p: the nucleus (of the k best, or of the whole row), then min-p.
+// A row with top-k and/or top-p, in vLLM's order: min-p's cut, the k best of what it kept, then
+// their nucleus (top-p's mass measured against what min-p and k kept, or the whole row's).
 [[gnu::always_inline]] inline int64_t sample_truncated(const float* x, int64_t V, float inv_t, int64_t k, float top_p,
                                                         float min_p, double u, Scratch& s) {
   const bool by_k = k > 0 && k < V;
   const float best = row_max(x, V);
   if (!(best > kNegInf)) return argmax(x, V);
   const float floor = std::max(min_p, 0.0f);  // the best token's weight is 1
-  // With k, top-p's mass is measured against the k kept; without, against the whole row.
+  // A token's weight where min-p keeps it, else 0 (min-p keeps a prefix of the ranking, so the k
+  // best of what it kept are the k best with the rest zeroed).
+  const auto kept = [best, inv_t, floor](float logit) {
+    const float e = weight(logit, best, inv_t);
+    return e >= floor ? e : 0.0f;
+  };
   double mass_total = 0.0;
   if (!by_k) {
 #pragma omp simd reduction(+ : mass_total)
-    for (int64_t i = 0; i < V; ++i) mass_total += weight(x[i], best, inv_t);
+    for (int64_t i = 0; i < V; ++i) mass_total += kept(x[i]);
   }
   const int64_t size = by_k ? k : std::min(V, kFirstCandidates);
   top_candidates(x, V, size, s);
   s.weights.resize(size);
   float* w = s.weights.data();
-  for (int64_t j = 0; j < size; ++j) w[j] = weight(x[key_id(s.candidates[j])], best, inv_t);
+  for (int64_t j = 0; j < size; ++j) w[j] = kept(x[key_id(s.candidates[j])]);
   if (by_k) mass_total = block_sum(w, size);
   const double target = top_p < 1.0f ? static_cast<double>(top_p) * mass_total : mass_total * 2.0;  // 2x: all
   const int64_t keep = nucleus_prefix(w, size, target, floor);
@@ -262,11 +268,11 @@ struct Threshold {
   }
   // A flat row: its nucleus is not among the first candidates; select it among all tokens.
   s.items.resize(V);
-  for (int64_t i = 0; i < V; ++i) s.items[i] = {rank_key(x[i], i), weight(x[i], best, inv_t)};
+  for (int64_t i = 0; i < V; ++i) s.items[i] = {rank_key(x[i], i), kept(x[i])};
   const int64_t n = nucleus_select(s.items, target);
   s.weights.resize(n);
   w = s.weights.data();
-  for (int64_t j = 0; j < n; ++j) w[j] = s.items[j].weight >= floor ? s.items[j].weight : 0.0f;
+  for (int64_t j = 0; j < n; ++j) w[j] = s.items[j].weight;
   return key_id(s.items[inverse_cdf(w, n, u)].key);
 }
 

@@ -2,9 +2,9 @@
 // uniform noise for every entry, sort or topk, cumsum, log_softmax), done per row in one or two
 // passes. Each row is independent, so rows are split over threads.
 //
-// Semantics (those of nanovllm/sample/sampler.py, in Hugging Face's order): temperature -> top-k ->
-// top-p (the smallest most-likely prefix whose mass reaches top_p of what top-k left) -> min-p
-// (drop what is below min_p x the most likely) -> sample. A row draws one uniform `u` and takes the
+// Semantics (those of nanovllm/sample/sampler.py, in vLLM's order): temperature -> min-p (drop what
+// is below min_p x the most likely) -> top-k -> top-p (the smallest most-likely prefix whose mass
+// reaches top_p of what min-p and top-k left) -> sample. A row draws one uniform `u` and takes the
 // token where the running sum of the kept probabilities, in candidate order, first exceeds u x their
 // total: the row's result depends only on its logits and its u, never on its batch.
 #pragma once

@@ -161,15 +161,21 @@ def test_full_sort_only_for_top_p_rows_without_k(monkeypatch: pytest.MonkeyPatch
 
 def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                            min_p: float) -> torch.Tensor:
-    """The straightforward definition, in float64: temperature, keep the k best, keep the smallest
-    most-likely prefix reaching top_p of what is left, drop what is below min_p x the best."""
+    """The straightforward definition, in float64, in vLLM's order: temperature, drop what is below
+    min_p x the best, keep the k best of what is left, keep the smallest most-likely prefix
+    reaching top_p of what those weigh."""
     x = logits.double() / temperature
     order = x.argsort(descending=True)
-    probs = torch.softmax(x, dim=-1)
-    keep = torch.zeros_like(probs, dtype=torch.bool)
+    p = torch.softmax(x, dim=-1)
+    if min_p > 0.0:
+        p = torch.where(p >= p.max() * min_p, p, 0.0)
+        p = p / p.sum()
+    keep = p > 0
     k = top_k if top_k > 0 else len(x)
-    keep[order[:k]] = True
-    p = torch.where(keep, probs, 0.0)
+    best_k = torch.zeros_like(keep)
+    best_k[order[:k]] = True
+    keep &= best_k
+    p = torch.where(keep, p, 0.0)
     p = p / p.sum()
     if top_p < 1.0:
         mass = 0.0
@@ -180,9 +186,6 @@ def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int,
             nucleus[t] = True
             mass += float(p[t])
         p = torch.where(nucleus, p, 0.0)
-        p = p / p.sum()
-    if min_p > 0.0:
-        p = torch.where(p >= p.max() * min_p, p, 0.0)
         p = p / p.sum()
     return p
 

@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
 
-Order of operations (as in Hugging Face's warpers): temperature -> top-k -> top-p -> min-p ->
-sample. The rows of a batch are split on the host (no device sync) into three groups, each done
+Order of operations (vLLM's): temperature -> min-p -> top-k -> top-p (its mass measured against
+what min-p and top-k kept) -> sample. The rows of a batch are split on the host (no device sync) into three groups, each done
 in one batched pass:
 
 * top-k rows: `topk` of the group's largest k gives each row's candidates already sorted; the
@@ -132,6 +132,9 @@ def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: Sampl
     dev = logits.device
     x = logits if len(rows) == logits.shape[0] else logits[to_device(rows, dev)]
     x = x / to_device(batch.temperatures[rows], dev)[:, None]
+    min_p = batch.min_p[rows]
+    if (min_p > 0.0).any():
+        x = apply_min_p(x, to_device(min_p, dev))
     top_p = batch.top_p[rows]
     ids = None
     if kind == "top_k":
@@ -143,9 +146,6 @@ def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: Sampl
     if ids is not None and (top_p < 1.0).any():
         x = apply_top_p_sorted(x, to_device(top_p, dev))
     probs = torch.softmax(x, dim=-1)
-    min_p = batch.min_p[rows]
-    if (min_p > 0.0).any():
-        probs = apply_min_p(probs, to_device(min_p, dev))
     generators = {}
     if batch.generators:
         seeded = np.flatnonzero(np.isin(rows, np.fromiter(batch.generators, dtype=np.int64)))
@@ -156,10 +156,12 @@ def _sample_rows(logits: torch.Tensor, rows: np.ndarray, kind: str, batch: Sampl
 
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The distribution each sampled row draws from, over the whole vocabulary, `[S, V]`:
-    temperature, top-k, top-p, min-p, as the sampler applies them (speculative decoding's
+    temperature, min-p, top-k, top-p, as the sampler applies them (speculative decoding's
     rejection rule needs the probabilities themselves). Rows must not be greedy."""
     dev = logits.device
     x = logits.float() / to_device(batch.temperatures, dev)[:, None]
+    if (batch.min_p > 0.0).any():
+        x = apply_min_p(x, to_device(batch.min_p, dev))
     vocab = x.shape[1]
     k = np.where((batch.top_k > 0) & (batch.top_k < vocab), batch.top_k, vocab)
     if (k < vocab).any():
@@ -168,11 +170,7 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if (batch.top_p < 1.0).any():
         sorted_x, order = x.sort(dim=-1, descending=True)
         x = torch.empty_like(x).scatter_(1, order, apply_top_p_sorted(sorted_x, to_device(batch.top_p, dev)))
-    probs = torch.softmax(x, dim=-1)
-    if (batch.min_p > 0.0).any():
-        probs = apply_min_p(probs, to_device(batch.min_p, dev))
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return torch.softmax(x, dim=-1)
 
 
 def apply_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -186,10 +184,11 @@ def apply_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torc
     return sorted_logits.masked_fill(drop, float("-inf"))
 
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero tokens whose probability is below min_p times the row's largest probability."""
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens whose probability is below min_p times the row's largest."""
+    probs = torch.softmax(logits, dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return probs.masked_fill(probs < threshold, 0.0)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def exponential_race(probs: torch.Tensor, generators: Mapping[int, torch.Generator] | None = None,
