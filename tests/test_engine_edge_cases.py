@@ -37,7 +37,7 @@ def assert_idle(llm: LLM) -> None:
     rows = sampler.state.rows
     assert not sampler.state.generators and (rows.penalty_slot < 0).all() and (rows.bias_slot < 0).all()
     assert (rows.stop_row < 0).all() and (rows.num_output == 0).all() and (rows.logprobs < 0).all()
-    assert not sampler._children and not sampler._prompt_logprobs and not sampler._logprob_scale
+    assert not sampler._children and not sampler._prompt_logprobs
 
 
 def beams(outs) -> list:  # noqa: ANN001

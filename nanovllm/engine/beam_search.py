@@ -2,8 +2,8 @@
 beams fork (sharing every block, copying only on write) and dropped beams free theirs at once;
 memory follows the live beams.
 
-Each step, every live beam's top 2 * beam_width next tokens (the runner's logprobs of logits /
-temperature) become candidates, as in vLLM's LLM.beam_search: every candidate ending in EOS is
+Each step, every live beam's top 2 * beam_width next tokens (by the model's raw logprobs: vLLM's
+LLM.beam_search reports and scores those whatever its temperature) become candidates, as there: every candidate ending in EOS is
 complete (unless ignore_eos), whatever its rank; of the others, per prompt the best beam_width by
 cumulative log-probability continue. Completed and live beams are ranked by cum_logprob /
 len(tokens) ** length_penalty (EOS not counted). The step is the engine's (schedule, execute,
@@ -33,8 +33,15 @@ class _Beam:
     logprobs: list[dict[int, Logprob]]
     cum_logprob: float
     finish_reason: str | None = None
-    # (token, logprob) of its next-token candidates, once sampled; kept until its group decides.
+    # (token, logprob) of its next-token candidates, best first, once sampled; kept until its group
+    # decides.
     cands: list[tuple[int, float]] | None = None
+
+    def step_logprobs(self) -> dict[int, Logprob]:
+        """Its candidates as the step's logprobs entry of every continuation (vLLM's: the step's
+        whole dict, ranks from 1)."""
+        assert self.cands is not None
+        return {tok: Logprob(lp, rank=r + 1) for r, (tok, lp) in enumerate(self.cands)}
 
 
 @dataclass
@@ -97,7 +104,7 @@ class _BeamSearch:
 
     def add(self, group: _Group, beam: _Beam, max_tokens: int) -> None:
         beam.sid = self.scheduler.add(beam.tokens, self.seq_params, max_tokens=max_tokens,
-                                      candidates=self.candidates, logprob_temperature=self.params.temperature)
+                                      candidates=self.candidates)
         group.live[beam.sid] = beam
         self.owner[beam.sid] = group
 
@@ -118,7 +125,7 @@ class _BeamSearch:
         assert block is not None and out.logprob_seq_ids.tolist() == sids
         top_ids, top_lps = block.top_ids.tolist(), block.top_logprobs.tolist()
         for row, sid in enumerate(sids):
-            owner[sid].live[sid].cands = list(zip(top_ids[row], top_lps[row]))
+            owner[sid].live[sid].cands = sorted(zip(top_ids[row], top_lps[row]), key=lambda c: -c[1])
         sampled_groups = {id(owner[sid]): owner[sid] for sid in sids}
         # Beams advance in lockstep: a group decides only once all its live beams have candidates.
         # Sampled beams of a group still waiting on others leave the scheduler with their candidates.
@@ -131,27 +138,28 @@ class _BeamSearch:
                 del owner[sid]
 
         # Per parent beam: the tokens its surviving continuations take.
-        keep: dict[int, list[tuple[int, float]]] = {sid: [] for sid in sids if sid in owner}
+        keep: dict[int, list[tuple[int, float, dict[int, Logprob]]]] = {sid: [] for sid in sids if sid in owner}
         readd: list[tuple[_Group, _Beam]] = []
         for gid in ready:
             group = sampled_groups[gid]
             parents = list(group.live.values()) + group.parked
             cands = [(b.cum_logprob + lp, i, tok, lp) for i, b in enumerate(parents) for tok, lp in b.cands]
             cands.sort(key=lambda c: c[0], reverse=True)
+            entries = [b.step_logprobs() for b in parents]
             survivors = 0
             for cum, i, tok, lp in cands:
                 ends = self.eos is not None and tok == self.eos
                 if not ends and survivors == params.beam_width:
                     continue
                 parent = parents[i]
-                child = _Beam(-1, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}], cum)
+                child = _Beam(-1, parent.tokens + [tok], parent.logprobs + [entries[i]], cum)
                 if ends:  # complete, whatever its rank, and no live beam's place taken (as vLLM)
                     child.finish_reason = "stop"
                     group.done.append(child)
                     continue
                 survivors += 1
                 if parent.sid in keep and i < len(group.live):
-                    keep[parent.sid].append((tok, lp))
+                    keep[parent.sid].append((tok, lp, entries[i]))
                 else:  # a parked parent: its continuation re-enters the scheduler after postprocess
                     readd.append((group, child))
             group.parked = []
@@ -170,13 +178,13 @@ class _BeamSearch:
                 del group.live[sid]
                 del owner[sid]
                 continue
-            for i, (tok, lp) in enumerate(choices):
+            for i, (tok, lp, entry) in enumerate(choices):
                 child_sid = sid if i == 0 else scheduler.new_id()
                 if i == 0:
                     tokens[row] = tok
                 else:
                     forks.append((sid, child_sid, tok))
-                new_beams.append(_Beam(child_sid, parent.tokens + [tok], parent.logprobs + [{tok: Logprob(lp)}],
+                new_beams.append(_Beam(child_sid, parent.tokens + [tok], parent.logprobs + [entry],
                                        parent.cum_logprob + lp))
                 owner[child_sid] = group
         for b in new_beams:

@@ -69,11 +69,11 @@ class Scheduler:
     def add(self, token_ids: list[int], params: SamplingParams, *, grammar: Any = None, grammar_utf8: Any = None,
             num_samples: int = 1,
             max_tokens: int | None = None, ignore_eos: bool | None = None, use_prefix_cache: bool = True,
-            candidates: int = 0, logprob_temperature: float = 0.0) -> int:
+            candidates: int = 0) -> int:
         """Queues a prompt; returns its sequence id. `num_samples` > 1 reserves the ids its other
         samples take when its first token fans out (the runner forks them), and the core keeps that
         many running slots for it until then. `max_tokens` and `ignore_eos` default to the params';
-        `grammar_utf8`, `candidates`, `logprob_temperature`: see Admission. A sequence that reports
+        `grammar_utf8`, `candidates`: see Admission. A sequence that reports
         candidates (beam search) never speculates: it chooses its tokens outside the sampler."""
         sid = self._ids.acquire()
         try:
@@ -95,8 +95,7 @@ class Scheduler:
         children = tuple(self._ids.acquire() for _ in range(num_samples - 1))
         if children:
             self._reserved[sid] = children
-        self._admitted[sid] = Admission(sid, params, token_ids, grammar, grammar_utf8, children, candidates,
-                                        logprob_temperature)
+        self._admitted[sid] = Admission(sid, params, token_ids, grammar, grammar_utf8, children, candidates)
         return sid
 
     def children(self, sid: int) -> tuple[int, ...]:

@@ -35,9 +35,8 @@ class Admission:
     grammar_utf8: Any = None  # the vocabulary's UTF-8 tables (sample/utf8.py), if its compiler built them
     children: tuple[int, ...] = ()
     # Beam search: > 0 reports this many top logprobs each step (past SamplingParams' limit of 20),
-    # of logits / logprob_temperature when that is > 0 (the raw logits otherwise).
+    # of the raw logits.
     candidates: int = 0
-    logprob_temperature: float = 0.0
 
 
 @dataclass

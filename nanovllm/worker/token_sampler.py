@@ -74,7 +74,6 @@ class TokenSampler:
         self.sampler = Sampler()
         self._children: dict[int, tuple[int, ...]] = {}  # prompts whose first sample fans out
         self._prompt_logprobs: dict[int, _PromptLogprobs] = {}
-        self._logprob_scale: dict[int, float] = {}  # 1 / Admission.logprob_temperature
         # A draft model's sampled drafts and the distributions they were drawn from, by sequence,
         # for the step that verifies them (worker/draft_proposer.py).
         self.draft_probs: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
@@ -85,21 +84,16 @@ class TokenSampler:
         state = self.state
         for parent, child, index in so.forked:
             state.fork(parent, child, index)
-            if parent in self._logprob_scale:
-                self._logprob_scale[child] = self._logprob_scale[parent]
         for sid in so.finished:
             state.remove(sid)
             self.draft_probs.pop(sid, None)
             self._children.pop(sid, None)
             self._prompt_logprobs.pop(sid, None)
-            self._logprob_scale.pop(sid, None)
         for a in so.admitted:
             state.add(a.seq_id, a.params, a.prompt_token_ids, a.grammar, logprobs=a.candidates or None,
                       grammar_utf8=a.grammar_utf8)
             if a.children:
                 self._children[a.seq_id] = a.children
-            if a.logprob_temperature > 0:
-                self._logprob_scale[a.seq_id] = 1.0 / a.logprob_temperature
             if a.params.prompt_logprobs is not None:
                 self._prompt_logprobs[a.seq_id] = _PromptLogprobs(a.params.prompt_logprobs, a.prompt_token_ids, 1)
 
@@ -138,9 +132,6 @@ class TokenSampler:
             if len(lp_rows) < len(rows):  # gather only when some rows did not ask
                 idx = to_device(lp_rows, raw.device)
                 lp_raw, lp_tokens, wanted = raw[idx], tokens[idx], wanted[lp_rows]
-            if self._logprob_scale:
-                scale = np.array([self._logprob_scale.get(int(s), 1.0) for s in rows[lp_rows]], dtype=np.float32)
-                lp_raw = lp_raw * to_device(scale, raw.device)[:, None]
             if lp_raw.device.type == "cpu":
                 logprobs = gather_logprobs(lp_raw, lp_tokens, wanted)
                 host, = to_host(tokens)
@@ -281,9 +272,6 @@ class TokenSampler:
         if not len(asked):
             return
         lp_raw = raw[to_device(logit_rows[asked].astype(np.int64), raw.device)]
-        if self._logprob_scale:
-            scale = np.array([self._logprob_scale.get(int(s), 1.0) for s in sids[asked]], dtype=np.float32)
-            lp_raw = lp_raw * to_device(scale, raw.device)[:, None]
         out.logprobs = gather_logprobs(lp_raw, to_device(chosen[asked], raw.device), wanted[asked])
         out.logprob_seq_ids = sids[asked]
 
