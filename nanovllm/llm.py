@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from nanovllm import unsupported_options
 from nanovllm.builtin_model import ensure_default_model
+from nanovllm.chat_inputs import joined_text, load_chat_template
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine, PromptType
 from nanovllm.engine.beam_search import run_beam_search
@@ -33,8 +35,11 @@ class LLM:
         quantization, and tensor parallelism: tensor_parallel_size (> 1 splits the model over that
         many GPUs, or processes on CPU), distributed_backend, and across machines nnodes, node_rank,
         master_addr, master_port (this process is node 0; the others run `nanovllm serve ...
-        --node-rank N --headless`). vLLM's options this engine does not implement are a ValueError
-        naming the reason, unless the value asks for what it does anyway (pipeline_parallel_size=1)."""
+        --node-rank N --headless`); chat_template (vLLM's: chat()'s template where a call gives
+        none, a file's path or the template itself). vLLM's options this engine does not implement
+        are a ValueError naming the reason, unless the value asks for what it does anyway
+        (pipeline_parallel_size=1)."""
+        chat_template = load_chat_template(options.pop("chat_template", None), "chat_template")
         known = {f.name for f in EngineConfig.options()}
         refused = {u.name: u for u in unsupported_options.refused_here(unsupported_options.LLM_API)}
         for name in sorted(set(options) - known):
@@ -49,6 +54,8 @@ class LLM:
             logger.warning("no model given: using nanovllm's built-in model (%s), a small Qwen3 with RANDOM weights "
                            "and a trained tokenizer, for trying the engine out: its text is meaningless", model)
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        if chat_template is not None:
+            self.engine.tokenizer.chat_template = chat_template
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -58,12 +65,26 @@ class LLM:
         generation config sets (the engine's generation_config option; "vllm": none)."""
         return SamplingParams(**self.engine.sampling_defaults)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for it)."""
+        return self.engine
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        lora_request: object = None,
+        priority: int | Sequence[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.generate. `tokenization_kwargs` may set truncate_prompt_tokens and
+        truncation_side (vLLM 0.32's place for them); LoRA, priorities other than 0 and multimodal
+        options are a ValueError naming them."""
+        _check_unsupported(lora_request, priority, mm_processor_kwargs)
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -75,6 +96,8 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; pass one or one per prompt"
                 )
+        if tokenization_kwargs:
+            params_list = _with_tokenization(params_list, tokenization_kwargs)
         return self._run(prompt_list, params_list, use_tqdm)
 
     def chat(
@@ -82,19 +105,29 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        add_generation_prompt: bool = True,
-        *,
+        lora_request: object = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Applies the chat template (the tokenizer's, or `chat_template`) to each conversation, then
-        generates, as vLLM's LLM.chat: `continue_final_message` extends the last (assistant)
-        message instead of opening a new turn; `tools` and `chat_template_kwargs` (e.g. Qwen3's
-        {"enable_thinking": False}) reach the template."""
+        generates, as vLLM's LLM.chat (the same parameters, in its order): `continue_final_message`
+        extends the last (assistant) message instead of opening a new turn; `tools` and
+        `chat_template_kwargs` (e.g. Qwen3's {"enable_thinking": False}) reach the template. A
+        message's list of OpenAI content parts reaches it as their texts joined by newlines
+        (`chat_template_content_format` "auto" or "string"), or as the list ("openai")."""
+        _check_unsupported(lora_request, priority, mm_processor_kwargs)
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError("chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
@@ -105,16 +138,31 @@ class LLM:
             options["continue_final_message"] = True
         prompts: list[PromptType] = []
         for conv in conversations:
+            if chat_template_content_format != "openai":
+                conv = [{**m, "content": joined_text(m.get("content"))} if isinstance(m, dict) else m for m in conv]
             text = tokenizer.apply_chat_template(conv, tokenize=False, **options)
             # The template writes the special tokens: encoding its text without adding them is
             # what apply_chat_template(tokenize=True) does.
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids, "prompt": text})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs=tokenization_kwargs)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """The best `params.beam_width` sequences per prompt, best first."""
-        return run_beam_search(self.engine, _as_prompt_list(prompts), params)
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: object = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` sequences per prompt, best first (vLLM's LLM.beam_search:
+        `concurrency_limit` prompts at a time, all of them if None)."""
+        _check_unsupported(lora_request, None, None)
+        prompt_list = _as_prompt_list(prompts)
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int)
+                                              or isinstance(concurrency_limit, bool) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
+        chunk = concurrency_limit or max(1, len(prompt_list))
+        out: list[BeamSearchOutput] = []
+        for start in tqdm(range(0, len(prompt_list), chunk), desc="Beam search", disable=not use_tqdm,
+                          dynamic_ncols=True):
+            out += run_beam_search(self.engine, prompt_list[start:start + chunk], params)
+        return out
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
@@ -153,6 +201,30 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; only while no request runs. Returns whether it did."""
         return self.engine.reset_prefix_cache()
+
+
+def _check_unsupported(lora_request: object, priority: int | Sequence[int] | None,
+                       mm_processor_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's request options this engine has no use for: refused unless they ask for nothing."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: this engine serves the model's own weights (no LoRA)")
+    priorities = [priority] if isinstance(priority, int) else list(priority or [])
+    if any(p != 0 for p in priorities):
+        raise ValueError("priority must be 0: requests run first come, first served (no priority scheduling)")
+    if mm_processor_kwargs:
+        raise ValueError("mm_processor_kwargs is not supported: prompts are text or token ids")
+
+
+_TOKENIZATION_KWARGS = ("truncate_prompt_tokens", "truncation_side")
+
+
+def _with_tokenization(params: list[SamplingParams], kwargs: dict[str, Any]) -> list[SamplingParams]:
+    """The sampling params with tokenization_kwargs' truncation (vLLM 0.32 moved it there)."""
+    unknown = sorted(set(kwargs) - set(_TOKENIZATION_KWARGS))
+    if unknown:
+        raise ValueError(f"tokenization_kwargs may set {' and '.join(_TOKENIZATION_KWARGS)}, got "
+                         f"{', '.join(repr(k) for k in unknown)}")
+    return [replace(p, **kwargs) for p in params]
 
 
 def _as_params_list(params: object) -> list[SamplingParams]:

@@ -8,6 +8,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from functools import cached_property
 from typing import Any
 
@@ -26,6 +27,14 @@ MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 
 # The kinds of StructuredOutputsParams, in the order its fields are declared.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class RequestOutputKind(Enum):
+    """vLLM's: what each streamed RequestOutput carries (the offline LLM returns the final one)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -105,19 +114,29 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # -1: every token of the vocabulary (as vLLM)
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = None  # keep k of the prompt's tokens (-1: max_model_len - 1)
+    truncation_side: str | None = None  # which k: "left" (the default) keeps the last, "right" the first
     detokenize: bool = True  # False: outputs carry token ids only (text "", logprobs without their strings)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's, accepted for its users' code: special tokens are decoded as the tokenizer joins them
+    # (True only); the offline LLM returns each request's final output (any kind); extra_args are
+    # kept for the caller, no sampling step reads them.
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = field(default_factory=lambda: RequestOutputKind.CUMULATIVE)
+    extra_args: dict[str, Any] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.seed == -1 and not isinstance(self.seed, bool):  # OpenAI's and vLLM's "no seed"
             self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for the chosen token's and one more
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {quote(self.stop_token_ids)}")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
@@ -192,11 +211,21 @@ class SamplingParams:
                 fail(name, "None, -1 (the whole vocabulary) or an integer >= 0")
         keep = self.truncate_prompt_tokens
         if keep is not None and (not is_int(keep) or keep == 0 or keep < -1):
-            fail("truncate_prompt_tokens", "None, -1 (to max_model_len) or an integer >= 1")
+            fail("truncate_prompt_tokens", "None, -1 (to max_model_len - 1) or an integer >= 1")
         if self.logit_bias is not None:
+            # Any bias, as vLLM's SamplingParams (-inf bans a token; the server clamps to OpenAI's
+            # [-100, 100] as vLLM's does); NaN or +inf would leave no distribution to sample.
             for token, bias in self.logit_bias.items():
-                if token < 0 or not is_number(bias) or not -100.0 <= bias <= 100.0:
-                    fail("logit_bias", "a map of token id -> bias in [-100, 100]")
+                if token < 0 or not isinstance(bias, (int, float)) or isinstance(bias, bool) or not bias < math.inf:
+                    fail("logit_bias", "a map of token id -> bias (a number below +inf)")
+        if self.truncation_side not in (None, "left", "right"):
+            fail("truncation_side", "None, 'left' (keep the prompt's last tokens) or 'right' (its first)")
+        if self.spaces_between_special_tokens is not True:
+            fail("spaces_between_special_tokens", "True (special tokens are decoded as the tokenizer joins them)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "a RequestOutputKind")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            fail("extra_args", "None or a dict")
         if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
             fail("structured_outputs", "None or a StructuredOutputsParams")
 
@@ -273,7 +302,7 @@ class BeamSearchParams:
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
-    temperature: float = 0.0
+    temperature: float = 0.0  # vLLM's field: its beam search scores raw logprobs whatever it is, as this one
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False  # vLLM's field; its offline beam search does not read it either
     skip_special_tokens: bool = True  # in the beams' text
@@ -292,8 +321,20 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
 
 
-def truncated_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len; None: all)."""
+def truncated_prompt(token_ids: list[int], keep: int | None, max_model_len: int,
+                     side: str | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: `keep` of the prompt's tokens, its last ones (side "left", the
+    default for generation) or its first ("right"). -1 keeps max_model_len - 1, leaving a token of
+    room to generate; None keeps all. A `keep` past max_model_len is a ValueError, as in vLLM."""
     if keep is None:
         return token_ids
-    return token_ids[-(max_model_len if keep == -1 else keep):]
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len={max_model_len}; "
+                         "request a smaller truncation size")
+    if side not in (None, "left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
+    if keep == -1:
+        keep = max(0, max_model_len - 1)
+    if keep >= len(token_ids):
+        return token_ids
+    return token_ids[:keep] if side == "right" else token_ids[len(token_ids) - keep:]

@@ -313,13 +313,14 @@ def test_refused_engine_values_are_reported_by_the_command_line(capsys: pytest.C
 
 
 def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
-    """vLLM's --chat-template: a path to a template file, or the template text."""
-    from nanovllm.entrypoints.cli import _chat_template
+    """vLLM's --chat-template (and LLM(chat_template=...)): a path to a template file, or the template text."""
+    from nanovllm.chat_inputs import load_chat_template
 
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (tmp_path / "t.jinja").write_text(template)
-    assert _chat_template(str(tmp_path / "t.jinja")) == template
-    assert _chat_template(template) == template
-    assert _chat_template(None) is None
+    assert load_chat_template(str(tmp_path / "t.jinja"), "--chat-template") == template
+    assert load_chat_template(tmp_path / "t.jinja", "chat_template") == template
+    assert load_chat_template(template, "--chat-template") == template
+    assert load_chat_template(None, "--chat-template") is None
     with pytest.raises(FileNotFoundError, match="--chat-template: no such file"):
-        _chat_template(str(tmp_path / "missing.jinja"))
+        load_chat_template(str(tmp_path / "missing.jinja"), "--chat-template")

@@ -151,7 +151,12 @@ def test_generation_config_end_tokens_stop_generation(llm: LLM, model_dir: Path,
     (path / "generation_config.json").write_text(json.dumps(config))
     out = greedy(LLM(str(path), **ENGINE), max_tokens=12)
     assert out.token_ids == base[:k + 1] and out.finish_reason == "stop"
+    # vLLM makes the generation config's other end tokens stop tokens: stop_reason names them; the
+    # model's own EOS (the tokenizer's) has none.
+    assert out.stop_reason == base[k]
     assert greedy(LLM(str(path), **ENGINE), max_tokens=12, ignore_eos=True).token_ids == base
+    eos = greedy(llm, max_tokens=4, logit_bias={0: 100.0})
+    assert eos.token_ids == [0] and eos.finish_reason == "stop" and eos.stop_reason is None
 
 
 def test_chat_template_options(llm: LLM) -> None:
@@ -173,6 +178,73 @@ def test_chat_template_options(llm: LLM) -> None:
     assert continued.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
     with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
         llm.chat(conversation, continue_final_message=True)
+
+
+def test_chat_takes_vllms_arguments_and_content_parts(llm: LLM, model_dir: Path, tmp_path: Path) -> None:
+    """LLM.chat's parameters in vLLM's order (the 4th is lora_request, not add_generation_prompt);
+    OpenAI content parts joined by newlines (vLLM's "string" format) or passed as they are
+    ("openai"); LLM(chat_template=...) as chat()'s default, a file or the template itself."""
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}]
+    positional = llm.chat(messages, SamplingParams(max_tokens=1), False, None)[0]
+    assert positional.prompt == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    joined = llm.chat(parts, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert joined.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "hi\nthere"}], tokenize=False,
+                                                          add_generation_prompt=True)
+    listing = "{% for m in messages %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endfor %}"
+    as_given = llm.chat(parts, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=listing,
+                        chat_template_content_format="openai")[0]
+    assert as_given.prompt == "<hi><there>"
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.chat(messages, None, False, object())
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(PROMPT, priority=[1])
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=1), priority=0, use_tqdm=False)[0].outputs
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}({{ m['content'] }}){% endfor %}")
+    templated = LLM(str(model_dir), chat_template=str(tmp_path / "t.jinja"), **ENGINE)
+    assert templated.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt == "(hi)"
+    assert templated.llm_engine is templated.engine
+
+
+def test_tokenization_kwargs_truncate_as_vllm(llm: LLM) -> None:
+    """vLLM 0.32 truncates through tokenization_kwargs: the last k tokens, or the first with
+    truncation_side "right"; -1 keeps max_model_len - 1; more than max_model_len is an error."""
+    ids = list(range(1, 41))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    last = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False,
+                        tokenization_kwargs={"truncate_prompt_tokens": 8})[0]
+    first = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False,
+                         tokenization_kwargs={"truncate_prompt_tokens": 8, "truncation_side": "right"})[0]
+    assert last.prompt_token_ids == ids[-8:] and first.prompt_token_ids == ids[:8]
+    long = llm.generate({"prompt_token_ids": [5] * 600}, params, use_tqdm=False,
+                        tokenization_kwargs={"truncate_prompt_tokens": -1})[0]
+    assert len(long.prompt_token_ids) == 511 and len(long.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="cannot be greater than max_model_len"):
+        llm.generate(ids, SamplingParams(truncate_prompt_tokens=513), use_tqdm=False)
+    with pytest.raises(ValueError, match="tokenization_kwargs may set"):
+        llm.generate(ids, params, tokenization_kwargs={"padding": True})
+
+
+def test_vllm_sampling_param_forms(llm: LLM) -> None:
+    """logprobs=True is 1 (vLLM's); a -inf logit_bias bans a token, and any finite bias is taken;
+    vLLM's prompt TypedDicts and RequestOutputKind import from the package."""
+    from nanovllm import RequestOutputKind, TextPrompt, TokensPrompt
+
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"a": 1}).extra_args == {"a": 1}
+    base = greedy(llm, max_tokens=6, ignore_eos=True).token_ids
+    banned = greedy(llm, max_tokens=6, ignore_eos=True, logit_bias={base[0]: float("-inf")}).token_ids
+    assert banned[0] != base[0]
+    assert greedy(llm, max_tokens=6, ignore_eos=True, logit_bias={base[0]: -1e9}).token_ids == banned
+    forced = greedy(llm, max_tokens=3, ignore_eos=True, logit_bias={7: 250.0}).token_ids
+    assert forced == [7, 7, 7]
+    text: TextPrompt = {"prompt": PROMPT}
+    tokens: TokensPrompt = {"prompt_token_ids": llm.get_tokenizer().encode(PROMPT)}
+    a, b = llm.generate([text, tokens], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_max_tokens_none_runs_to_max_model_len(llm: LLM) -> None:
@@ -292,6 +364,27 @@ def test_beam_search_chooses_beams_as_vllm(model_dir: Path, tmp_path: Path) -> N
                                                    for s in outs[i].sequences]
     assert [s.text for s in kept.sequences] == [decode(s.tokens) for s in kept.sequences]
     assert [s.text for s in kept.sequences] != [s.text for s in outs[i].sequences]
+
+
+def test_beam_search_scores_raw_logprobs_whatever_the_temperature(llm: LLM) -> None:
+    """vLLM's beam search scores the model's raw logprobs (its temperature changes nothing); each
+    step's logprobs entry is that step's 2 * beam_width candidates, ranked from 1; prompts run
+    concurrency_limit at a time with the same result."""
+    prompts = [{"prompt_token_ids": [11, 12, 13, 14]}, {"prompt_token_ids": [21, 22, 23]}]
+    cold = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    hot = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True, temperature=0.5),
+                          use_tqdm=False, concurrency_limit=1)
+    for a, b in zip(cold, hot):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for s, t in zip(a.sequences, b.sequences):
+            assert s.cum_logprob == pytest.approx(t.cum_logprob, abs=1e-6)
+            generated = s.tokens[len(s.tokens) - len(s.logprobs):]
+            assert s.cum_logprob == pytest.approx(sum(e[tok].logprob for tok, e in zip(generated, s.logprobs)),
+                                                  abs=1e-5)
+            for entry in s.logprobs:
+                assert len(entry) == 4 and sorted(lp.rank for lp in entry.values()) == [1, 2, 3, 4]
+                values = [lp.logprob for lp in sorted(entry.values(), key=lambda lp: lp.rank)]
+                assert values == sorted(values, reverse=True)
 
 
 # bad_words ---------------------------------------------------------------------------------------

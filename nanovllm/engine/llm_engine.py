@@ -23,7 +23,7 @@ import time
 from collections import deque
 from itertools import repeat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 import numpy as np
 import torch
@@ -49,7 +49,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict[str, Any]
+
+
+class TextPrompt(TypedDict, total=False):
+    """vLLM's: a text prompt (the tokenizer encodes it)."""
+
+    prompt: Required[str]
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's: a prompt of token ids (`prompt`, when given, is only reported back)."""
+
+    prompt_token_ids: Required[list[int]]
+    prompt: str
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 
 # Engine-side columns per sequence id (the runner's sampling state keeps its own).
 SEQUENCE_COLUMNS = {
@@ -148,6 +163,11 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(t for t in eos if 0 <= t < self.vocab_size)
+        # The model's own end token (the tokenizer's, else the config's first): a stop on it has no
+        # stop_reason; the generation config's other end tokens are stop tokens to vLLM, named in it.
+        config_eos = model_config.eos_token_ids
+        self.primary_eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else \
+            (config_eos[0] if config_eos else None)
         self.sampling_defaults = checked_sampling_defaults(options)
         cap = self.sampling_defaults.get("max_tokens") if source_dir else \
             (options.override_generation_config or {}).get("max_new_tokens")
@@ -229,7 +249,8 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len,
+                                     params.truncation_side)
         if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary"
             params = params.clone(**{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
                                      if getattr(params, name) == -1})
@@ -428,13 +449,12 @@ class LLMEngine:
                 if req.stream:
                     streamed[req.request_id] = req
                 self._finish(req, comp, reason, None, done_reqs)
-        eos = self.eos_token_ids
         for sid, (reason, stop) in core_done.items():
             req, comp = by_seq[sid]
             if req.stream:
                 streamed[req.request_id] = req
-            if stop in eos and not req.params.ignore_eos:
-                stop = None  # as vLLM: stop_reason names a stop token id or string, never EOS
+            if stop == self.primary_eos and not req.params.ignore_eos:
+                stop = None  # as vLLM: stop_reason names a stop token id or string, never the model's EOS
             self._finish(req, comp, reason, stop, done_reqs)
         outputs = []
         for req in streamed.values():

@@ -16,6 +16,7 @@ from pathlib import Path
 from nanovllm import unsupported_options
 from nanovllm.builtin_code import BUILTIN_CODE, BUILTIN_CODE_DRAFT, resolve_builtin
 from nanovllm.builtin_model import BUILTIN_NAME, default_model_dir, ensure_default_model
+from nanovllm.chat_inputs import load_chat_template
 from nanovllm.config import EngineConfig
 
 # Under each command's --help: vLLM's flags the engine refuses are hidden there (hundreds of them).
@@ -202,17 +203,6 @@ def _check_port_free(host: str, port: int) -> None:
                              "--port)") from None
 
 
-def _chat_template(value: str | None) -> str | None:
-    """vLLM's --chat-template: a file's path, or the template itself (Jinja needs braces; a path
-    has none)."""
-    if value is None or any(c in value for c in "{}\n"):
-        return value
-    path = Path(value)
-    if not path.is_file():
-        raise FileNotFoundError(f"--chat-template: no such file: {path}")
-    return path.read_text(encoding="utf-8")
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from nanovllm.entrypoints.openai.api_server import ServerConfig, run_server
@@ -225,7 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model = args.model_tag or args.model
     if args.headless:
         return _run_headless(args, model or str(ensure_default_model()))
-    chat_template = _chat_template(args.chat_template)
+    chat_template = load_chat_template(args.chat_template, "--chat-template")
     _check_port_free(args.host, args.port)
     llm = _make_llm(args, model)  # without a model: LLM() says the built-in model's weights are random
     names = args.served_model_name or [BUILTIN_NAME if model is None else model]
