@@ -293,7 +293,7 @@ def test_echo_without_generation_scores_the_prompt(server: ServerProcess, llm: L
 
 def test_n_null_and_truncated_prompts(server: ServerProcess, client: openai.OpenAI, llm: LLM) -> None:
     """n: null is 1 (OpenAI's "integer or null"); vLLM's truncate_prompt_tokens keeps the prompt's
-    last k tokens, in both routes."""
+    last k tokens (its first with truncation_side "right"; -1: max_model_len - 1), in both routes."""
     for path, body in (("/completions", {"prompt": "hi"}), ("/chat/completions", CHAT_OK)):
         r = httpx.post(f"{server.base_url}{path}", json={**body, "model": MODEL, "n": None, "max_tokens": 2})
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
@@ -307,6 +307,15 @@ def test_n_null_and_truncated_prompts(server: ServerProcess, client: openai.Open
     chat = client.chat.completions.create(model=MODEL, messages=chat_messages(("user", "word " * 40)), max_tokens=2,
                                           extra_body={"truncate_prompt_tokens": 7})
     assert chat.usage is not None and chat.usage.prompt_tokens == 7
+    first = client.completions.create(model=MODEL, prompt="word " * 40, max_tokens=6, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": 10, "truncation_side": "right"})
+    assert first.usage is not None and first.usage.prompt_tokens == 10
+    head = llm.generate({"prompt_token_ids": ids[:10]}, greedy(6), use_tqdm=False)[0].outputs[0]
+    assert first.choices[0].text == head.text
+    # -1 leaves a token of room: a prompt past max_model_len (512) still generates.
+    whole = client.completions.create(model=MODEL, prompt=list(range(1, 101)) * 6, max_tokens=4, temperature=0,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage is not None and whole.usage.prompt_tokens == 511 and whole.usage.completion_tokens == 1
 
 
 def test_vllm_sampling_extras(client: openai.OpenAI) -> None:
@@ -327,6 +336,69 @@ def test_vllm_sampling_extras(client: openai.OpenAI) -> None:
     assert r.usage is not None and r.usage.completion_tokens == 1
     r = client.completions.create(max_tokens=8, presence_penalty=1.5, frequency_penalty=-0.5, top_p=0.9, **base)
     assert r.usage is not None and r.usage.completion_tokens >= 1
+
+
+def test_vllm_response_options(server: ServerProcess, llm: LLM) -> None:
+    """vLLM's return_token_ids (the choices' and the prompt's token ids, streamed too),
+    return_tokens_as_token_ids ("token_id:N" in logprobs), top_logprobs 0 without logprobs, the
+    server's clamp of logit_bias to [-100, 100], and system_fingerprint (null) as vLLM sends them."""
+    url = server.base_url
+    prompt_ids = llm.get_tokenizer().encode("Hello there")
+    expected = llm.generate({"prompt_token_ids": prompt_ids}, greedy(5, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    body = {"model": MODEL, "prompt": prompt_ids, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/completions", json={**body, "return_token_ids": True}).json()
+    assert r["system_fingerprint"] is None
+    choice = r["choices"][0]
+    assert choice["token_ids"] == list(expected.token_ids) and choice["prompt_token_ids"] == prompt_ids
+    plain = httpx.post(f"{url}/completions", json=body).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+    streamed_ids: list[int] = []
+    prompts_seen = []
+    with httpx.stream("POST", f"{url}/completions", json={**body, "return_token_ids": True, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                streamed_ids += c["token_ids"]
+                prompts_seen.append(c["prompt_token_ids"])
+    assert streamed_ids == list(expected.token_ids)
+    assert prompts_seen[0] == prompt_ids and all(p is None for p in prompts_seen[1:])
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/chat/completions", json={**chat, "return_token_ids": True}).json()
+    tok = llm.get_tokenizer()
+    rendered = tok.encode(tok.apply_chat_template(HI, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
+    assert r["prompt_token_ids"] == rendered and len(r["choices"][0]["token_ids"]) == 4
+    # Tokens named by id: the same logprobs, keys "token_id:N".
+    lp = httpx.post(f"{url}/completions", json={**body, "logprobs": 2, "return_tokens_as_token_ids": True}).json()
+    lp = lp["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in expected.token_ids]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    c = httpx.post(f"{url}/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2,
+                                                     "return_tokens_as_token_ids": True}).json()
+    content = c["choices"][0]["logprobs"]["content"]
+    assert all(e["token"].startswith("token_id:") and e["top_logprobs"][0]["token"].startswith("token_id:")
+               for e in content)
+    # top_logprobs 0 (OpenAI's default) asks for nothing: no logprobs needed.
+    r0 = httpx.post(f"{url}/chat/completions", json={**chat, "top_logprobs": 0})
+    assert r0.status_code == 200 and r0.json()["choices"][0]["logprobs"] is None
+    # logit_bias past 100 is clamped to it, as vLLM's server does: the same tokens as +100.
+    hundred = httpx.post(f"{url}/completions", json={**body, "logit_bias": {"77": 100}}).json()["choices"][0]["text"]
+    over = httpx.post(f"{url}/completions", json={**body, "logit_bias": {"77": 500}})
+    assert over.status_code == 200 and over.json()["choices"][0]["text"] == hundred
+    server.wait_blocks_free()
+
+
+def test_chat_template_variables() -> None:
+    """documents and reasoning_effort reach the chat template as vLLM passes them (reasoning_effort
+    also sets enable_thinking unless chat_template_kwargs does)."""
+    from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    docs = [{"title": "a", "text": "b"}]
+    req = ChatCompletionRequest.model_validate({"messages": HI, "documents": docs, "reasoning_effort": "none"})
+    assert req.template_variables() == {"documents": docs, "reasoning_effort": "none", "enable_thinking": False}
+    req = ChatCompletionRequest.model_validate({"messages": HI, "reasoning_effort": "high",
+                                                "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
+    assert req.template_variables() == {"enable_thinking": False, "x": 1, "reasoning_effort": "high"}
 
 
 def test_allowed_token_ids(server: ServerProcess, client: openai.OpenAI) -> None:
@@ -550,13 +622,14 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
      "min_tokens"),
     ("stop of wrong type", "/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop"),
     ("empty stop string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 100000]}, 400, None),
-    ("negative token id", "/v1/completions", {"prompt": [[1, -2]]}, 400, None),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt"),
+    ("negative token id", "/v1/completions", {"prompt": [[1, -2]]}, 400, "prompt"),
+    ("token id out of vocab in the second prompt", "/v1/completions", {"prompt": [[1, 2], [3, 100000]]}, 400,
+     "prompt"),
     ("stop_token_ids out of vocab", "/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, 400,
      "stop_token_ids"),
     ("logit_bias key not a token id", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400,
      "logit_bias"),
-    ("logit_bias out of range", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("seed too large", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt"),
@@ -582,6 +655,21 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
     ("chat: bad_words of no tokens", "/v1/chat/completions", {**CHAT_OK, "bad_words": [" "]}, 400, "bad_words"),
     ("truncate_prompt_tokens = 0", "/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens over max_model_len", "/v1/completions",
+     {"prompt": "hi", "truncate_prompt_tokens": 600}, 400, "truncate_prompt_tokens"),
+    ("truncation_side of neither side", "/v1/completions", {"prompt": "hi", "truncation_side": "middle"}, 400,
+     "truncation_side"),
+    ("logprob_token_ids", "/v1/completions", {"prompt": "hi", "logprob_token_ids": [1]}, 400, "logprob_token_ids"),
+    ("thinking_token_budget", "/v1/chat/completions", {**CHAT_OK, "thinking_token_budget": 10}, 400,
+     "thinking_token_budget"),
+    ("repetition_detection", "/v1/completions", {"prompt": "hi", "repetition_detection": {"max_pattern_size": 4}},
+     400, "repetition_detection"),
+    ("watermarking", "/v1/completions", {"prompt": "hi", "watermarking": True}, 400, "watermarking"),
+    ("vllm_xargs", "/v1/completions", {"prompt": "hi", "vllm_xargs": {"a": 1}}, 400, "vllm_xargs"),
+    ("chat: return_prompt_text", "/v1/chat/completions", {**CHAT_OK, "return_prompt_text": True}, 400,
+     "return_prompt_text"),
+    ("chat: reasoning_effort unknown", "/v1/chat/completions", {**CHAT_OK, "reasoning_effort": "extreme"}, 400,
+     "reasoning_effort"),
     ("max_tokens = 0 with echo, over max_model_len", "/v1/completions",
      {"prompt": list(range(1, 513)), "max_tokens": 0, "echo": True}, 400, "prompt"),
     ("chat: no messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -597,6 +685,10 @@ BAD_REQUESTS: list[tuple[str, str, object, int, str | None]] = [
      {"messages": [{"role": "user", "content": "word " * 600}]}, 400, "prompt"),
     ("chat: max_tokens over max_model_len", "/v1/chat/completions", {**CHAT_OK, "max_tokens": 10_000}, 400,
      "max_tokens"),
+    ("chat: max_completion_tokens over max_model_len", "/v1/chat/completions",
+     {**CHAT_OK, "max_completion_tokens": 10_000}, 400, "max_completion_tokens"),
+    ("chat: max_completion_tokens = 0", "/v1/chat/completions", {**CHAT_OK, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
     ("detokenize out of vocab", "/detokenize", {"tokens": [1, 100000]}, 400, "tokens"),
     ("tokenize without prompt", "/tokenize", {"model": MODEL}, 400, "prompt"),
     ("top_k too large", "/v1/completions", {"prompt": "hi", "top_k": 2**70}, 400, "top_k"),

@@ -110,8 +110,14 @@ class SamplingRequest(OpenAIBaseModel):
     guided_choice: list[Str] | None = None
     guided_grammar: Str | None = None
 
-    # vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows).
+    # vLLM's: keep k of the prompt's tokens (-1: max_model_len - 1), its last ones unless
+    # truncation_side is "right" (its first).
     truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: logprobs name tokens "token_id:N" (a token that is not text on its own stays exact);
+    # each choice carries its token ids, and the response (or the choice) the prompt's.
+    return_tokens_as_token_ids: Bool | None = None
+    return_token_ids: Bool | None = None
 
     @field_validator("n", mode="before")
     @classmethod
@@ -132,6 +138,18 @@ class SamplingRequest(OpenAIBaseModel):
             ("prompt_embeds", extra.get("prompt_embeds") is not None, "prompts are text or token ids"),
             ("spaces_between_special_tokens", extra.get("spaces_between_special_tokens") is False,
              "special tokens are decoded as the tokenizer joins them"),
+            ("logprob_token_ids", extra.get("logprob_token_ids") is not None,
+             "logprobs are the chosen token's and the top ones"),
+            ("thinking_token_budget", extra.get("thinking_token_budget") is not None, "there is no reasoning parser"),
+            ("watermarking", bool(extra.get("watermarking")), "no watermarking"),
+            ("repetition_detection", extra.get("repetition_detection") is not None,
+             "no repetition detection (repetition_penalty and stop are)"),
+            ("return_token_offsets", bool(extra.get("return_token_offsets")), "no token offsets"),
+            ("vllm_xargs", bool(extra.get("vllm_xargs")), "no custom logits processors to take them"),
+            ("routed_experts_prompt_start", extra.get("routed_experts_prompt_start") is not None,
+             "expert routing is not returned"),
+            ("mm_payload", extra.get("mm_payload") is not None, "prompts are text or token ids"),
+            ("return_mm_kwargs", bool(extra.get("return_mm_kwargs")), "prompts are text or token ids"),
         ]
 
     def structured(self) -> StructuredOutputsParams | None:
@@ -193,7 +211,9 @@ class SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=pick(self.skip_special_tokens, True),
             include_stop_str_in_output=pick(self.include_stop_str_in_output, False),
             # JSON keys are strings; SamplingParams turns them into token ids (or names the bad one).
-            logit_bias=cast(Any, dict(self.logit_bias)) if self.logit_bias else None,
+            # Biases are clamped to OpenAI's [-100, 100], as vLLM's server does.
+            logit_bias=cast(Any, {k: min(100.0, max(-100.0, v)) for k, v in self.logit_bias.items()})
+            if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=self.structured(),
@@ -264,6 +284,20 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: Str | None = None
     chat_template_kwargs: dict[Str, Any] | None = None
     add_special_tokens: Bool = False  # vLLM's: the template writes the special tokens itself
+    # Template variables, as vLLM passes them: RAG documents, and the reasoning effort (which also
+    # sets enable_thinking, unless chat_template_kwargs does); a template without them ignores them.
+    documents: list[dict[Str, Str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    def template_variables(self) -> dict[str, Any]:
+        """chat_template_kwargs with the request's template variables."""
+        variables: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            variables["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+            variables.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return variables
 
     def _refusals(self) -> list[tuple[str, bool, str]]:
         extra = self.model_extra or {}
@@ -279,6 +313,10 @@ class ChatCompletionRequest(SamplingRequest):
             ("prompt_logprobs", extra.get("prompt_logprobs") is not None, "prompt logprobs are a /v1/completions "
                                                                           "option here"),
             ("web_search_options", extra.get("web_search_options") is not None, "web search is not supported"),
+            ("return_prompt_text", bool(extra.get("return_prompt_text")), "the rendered prompt is not returned (POST "
+                                                                          "/tokenize with messages renders it)"),
+            ("media_io_kwargs", bool(extra.get("media_io_kwargs")), "only text content parts are supported"),
+            ("mm_processor_kwargs", bool(extra.get("mm_processor_kwargs")), "only text content parts are supported"),
         ]
 
 
@@ -338,6 +376,9 @@ class CompletionChoice(BaseModel):
     # Per prompt token (None for the first): {token id: its logprob}, the prompt's token and the
     # top `prompt_logprobs` others.
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    # vLLM's return_token_ids: the choice's tokens and its prompt's.
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -346,6 +387,7 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
 
 
@@ -374,6 +416,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -382,7 +425,9 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatStreamChoice(BaseModel):
@@ -392,6 +437,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -400,7 +446,9 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: on each choice's first chunk
 
 
 class ModelCard(BaseModel):

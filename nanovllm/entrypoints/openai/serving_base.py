@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
+from nanovllm.chat_inputs import joined_text
 from nanovllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -118,14 +119,19 @@ class ServingContext:
             field, why = refused
             raise OpenAIError(400, f"{field} is not supported by this server ({why}); leave it out", param=field)
 
-    def truncated(self, prompt: Prompt, keep: int | None) -> Prompt:
-        """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len)."""
+    def truncated(self, prompt: Prompt, request: SamplingRequest) -> Prompt:
+        """vLLM's truncate_prompt_tokens (-1: max_model_len - 1) and truncation_side (the prompt's
+        last tokens kept unless "right")."""
+        keep = request.truncate_prompt_tokens
         if keep is None:
             return prompt
         if keep == 0:
-            raise OpenAIError(400, "truncate_prompt_tokens must be >= 1 (or -1: to max_model_len), got 0",
+            raise OpenAIError(400, "truncate_prompt_tokens must be >= 1 (or -1: to max_model_len - 1), got 0",
                               param="truncate_prompt_tokens")
-        ids = truncated_prompt(prompt.token_ids, keep, self.max_model_len)
+        try:
+            ids = truncated_prompt(prompt.token_ids, keep, self.max_model_len, request.truncation_side)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="truncate_prompt_tokens") from None
         return prompt if len(ids) == len(prompt.token_ids) else Prompt(ids, None)
 
     def warn_ignored(self, request: OpenAIBaseModel) -> None:
@@ -133,10 +139,11 @@ class ServingContext:
         if ignored:
             logger.debug("ignoring unsupported request fields: %s", ", ".join(ignored))
 
-    def max_tokens(self, prompt: Prompt, requested: int | None) -> int:
+    def max_tokens(self, prompt: Prompt, requested: int | None, field: str = "max_tokens") -> int:
         """The completion budget, as vLLM 0.32's get_max_tokens: what the request asks (else the
         generation config's default, else the room left), within the room left after the prompt and
-        the server's cap. A prompt that leaves no room, or a max_tokens above max_model_len, is a 400."""
+        the server's cap. A prompt that leaves no room, or a max_tokens above max_model_len, is a 400
+        naming `field` (the request's name for the budget)."""
         n = len(prompt.token_ids)
         if n == 0:
             raise OpenAIError(400, "the prompt is empty: it needs at least one token", param="prompt")
@@ -152,10 +159,10 @@ class ServingContext:
                                        f"{default!r}) is not valid; give max_tokens", param="max_tokens")
             return min(room, default)
         if requested < 1:
-            raise OpenAIError(400, f"max_tokens must be an integer >= 1, got {requested}", param="max_tokens")
+            raise OpenAIError(400, f"{field} must be an integer >= 1, got {requested}", param=field)
         if requested > self.max_model_len:
-            raise OpenAIError(400, f"max_tokens={requested} cannot be greater than max_model_len={self.max_model_len}. "
-                                   "Please request fewer output tokens.", param="max_tokens")
+            raise OpenAIError(400, f"{field}={requested} cannot be greater than max_model_len={self.max_model_len}. "
+                                   "Please request fewer output tokens.", param=field)
         return min(requested, room)
 
     def sampling_params(self, make: Any, *args: Any, **kwargs: Any) -> SamplingParams:
@@ -241,6 +248,12 @@ class ServingContext:
         # The engine's token table: the same strings its logprobs carry (read-only, thread-safe).
         return self.engine.engine.token_table.decode_token(token_id)
 
+    def token_name(self, token_id: int, logprob: Logprob | None, as_id: bool) -> str:
+        """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
+        return (logprob.decoded_token if logprob is not None else None) or self.decode_token(token_id)
+
     async def prompt_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else await self.decode(prompt.token_ids)
 
@@ -325,15 +338,10 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     d: dict[str, Any] = dict(message.model_extra or {})
     d["role"] = message.role
     content = message.content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if part.type != "text" or part.text is None:
-                raise OpenAIError(400, f"only text content parts are supported, got type {quote(part.type)}",
-                                  param="messages")
-            texts.append(part.text)
-        content = "\n".join(texts)
-    d["content"] = content if content is not None else ""
+    try:
+        d["content"] = joined_text(content if not isinstance(content, list) else [p.model_dump() for p in content])
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param="messages") from None
     if message.name is not None:
         d["name"] = message.name
     return d
@@ -345,7 +353,9 @@ _REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatComp
 def _leading_field(message: str) -> str | None:
     """SamplingParams' and the engine's messages start with the field they are about
     ("top_p must be ...", "stop_token_ids holds ...", "structured_outputs.regex is ...")."""
-    head = message.split(" ", 1)[0].split(".", 1)[0]
+    head = message.split(" ", 1)[0].split(".", 1)[0].split("[", 1)[0].split("=", 1)[0]
+    if head == "prompt_token_ids":  # the engine's name for the prompt a client sent
+        return "prompt"
     return head if head in _REQUEST_FIELDS else None
 
 

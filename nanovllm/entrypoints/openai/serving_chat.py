@@ -49,15 +49,14 @@ class ChatServing:
         ctx.check_model(req.model)
         ctx.check_refused(req)
         ctx.warn_ignored(req)
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:  # 0, the default, asks for nothing (as vLLM)
             raise OpenAIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         prompt = ctx.truncated(await ctx.render_chat(req.messages, req.add_generation_prompt,
                                                      req.continue_final_message, req.chat_template,
-                                                     req.chat_template_kwargs, req.add_special_tokens),
-                               req.truncate_prompt_tokens)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, requested), k)
+                                                     req.template_variables(), req.add_special_tokens), req)
+        budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, getattr(req, budget), budget), k)
         await ctx.tokenize_bad_words([params])
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         group = await until_disconnected(raw, ctx.submit([(request_id, prompt, params)], arrival))
@@ -67,17 +66,21 @@ class ChatServing:
         response = await until_disconnected(raw, self._collect(req, request_id, created, group, prompt))
         return JSONResponse(response.model_dump())
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> ChatChoiceLogprobs:
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
+                  as_id: bool) -> ChatChoiceLogprobs:
+        """Per token its text (or "token_id:N", `as_id`; bytes stay the text's), logprob and the top
+        `k` alternatives."""
         content = []
         for tid, entry in zip(token_ids, entries):
             chosen = entry[tid]
-            token = chosen.decoded_token or self.ctx.decode_token(tid)
+            text = self.ctx.token_name(tid, chosen, False)
             top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k),
                          key=lambda item: item[1].rank or 0)
             content.append(TokenLogprob(
-                token=token, logprob=json_logprob(chosen.logprob), bytes=list(token.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=(s := lp.decoded_token or self.ctx.decode_token(t)),
-                                         logprob=json_logprob(lp.logprob), bytes=list(s.encode("utf-8")))
+                token=self.ctx.token_name(tid, chosen, as_id), logprob=json_logprob(chosen.logprob),
+                bytes=list(text.encode("utf-8")),
+                top_logprobs=[TopLogprob(token=self.ctx.token_name(t, lp, as_id), logprob=json_logprob(lp.logprob),
+                                         bytes=list(self.ctx.token_name(t, lp, False).encode("utf-8")))
                               for t, lp in top],
             ))
         return ChatChoiceLogprobs(content=content)
@@ -92,39 +95,47 @@ class ChatServing:
         finally:
             group.abort()
         k = (req.top_logprobs or 0) if req.logprobs else None
+        as_id = bool(req.return_tokens_as_token_ids)
         choices = [
             ChatChoice(index=j, message=ChatResponseMessage(content=st.text),
-                       logprobs=self._logprobs(st.token_ids, st.logprobs, k) if k is not None else None,
-                       finish_reason=st.finish_reason, stop_reason=st.stop_reason)
+                       logprobs=self._logprobs(st.token_ids, st.logprobs, k, as_id) if k is not None else None,
+                       finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                       token_ids=st.token_ids if req.return_token_ids else None)
             for j, st in enumerate(states)
         ]
         return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=choices,
-                                      usage=_usage(prompt, sum(len(st.token_ids) for st in states)))
+                                      usage=_usage(prompt, sum(len(st.token_ids) for st in states)),
+                                      prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, group: RequestGroup,
                       prompt: Prompt) -> AsyncIterator[str]:
         k = (req.top_logprobs or 0) if req.logprobs else None
+        as_id, with_ids = bool(req.return_tokens_as_token_ids), bool(req.return_token_ids)
         model = self.ctx.model_name
         generated = [0] * req.n  # each choice's tokens so far
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
-                                           usage=usage))
+                                           usage=usage, prompt_token_ids=prompt_token_ids))
 
         try:
-            # As OpenAI: each choice opens with the assistant role and empty content.
+            # As OpenAI: each choice opens with the assistant role and empty content (the first
+            # chunk also with the prompt's token ids, for return_token_ids).
             for j in range(req.n):
                 yield chunk([ChatStreamChoice(index=j, delta={"role": "assistant", "content": ""})],
-                            _usage(prompt, 0) if req.continuous_usage else None)
+                            _usage(prompt, 0) if req.continuous_usage else None,
+                            list(prompt.token_ids) if with_ids and j == 0 else None)
             async for out in group:
                 for c in out.outputs:
                     generated[c.index] += len(c.token_ids)
-                    if not c.text and c.finish_reason is None and not (k is not None and c.token_ids):
+                    if not c.text and c.finish_reason is None and not ((k is not None or with_ids) and c.token_ids):
                         continue  # a stop string may hold text back; nothing to say yet
-                    logprobs = self._logprobs(c.token_ids, c.logprobs or [], k) if k is not None else None
+                    logprobs = self._logprobs(c.token_ids, c.logprobs or [], k, as_id) if k is not None else None
                     yield chunk([ChatStreamChoice(index=c.index, delta={"content": c.text} if c.text else {},
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)],
+                                                  stop_reason=c.stop_reason,
+                                                  token_ids=list(c.token_ids) if with_ids else None)],
                                 _usage(prompt, generated[c.index]) if req.continuous_usage else None)
             if req.include_usage:
                 yield chunk([], _usage(prompt, sum(generated)))

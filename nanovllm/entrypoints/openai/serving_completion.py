@@ -48,7 +48,7 @@ class CompletionServing:
         ctx.check_model(req.model)
         ctx.check_refused(req)
         ctx.warn_ignored(req)
-        prompts = [ctx.truncated(p, req.truncate_prompt_tokens) for p in await self._prompts(req)]
+        prompts = [ctx.truncated(p, req) for p in await self._prompts(req)]
         k = req.logprobs
         # Prompt logprobs serve both an echo with logprobs and vLLM's prompt_logprobs.
         wanted = [w for w in (k if req.echo else None, req.prompt_logprobs) if w is not None]
@@ -77,16 +77,22 @@ class CompletionServing:
             return [Prompt(await self.ctx.encode(p, special), p) for p in prompt]  # type: ignore[arg-type]
         if isinstance(prompt[0], int):
             return [Prompt(list(prompt), None)]  # type: ignore[arg-type]
-        return [Prompt(list(p), None) for p in prompt]  # type: ignore[union-attr]
+        prompts = [Prompt(list(p), None) for p in prompt]  # type: ignore[union-attr]
+        for i, p in enumerate(prompts):  # which prompt holds a bad id, before the engine sees them
+            try:
+                self.ctx.engine.engine.check_prompt(p.token_ids)
+            except ValueError as e:
+                raise OpenAIError(400, f"prompt[{i}]: {e}", param="prompt") from None
+        return prompts
 
-    def _logprobs(self, token_ids: list[int], entries: LogprobEntries, k: int,
-                  offset: int) -> tuple[CompletionLogprobs, int]:
-        """OpenAI's legacy logprobs: per token its text, logprob, text offset and the top `k`
-        alternatives (plus the chosen token, as vLLM reports it)."""
+    def _logprobs(self, token_ids: list[int], entries: LogprobEntries, k: int, offset: int,
+                  as_id: bool) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's legacy logprobs: per token its text (or "token_id:N", `as_id`), logprob, text
+        offset and the top `k` alternatives (plus the chosen token, as vLLM reports it)."""
         out = CompletionLogprobs()
         for tid, entry in zip(token_ids, entries):
             chosen = entry.get(tid) if entry is not None else None
-            token = (chosen.decoded_token if chosen is not None else None) or self.ctx.decode_token(tid)
+            token = self.ctx.token_name(tid, chosen, as_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -96,7 +102,7 @@ class CompletionServing:
                 continue
             out.token_logprobs.append(json_logprob(chosen.logprob))
             out.top_logprobs.append({
-                (lp.decoded_token or self.ctx.decode_token(t)): json_logprob(lp.logprob)
+                self.ctx.token_name(t, lp, as_id): json_logprob(lp.logprob)
                 for t, lp in entry.items() if t == tid or (lp.rank is not None and lp.rank <= k)
             })
         return out, offset
@@ -144,10 +150,12 @@ class CompletionServing:
                 if req.echo:
                     head, head_ids, head_entries = await self._echo(prompt, prompt_logprobs[i])
                     text, ids, entries = head + text, head_ids + ids, head_entries + entries
-                logprobs = self._logprobs(ids, entries, req.logprobs, 0)[0] if req.logprobs is not None else None
+                logprobs = (self._logprobs(ids, entries, req.logprobs, 0, bool(req.return_tokens_as_token_ids))[0]
+                            if req.logprobs is not None else None)
                 choices.append(CompletionChoice(index=i * n + j, text=text, logprobs=logprobs,
                                                 finish_reason=st.finish_reason, stop_reason=st.stop_reason,
-                                                prompt_logprobs=self._prompt_logprobs(req, prompt, prompt_logprobs[i])))
+                                                prompt_logprobs=self._prompt_logprobs(req, prompt, prompt_logprobs[i]),
+                                                **_token_ids(req, st.token_ids, prompt)))
         generated = 0 if req.echo_only else sum(len(st.token_ids) for row in states for st in row)
         return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=choices,
                                   usage=_usage(prompts, generated))
@@ -169,22 +177,26 @@ class CompletionServing:
                     else:
                         generated[choice] = generated.get(choice, 0) + len(c.token_ids)
                         text, ids, entries = c.text, list(c.token_ids), list(c.logprobs or [])
+                    new_ids = list(ids)
                     first = choice not in offsets
                     if req.echo and first:  # the first chunk of a choice repeats the prompt
                         head, head_ids, head_entries = await self._echo(prompts[i], out.prompt_logprobs)
                         text, ids, entries = head + text, head_ids + ids, head_entries + entries
                     offsets.setdefault(choice, 0)
                     prompt_logprobs = self._prompt_logprobs(req, prompts[i], out.prompt_logprobs) if first else None
-                    if not text and c.finish_reason is None and not (k is not None and ids) and prompt_logprobs is None:
+                    if (not text and c.finish_reason is None and not ((k is not None or req.return_token_ids) and ids)
+                            and prompt_logprobs is None and not (first and req.return_token_ids)):
                         continue  # a stop string may hold text back; nothing to say yet
                     logprobs = None
                     if k is not None:
-                        logprobs, offsets[choice] = self._logprobs(ids, entries, k, offsets[choice])
+                        logprobs, offsets[choice] = self._logprobs(ids, entries, k, offsets[choice],
+                                                                   bool(req.return_tokens_as_token_ids))
                     chunk = CompletionResponse(
                         id=request_id, created=created, model=model,
                         choices=[CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                                  prompt_logprobs=prompt_logprobs)],
+                                                  prompt_logprobs=prompt_logprobs,
+                                                  **_token_ids(req, new_ids, prompts[i] if first else None))],
                         usage=_usage(prompts[i:i + 1], generated.get(choice, 0)) if req.continuous_usage else None,
                     )
                     yield sse(chunk)
@@ -199,6 +211,15 @@ class CompletionServing:
             # Also runs when the client disconnects (the response task is cancelled): the
             # requests leave the engine and free their blocks before its next step.
             group.abort()
+
+
+def _token_ids(req: CompletionRequest, token_ids: list[int], prompt: Prompt | None) -> dict[str, list[int] | None]:
+    """vLLM's return_token_ids: a choice's (or chunk's) generated token ids, and its prompt's where
+    given (a stream's first chunk of the choice)."""
+    if not req.return_token_ids:
+        return {}
+    return {"token_ids": [] if req.echo_only else token_ids,
+            "prompt_token_ids": None if prompt is None else list(prompt.token_ids)}
 
 
 def _usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
