@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from engine_helpers import assert_greedy_matches_with_preemption_and_prefix_cache, hf_greedy, random_prompts
-from tp_helpers import alive, make_tp_model, shm_segments
+from tp_helpers import alive, children, make_tp_model, shm_segments
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import WorkerDiedError
@@ -113,6 +115,63 @@ def test_a_killed_worker_fails_the_engine_promptly_and_leaves_nothing(tmp_path: 
     with pytest.raises(WorkerDiedError):  # and every later step too, at once
         engine.add_request("s", [4, 5], SamplingParams(max_tokens=3))
         engine.step()
+    engine.shutdown()
+    assert not alive(pid) and shm_segments() == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_dropped_llm_stops_its_workers_and_frees_its_model(tmp_path: Path, tp: int) -> None:
+    """Dropping the last reference to an LLM releases it at once (no collection needed; the startup
+    heap is frozen out of the cyclic GC): its workers stop, its runner (model, KV cache) is freed.
+    A worker watcher or a runner hook holding the executor strongly kept both for good."""
+    path = make_tp_model(tmp_path, "qwen3")
+    llm = make_llm(path, tp)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    pids = llm.engine.executor.worker_pids if tp > 1 else []
+    runner = weakref.ref(llm.engine.executor.runner)
+    del llm
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert runner() is None
+    assert not any(alive(p) for p in pids) and shm_segments() == []
+
+
+def test_a_taken_master_port_is_named_and_the_worker_stopped(tmp_path: Path) -> None:
+    path = make_tp_model(tmp_path, "qwen3")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        before = set(children(os.getpid()))
+        with pytest.raises(OSError, match=f"master_port {port} on 127.0.0.1 is in use"):
+            make_llm(path, 2, master_port=port)
+    deadline = time.monotonic() + 15
+    while set(children(os.getpid())) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(children(os.getpid())) - before
+
+
+def test_an_interrupted_step_fails_every_later_one(tmp_path: Path) -> None:
+    """A KeyboardInterrupt inside a step the workers are running leaves the ranks out of step: every
+    later step fails at once, naming the interrupt, instead of pairing stale collectives (a 60 s
+    hang, then a dead worker)."""
+    path = make_tp_model(tmp_path, "qwen3")
+    llm = make_llm(path, 2)
+    engine = llm.engine
+    [pid] = engine.executor.worker_pids
+    engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+
+    def interrupted(so: object) -> None:
+        raise KeyboardInterrupt
+
+    engine.executor.runner.execute = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="a step was interrupted"):
+        engine.step()
+    assert time.monotonic() - start < 5
     engine.shutdown()
     assert not alive(pid) and shm_segments() == []
 

@@ -47,6 +47,12 @@ ATTACH_TIMEOUT_S = 120.0
 _PEER_GONE = ("gloo/transport", "connection closed by peer", "connection reset by peer", "broken pipe", "nccl")
 
 
+def _address_in_use(e: BaseException) -> bool:
+    """The group's rendezvous could not bind its port (another process holds it)."""
+    text = str(e)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
 def _is_collective_failure(e: BaseException) -> bool:
     if isinstance(e, torch.distributed.DistError):
         return True
@@ -100,20 +106,30 @@ class MultiprocExecutor(Executor):
         res = self._res = _Resources()
         self._finalizer = weakref.finalize(self, res.release)
         self._broken: str | None = None
+        # The workers' watchers and the runner's hook reach this executor weakly: neither may keep
+        # it alive (its finalizer stops the workers once it is dropped; the startup heap is frozen
+        # out of the cyclic GC, so a cycle would keep it for good).
+        me = weakref.proxy(self)
+        death = weakref.WeakMethod(self._on_worker_death)
         try:
             res.workers = WorkerProcesses(config.options, parallel, range(1, parallel.ranks_per_node),
-                                          self._on_worker_death)
+                                          lambda: (alive := death()) is not None and alive())
             res.group = self._connect(device)
             self.runner = ModelRunner(config, tp=res.group, eos_token_ids=eos_token_ids)
         except WorkerDiedError:
             self.shutdown()
             raise
         except BaseException as e:
-            self._raise_if_worker_died(e)
-            self.shutdown()
+            try:
+                if _address_in_use(e):
+                    raise OSError(f"tensor parallelism's master_port {parallel.master_port} on "
+                                  f"{parallel.master_addr} is in use; give another or leave it unset") from e
+                self._raise_if_worker_died(e)
+            finally:
+                self.shutdown()  # the workers started: stopped before the constructor raises
             raise
         self._plan: _C.StepPlan | None = None
-        self.runner.before_logits = self._publish_logits
+        self.runner.before_logits = lambda rows: me._publish_logits(rows)
 
     def _connect(self, device: torch.device) -> TPGroup:
         """Join the group while watching the local workers: one that fails at startup ends the
@@ -226,6 +242,13 @@ class MultiprocExecutor(Executor):
             raise
         except Exception as e:
             self._raise_if_worker_died(e)
+            raise
+        except BaseException as e:
+            # Interrupted mid-step (KeyboardInterrupt): the workers may be inside the step's
+            # collectives, which the next step's would pair with. No later step can run.
+            self._broken = (f"tensor parallelism failed: a step was interrupted ({type(e).__name__}) while the "
+                            "workers ran it; the engine cannot continue (create a new one)")
+            self._res.healthy = False
             raise
 
     def _publish_logits(self, rows: np.ndarray | None) -> None:

@@ -14,6 +14,7 @@ captured when the KV cache is allocated (see worker/cuda_graph.py), unless enfor
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -114,8 +115,13 @@ class ModelRunner:
         if tp is None or tp.rank == 0:
             # A head that can give greedy tokens without logits (ours, whole on this rank): asked first
             # in the steps that need nothing else.
-            greedy = self.greedy if self.model.has_greedy_head() else None
-            self.token_sampler = TokenSampler(self.logits, device, self.model_config.vocab_size, eos_token_ids,
+            # Through a weak reference: the startup heap is frozen out of the cyclic GC
+            # (engine/llm_engine.py), so a runner <-> sampler cycle would keep a dropped engine's
+            # model and KV cache for good.
+            me = weakref.proxy(self)
+            greedy = (lambda hidden, rows: me.greedy(hidden, rows)) if self.model.has_greedy_head() else None
+            self.token_sampler = TokenSampler(lambda hidden, rows, host_rows: me.logits(hidden, rows, host_rows),
+                                              device, self.model_config.vocab_size, eos_token_ids,
                                               self.max_num_seqs, greedy=greedy)
             if config.draft_model_config is not None:
                 self.drafter = DraftProposer(config, device, self.dtype, backend)
