@@ -124,6 +124,20 @@ def test_grammar_end_stops_even_without_eos(llm: LLM) -> None:
     assert_clean(llm)
 
 
+def test_a_grammar_finished_before_min_tokens_aborts(llm: LLM) -> None:
+    """min_tokens masks the EOS a finished grammar needs: the row has no token left, so the
+    sequence ends with "abort" (design.md), greedy or sampled, even where the draw then lands on
+    the masked EOS itself (id 0 here, which the grammar would accept as its end)."""
+    so = StructuredOutputsParams(choice=["alpha", "beta"])
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+        outs = llm.generate(PROMPTS, params(so, max_tokens=30, min_tokens=20, **extra), use_tqdm=False)
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason == "abort" and len(c.token_ids) < 20, (extra, c)
+            assert c.text in ("alpha", "beta")
+    assert_clean(llm)
+
+
 def test_stop_strings_still_cut(llm: LLM) -> None:
     so = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
     out = llm.generate("hi", params(so, temperature=0, stop="-"), use_tqdm=False)[0].outputs[0]

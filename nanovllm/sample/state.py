@@ -299,6 +299,14 @@ class SamplingState:
             rows = np.flatnonzero(r.constrained[sids])
             if len(rows):
                 ends = GrammarEnds(*grammars.accept(sids[rows], host_tokens[rows]))
+                # A stop token min_tokens masked was drawn from a row with nothing left: the grammar
+                # allowed only its end (which it then accepts), so the row had no token to give.
+                held = rows[(r.stop_row[sids[rows]] >= 0) & (r.num_output[sids[rows]] < r.min_tokens[sids[rows]])]
+                for row in held.tolist():
+                    sid = int(sids[row])
+                    if sid in ends.terminated and int(host_tokens[row]) in self._stop_ids[r.stop_row[sid]]:
+                        ends.terminated.remove(sid)
+                        ends.rejected.append(sid)
         r.num_output[sids] += 1
         if self.bad_words:
             for row in np.flatnonzero(r.bad_words[sids]).tolist():
