@@ -26,7 +26,9 @@ Then, in this order, the optional `clean_up_tokenization_spaces` replacements of
 cascade of streaming `str.replace`s, so the result equals the replacements applied to the whole
 text), then stop strings. A delta never contains text that a later token could still change or cut
 off, so the concatenated deltas plus `flush()` are exactly `tokenizer.decode(all_tokens)` (cut at a
-stop string).
+stop string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
+prompt's (as vLLM's decoder, which starts from the prompt: Strip and Metaspace's first-token rule
+then belong to the prompt).
 
 All text inside is UTF-8 in `std::string`s; working on bytes is exact because every stage only
 ever splits text at character boundaries (stop strings and replacement patterns are valid UTF-8, so
@@ -389,6 +391,22 @@ cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint in
     return 0
 
 
+cdef bint _has_text(TokenTable t, const int32_t[::1] toks, bint skip_special) except -1:
+    """Whether any of `toks` reaches the decoder (in the table, not a hole, not a skipped special
+    token)."""
+    cdef Py_ssize_t i
+    cdef int32_t tok
+    cdef uint8_t f
+    for i in range(toks.shape[0]):
+        tok = toks[i]
+        if tok < 0 or <size_t>tok >= t.flags.size():
+            continue
+        f = t.flags[tok]
+        if not (f & F_HOLE or (f & F_SPECIAL and skip_special)):
+            return True
+    return False
+
+
 cdef int _feed(TokenTable t, Seq* s, int32_t tok) except -1:
     """Decode one token (the caller checked its range) into s.text, holding back what may change."""
     s.num_tokens += 1
@@ -689,11 +707,15 @@ cdef class Detokenizer:
         bint include_stop_str_in_output=False,
         int min_tokens=0,
         bint deltas=True,
+        prompt_token_ids=None,
     ) -> None:
         """Start a sequence. `stop`: strings that end it at their first occurrence in its text,
         looked for once more than `min_tokens` tokens have come. `deltas=False`: process() leaves
         it out of its result unless a stop string ends it (its text is read at the end with
-        flush() and text(), so a step costs no Python object for it)."""
+        flush() and text(), so a step costs no Python object for it). `prompt_token_ids`: the
+        tokens its text continues, as vLLM decodes an output after its prompt: where the prompt
+        decodes to any text, the first output token is not the start of the text (SentencePiece's
+        Strip and Metaspace leave its leading space)."""
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         if self.slot_of.count(key):
@@ -714,6 +736,10 @@ cdef class Detokenizer:
             self.free_slots.pop_back()
         cdef Seq* s = &self.seqs[slot]
         _init_seq(self.table, s, key, skip_special_tokens, include_stop_str_in_output)
+        if prompt_token_ids is not None and _has_text(self.table, _as_int32(prompt_token_ids, "prompt_token_ids"),
+                                                      skip_special_tokens):
+            s.started = True
+            s.strip_left = 0
         cdef bytes e
         for e in encoded:
             s.stops.push_back(e)

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -241,6 +241,40 @@ def run_streams(
         out[k] += d.flush(1000 + k)
         assert d.flush(1000 + k) == ""
     return out, stops, d
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@given(data=st.data())
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_output_continues_its_prompt_as_vllm_decodes_it(name, data):
+    """With its prompt given, an output decodes as the rest of the prompt's text (vLLM's
+    incremental decoder starts from the prompt's ids): decode(prompt + output) less decode(prompt).
+    So SentencePiece's Strip and Metaspace leave the first output token's leading space, unless the
+    prompt decodes to no text (only skipped special tokens), where the output starts the text. The
+    prompts end on a whole word, so no byte run or cleanup pattern spans the two."""
+    kind = kinds()[name]
+    skip = data.draw(st.booleans())
+    has_bytes = kind.table.byte_level or "<0x41>" in kind.tok.get_vocab()
+    words = [e for e in kind.encoded if not (has_bytes and any(t in kind.byte_ids for t in e))]
+    texts = st.lists(st.sampled_from(words), min_size=1, max_size=3).map(lambda cs: [i for c in cs for i in c])
+    specials = st.lists(st.sampled_from(kind.specials), min_size=1, max_size=2)
+    prompt = data.draw(st.one_of(specials, texts) if kind.specials else texts)
+    output = data.draw(st.lists(st.sampled_from(words), min_size=1, max_size=4).map(
+        lambda cs: [i for c in cs for i in c]))
+    d = Detokenizer(kind.table)
+    d.add(7, skip_special_tokens=skip, prompt_token_ids=prompt)
+    text = "".join(delta for tok in output for _, delta, _ in d.process(np.array([7]), np.array([tok], np.int32)))
+    text += d.flush(7)
+    head = kind.decode(prompt, skip)
+    whole = kind.decode(prompt + output, skip)
+    if kind.table.cleanup:  # the cleanup replacements may join the two at the seam
+        assume(whole.startswith(head))
+    assert whole.startswith(head)
+    assert text == whole[len(head):]
+    alone = Detokenizer(kind.table)
+    alone.add(8, skip_special_tokens=skip)
+    alone.process(np.array([8]), np.array(output, np.int32), np.array([0, len(output)]))
+    assert alone.text(8) == kind.decode(output, skip)
 
 
 @pytest.mark.parametrize("name", KIND_NAMES)

@@ -513,3 +513,44 @@ def test_speculative_decoding_gives_the_same_tokens(llm: LLM, model_dir: Path) -
                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 3}, **ENGINE)
     out = spec.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
     assert out == expected == reference(model_dir, prompt, sequences(llm, words), 24)
+
+
+# A SentencePiece-style tokenizer (Llama 2 / Mistral: `▁` spaces, `<0xNN>` byte fallback) -------------
+
+@pytest.fixture(scope="module")
+def sp_llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    from test_detokenizer import _sp_tokenizer
+
+    from nanovllm.builtin_model import TinyModelSpec, build_hf_model
+
+    path = tmp_path_factory.mktemp("sentencepiece")
+    tok = _sp_tokenizer()
+    tok.save_pretrained(path)
+    build_hf_model(TinyModelSpec(arch="LlamaForCausalLM", vocab_size=len(tok), head_dim=16, seed=5),
+                   eos_token_id=tok.eos_token_id).save_pretrained(path, safe_serialization=True)
+    return LLM(str(path), **ENGINE)
+
+
+def test_an_output_continues_its_prompts_text_as_vllm_decodes_it(sp_llm: LLM) -> None:
+    """vLLM decodes an output after its prompt: a SentencePiece output keeps its first token's
+    leading space (decoded alone, Strip would drop it), and a stop string written with that space
+    matches there."""
+    tok = sp_llm.get_tokenizer()
+    prompt = tok.encode("world cat", add_special_tokens=False)
+    hello = tok.convert_tokens_to_ids("▁hello▁")
+    out = sp_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2,
+                          allowed_token_ids=[hello]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [hello, hello]
+    assert out.text == tok.decode(prompt + [hello, hello])[len(tok.decode(prompt)):] == " hello  hello "
+    stopped = sp_llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4,
+                              stop=[" hello"], allowed_token_ids=[hello]), use_tqdm=False)[0].outputs[0]
+    assert stopped.text == "" and stopped.token_ids == [hello] and stopped.stop_reason == " hello"
+
+
+def test_a_stop_string_that_only_the_end_completes_is_a_stop(sp_llm: LLM) -> None:
+    """A run of byte tokens decodes when it closes (ByteFallback decodes a run as a whole); one the
+    output's end closes can still complete a stop string: finish_reason "stop", not "length"."""
+    a = sp_llm.get_tokenizer().convert_tokens_to_ids("<0x41>")
+    out = sp_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, stop=["AA"], allowed_token_ids=[a]),
+                          use_tqdm=False)[0].outputs[0]
+    assert out.text == "" and out.finish_reason == "stop" and out.stop_reason == "AA"

@@ -320,7 +320,7 @@ class LLMEngine:
             comp.lp_refs, comp.cumulative_logprob = [], 0.0
         self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                              include_stop_str_in_output=params.include_stop_str_in_output,
-                             min_tokens=params.min_tokens, deltas=req.stream)
+                             min_tokens=params.min_tokens, deltas=req.stream, prompt_token_ids=req.prompt_token_ids)
         if parent is None:
             self._seqs.reset(sid)
         else:
@@ -486,6 +486,11 @@ class LLMEngine:
                 done_reqs: list[Request]) -> None:
         comp.finish_reason, comp.stop_reason = reason, stop
         comp.text += self.detokenizer.flush(comp.seq_id)
+        held = self.detokenizer.stop_reason(comp.seq_id)
+        if held is not None and reason != "abort":
+            # A stop string that text held back until the end completed (a ByteFallback run that
+            # only the end closed): it ended the output, as vLLM reports it.
+            comp.finish_reason, comp.stop_reason = "stop", held
         self._collect(req, comp)
         if comp.lp_refs is not None and len(comp.lp_refs) > len(comp.token_ids):
             # Several tokens in its last step (speculative decoding), and it stopped before the last:
