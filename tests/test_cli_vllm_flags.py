@@ -6,6 +6,7 @@ supported and why; none is unknown, none is abbreviated, and `LLM(...)` takes th
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,60 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
     assert load_chat_template(None, "--chat-template") is None
     with pytest.raises(FileNotFoundError, match="--chat-template: no such file"):
         load_chat_template(str(tmp_path / "missing.jinja"), "--chat-template")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--max-model-len", "32k"], {"max_model_len": 32_000}),
+    (["--max-model-len", "32K"], {"max_model_len": 32_768}),
+    (["--max-model-len", "auto"], {"max_model_len": None}),
+    (["--max-model-len", "-1"], {"max_model_len": None}),
+    (["--max-num-batched-tokens", "2.5k", "--kv-cache-memory-bytes", "1G"],
+     {"max_num_batched_tokens": 2_500, "kv_cache_memory_bytes": 2**30}),
+    (["--log-level", "DEBUG"], {"log_level": "debug"}),
+    (["--uvicorn-log-level", "trace"], {"log_level": "trace"}),
+    (["m", "--api-key", "k1", "k2"], {"api_key": ["k1", "k2"], "model_tag": "m"}),
+    (["--load-format", "safetensors", "m"], {"model_tag": "m"}),
+    (["-pp", "1", "m"], {"model_tag": "m"}),
+])
+def test_vllm_value_forms(argv: list[str], expected: dict[str, object]) -> None:
+    """vLLM's human-readable sizes (k: 1000, K: 1024; -1 / auto: the model's length), log levels in
+    either case, several API keys, and a refused flag's harmless value that leaves the model after it."""
+    args = build_parser().parse_args(["serve", *argv])
+    for name, value in expected.items():
+        assert getattr(args, name) == value, name
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--max-model-len", "1.5K"], "no decimals with the binary suffix K"),
+    (["serve", "--port", "99999"], "must be a TCP port"),
+    (["bench", "--num-prompts", "0"], "must be a positive integer"),
+    (["bench", "--max-output-len", "-3"], "must be a positive integer"),
+])
+def test_out_of_range_values_are_argument_errors(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert message in parse_error(build_parser(), argv, capsys)
+
+
+def test_vllm_spellings_are_rewritten_as_vllm_rewrites_them() -> None:
+    from nanovllm.entrypoints.cli import vllm_spellings
+
+    assert vllm_spellings(["serve", "m", "--max_model_len=64", "--enable_prefix_caching", "-O3"]) == \
+        ["serve", "m", "--max-model-len=64", "--enable-prefix-caching", "--optimization-level", "3"]
+    assert vllm_spellings(["serve", "-O", "2", "-O=1"]) == \
+        ["serve", "--optimization-level", "2", "--optimization-level", "1"]
+    spec = vllm_spellings(["serve", "--speculative-config", '{"method": "ngram"}',
+                           "--speculative_config.num_speculative_tokens", "3", "--speculative-config.x.y=z"])
+    assert spec[:2] == ["serve", "--speculative-config"]
+    assert json.loads(spec[2]) == {"method": "ngram", "num_speculative_tokens": 3, "x": {"y": "z"}}
+    args = build_parser().parse_args(vllm_spellings(["serve", "--max_num_seqs", "5", "--speculative-config.method",
+                                                     "ngram"]))
+    assert args.max_num_seqs == 5 and json.loads(args.speculative_config) == {"method": "ngram"}
+
+
+def test_a_model_after_served_model_name_is_refused(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's rule: the model comes first; after --served-model-name it was taken as a name and the
+    built-in random model served under both."""
+    from nanovllm.entrypoints.cli import main
+
+    assert main(["serve", "--served-model-name", "tiny", str(model_dir)]) == 2
+    assert "give the model first" in capsys.readouterr().err

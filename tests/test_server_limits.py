@@ -19,6 +19,7 @@ from tiny_models import make_tiny_model
 from nanovllm.entrypoints import cli
 
 KEY = "test-secret-key"
+OTHER_KEY = "second-key"  # vLLM's --api-key takes several; any of them opens /v1
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -26,7 +27,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("limits_model"), "qwen3")
     with ServerProcess(model_dir, tmp_path_factory.mktemp("limits"), "--num-kvcache-blocks", "128",
-                       "--max-model-len", "512", "--api-key", KEY, "--max-queued-requests", "2",
+                       "--max-model-len", "512", "--api-key", KEY, OTHER_KEY, "--max-queued-requests", "2",
                        "--max-num-seqs", "2") as srv:
         yield srv
 
@@ -41,8 +42,9 @@ def test_api_key_required_on_v1_routes(server: ServerProcess) -> None:
             r = httpx.request(method, f"{server.url}{path}", json=body, headers=headers)
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == 401 and r.json()["error"]["message"]
-        r = httpx.request(method, f"{server.url}{path}", json=body, headers=AUTH)
-        assert r.status_code == 200, r.text
+        for auth in (AUTH, {"Authorization": f"Bearer {OTHER_KEY}"}):
+            r = httpx.request(method, f"{server.url}{path}", json=body, headers=auth)
+            assert r.status_code == 200, r.text
     # Health, metrics and the tokenizer routes are outside /v1 and stay open (as in vLLM).
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
@@ -114,14 +116,14 @@ def test_api_key_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert cli.main(["serve", str(tmp_path), "--port", "1234"]) == 0
     assert seen["checked"] == [("127.0.0.1", 1234)]  # before the model (tests/test_errors_name_the_cause.py)
     config = seen["config"]
-    assert (config.api_key, config.host, config.port) == ("from-env", "127.0.0.1", 1234)
+    assert (config.api_key, config.host, config.port) == (["from-env"], "127.0.0.1", 1234)
     assert config.served_model_names == [str(tmp_path)]
     assert seen["shutdowns"] == 1
     assert cli.main(["serve", str(tmp_path), "--api-key", "flag", "--served-model-name", "a", "b"]) == 0
-    assert seen["config"].api_key == "flag" and seen["config"].served_model_names == ["a", "b"]
+    assert seen["config"].api_key == ["flag"] and seen["config"].served_model_names == ["a", "b"]
     monkeypatch.delenv("NANOVLLM_API_KEY")
     assert cli.main(["serve", str(tmp_path)]) == 0
     assert seen["config"].api_key is None
     monkeypatch.setenv("VLLM_API_KEY", "vllm-env")  # a vLLM deployment's key: never left unused
     assert cli.main(["serve", str(tmp_path)]) == 0
-    assert seen["config"].api_key == "vllm-env"
+    assert seen["config"].api_key == ["vllm-env"]

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import typing
@@ -22,6 +24,51 @@ from nanovllm.config import EngineConfig
 # Under each command's --help: vLLM's flags the engine refuses are hidden there (hundreds of them).
 UNSUPPORTED_EPILOG = ("vLLM's flags that nanovllm does not support are refused with the reason (e.g. --enable-lora); "
                       "those that ask for what nanovllm does anyway (-pp 1, --no-enable-lora) are accepted.")
+
+
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def human_int(value: str) -> int:
+    """vLLM's human-readable integers: 32k = 32,000 and 25.6k = 25,600 (k/m/g/t), 32K = 32,768
+    (K/M/G/T, whole numbers only), else a plain integer."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value.strip())
+    if match is None:
+        return int(value)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"no decimals with the binary suffix {suffix} (1024s): write "
+                                         f"{number}{suffix.lower()} for 1000s")
+    return int(number) * _BINARY[suffix]
+
+
+def human_int_or_auto(value: str) -> int | None:
+    """human_int, or -1 / auto: the default (vLLM's --max-model-len: the model's)."""
+    return None if value.strip() in ("-1", "auto") else human_int(value)
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def tcp_port(value: str) -> int:
+    number = int(value)
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
+    return number
+
+
+# Engine options that take vLLM's human-readable integers.
+_HUMAN_INTS = {"max_model_len": human_int_or_auto, "max_num_batched_tokens": human_int,
+               "kv_cache_memory_bytes": human_int}
+# Log levels as vLLM spells them (in either case); uvicorn's trace logs as debug.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _engine_args(p: argparse.ArgumentParser, command: str) -> None:
@@ -40,9 +87,10 @@ def _engine_args(p: argparse.ArgumentParser, command: str) -> None:
                 g.add_argument(alias, dest=f.name, action="store_false",
                                help=f"same as --no-{flag[2:]} (default: not given)")
         else:
-            g.add_argument(flag, *meta["aliases"], dest=f.name, type=kind if kind in (int, float) else str,
-                           default=f.default, choices=meta["choices"], metavar=meta["metavar"],
-                           help=f"{meta['help']} (default: %(default)s)")
+            kind = _HUMAN_INTS.get(f.name, kind if kind in (int, float) else str)
+            shown = "" if "(default" in meta["help"] else " (default: %(default)s)"
+            g.add_argument(flag, *meta["aliases"], dest=f.name, type=kind, default=f.default, choices=meta["choices"],
+                           metavar=meta["metavar"], help=f"{meta['help']}{shown}")
     if command == unsupported_options.SERVE:  # how to run, not an engine option
         g.add_argument("--headless", action="store_true",
                        help="run only this node's tensor-parallel workers (a node other than 0) (default: off)")
@@ -50,7 +98,7 @@ def _engine_args(p: argparse.ArgumentParser, command: str) -> None:
     # logs its startup and requests; bench and generate print their results and only warnings.
     serve = command == unsupported_options.SERVE
     p.add_argument("--log-level", *(["--uvicorn-log-level"] if serve else []), default="info" if serve else "warning",
-                   choices=["critical", "error", "warning", "info", "debug"], help="logging level (default: %(default)s)")
+                   type=str.lower, choices=LOG_LEVELS, help="logging level (default: %(default)s)")
     _refused_args(p, command)
 
 
@@ -69,13 +117,14 @@ class _Refused(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, entry: unsupported_options.Unsupported,
                  value: bool | None = None, **kwargs: object) -> None:
         takes_value = value is None and not (entry.switch or set(entry.harmless) <= {"true", "false"} and entry.harmless)
-        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="*" if takes_value else 0,
+        # One value at most: a model directory after `--load-format safetensors` stays the model.
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?" if takes_value else 0,
                          default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         self.entry, self.value = entry, value
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:
-        given = self.value if self.value is not None else (" ".join(values) if values else True)  # type: ignore[arg-type]
+        given = self.value if self.value is not None else (values if isinstance(values, str) else True)
         if not self.entry.accepts(given):
             parser.error(self.entry.message())
 
@@ -122,7 +171,8 @@ def _run_headless(args: argparse.Namespace, model: str) -> int:
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
 
 
 def _length_range(length: int | None, ratio: float, most: int | None, default_most: int, flag: str) -> tuple[int, int]:
@@ -145,7 +195,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     _setup_logging(args)
     llm = _make_llm(args, args.model)
     on_gpu = llm.engine.device.type == "cuda"
-    num_seqs = args.num_seqs or (256 if on_gpu else 64)
+    num_seqs = args.num_seqs if args.num_seqs is not None else (256 if on_gpu else 64)
     input_lo, input_hi = _length_range(args.input_len, args.random_range_ratio, args.max_input_len,
                                        1024 if on_gpu else 256, "input")
     output_lo, output_hi = _length_range(args.output_len, args.random_range_ratio, args.max_output_len,
@@ -221,7 +271,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [BUILTIN_NAME if model is None else model]
     path = resolve_builtin(model) if model is not None else str(default_model_dir())  # what the engine loaded
     # vLLM's deployments give the key as VLLM_API_KEY: read too, so that one never leaves the server open.
-    api_key = args.api_key or os.environ.get("NANOVLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    env_key = os.environ.get("NANOVLLM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    api_key = args.api_key or ([env_key] if env_key else None)
     config = ServerConfig(model_path=path, served_model_names=names, host=args.host, port=args.port,
                           api_key=api_key,
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
@@ -261,20 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "throughput on random prompts (built-in model unless --model)")
     _model_arg(bench)
-    bench.add_argument("--num-prompts", "--num-seqs", dest="num_seqs", type=int, default=None,
+    bench.add_argument("--num-prompts", "--num-seqs", dest="num_seqs", type=positive_int, default=None,
                        help="sequences in the workload (default: 256 on GPU, 64 on CPU)")
-    bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,
+    bench.add_argument("--input-len", "--random-input-len", dest="input_len", type=positive_int, default=None,
                        help="every prompt this many tokens (vLLM's random dataset; default: --max-input-len's range)")
-    bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
+    bench.add_argument("--output-len", "--random-output-len", dest="output_len", type=positive_int, default=None,
                        help="every output this many tokens, EOS ignored (default: --max-output-len's range)")
     bench.add_argument("--random-range-ratio", type=float, default=0.0,
                        help="with --input-len / --output-len: lengths uniform in [len * (1 - r), len * (1 + r)] "
                             "(default: %(default)s)")
-    bench.add_argument("--max-input-len", type=int, default=None,
-                       help="nano-vllm's workload: prompt lengths uniform in [100, N] (default: 1024 on GPU, 256 on "
-                            "CPU)")
-    bench.add_argument("--max-output-len", type=int, default=None,
-                       help="output lengths uniform in [100, N] (default: 1024 on GPU, 128 on CPU)")
+    bench.add_argument("--max-input-len", type=positive_int, default=None,
+                       help="nano-vllm's workload: prompt lengths uniform in [min(100, N), N] (default: 1024 on GPU, "
+                            "256 on CPU)")
+    bench.add_argument("--max-output-len", type=positive_int, default=None,
+                       help="output lengths uniform in [min(100, N), N] (default: 1024 on GPU, 128 on CPU)")
     bench.add_argument("--output-json", default=None, metavar="PATH",
                        help="also write the results as JSON, with vLLM's keys (default: none)")
     _engine_args(bench, unsupported_options.BENCH)
@@ -297,10 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{MODEL_HELP} (default: the built-in model, random weights)")
     serve.add_argument("--model", default=None, help="the same as MODEL_DIR, vLLM's spelling (default: none)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only, %(default)s)")
-    serve.add_argument("--port", type=int, default=8000, help="checked before the model loads (default: %(default)s)")
-    serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $NANOVLLM_API_KEY, else "
-                            "$VLLM_API_KEY)")
+    serve.add_argument("--port", type=tcp_port, default=8000, help="checked before the model loads (default: %(default)s)")
+    serve.add_argument("--api-key", nargs="+", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes, any of the keys given (default: "
+                            "$NANOVLLM_API_KEY, else $VLLM_API_KEY)")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="the name(s) clients pass as `model` (default: MODEL_DIR); the first is reported")
     serve.add_argument("--chat-template", default=None,
@@ -352,7 +403,75 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def vllm_spellings(argv: Sequence[str]) -> list[str]:
+    """The command line as vLLM's parser rewrites it: `--max_model_len` as `--max-model-len`,
+    `-O3` / `-O 3` as `--optimization-level 3`, and a JSON option's keys given one by one
+    (`--speculative-config.method ngram`, values JSON or else strings) as one JSON object."""
+    out: list[str] = []
+    objects: dict[str, dict[str, object]] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg.startswith("--"):
+            key, eq, value = arg.partition("=")
+            head, dot, path = key.partition(".")
+            head = "--" + head[2:].replace("_", "-")
+            if dot:
+                if not eq:
+                    if i >= len(args):
+                        raise ValueError(f"{arg} needs a value")
+                    value = args[i]
+                    i += 1
+                try:
+                    parsed: object = json.loads(value)
+                except json.JSONDecodeError:
+                    parsed = value
+                node = objects.setdefault(head, {})
+                *parents, leaf = path.split(".")
+                for part in parents:
+                    node = node.setdefault(part, {})  # type: ignore[assignment]
+                node[leaf] = parsed
+                continue
+            out.append(head + eq + value)
+        elif arg.startswith("-O") and arg != "-O":
+            out += ["--optimization-level", arg[3:] if arg[2:3] == "=" else arg[2:]]
+        elif arg == "-O" and i < len(args) and args[i] in {"0", "1", "2", "3"}:
+            out.append("--optimization-level")
+        else:
+            out.append(arg)
+    for head, obj in objects.items():
+        if head in out:  # the whole object given too: its keys given one by one go over it
+            at = out.index(head) + 1
+            out[at] = json.dumps({**json.loads(out[at]), **obj})
+        else:
+            out += [head, json.dumps(obj)]
+    return out
+
+
+def _check_model_first(argv: Sequence[str]) -> None:
+    """vLLM's rule: `serve --served-model-name NAME MODEL` takes MODEL as another name. Here that
+    would serve the built-in model under both names; refused where a name is a model directory."""
+    if len(argv) < 2 or argv[0] != "serve" or not argv[1].startswith("-"):
+        return
+    names: list[str] = []
+    for k, arg in enumerate(argv):
+        if arg == "--served-model-name":
+            names += [a for a in itertools.takewhile(lambda a: not a.startswith("-"), argv[k + 1:])]
+    model = next((n for n in names if Path(n).is_dir()), None)
+    if model is not None:
+        raise ValueError(f"give the model first: `nanovllm serve {model} --served-model-name ...` (after "
+                         f"--served-model-name, {model} was taken as another name)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        argv = vllm_spellings(sys.argv[1:] if argv is None else argv)
+        _check_model_first(argv)
+    except ValueError as e:
+        print(f"nanovllm: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

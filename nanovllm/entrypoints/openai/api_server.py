@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -59,7 +59,7 @@ class ServerConfig:
     served_model_names: list[str] = field(default_factory=list)  # default: [model_path]
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | Sequence[str] | None = None  # any of them (vLLM's --api-key takes several)
     max_queued_requests: int = 1024
     log_level: str = "info"
     access_log: bool = True
@@ -91,14 +91,16 @@ class APIKeyMiddleware:
     """Requires `Authorization: Bearer <key>` on every /v1 route (plain ASGI, so that streaming
     responses and disconnect detection pass through untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str]) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self._expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
             given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self._expected):
+            # Every key compared (no early exit): the time taken says nothing about which matched.
+            if not sum(hmac.compare_digest(given, expected) for expected in self._expected):
                 response = error_response(401, "Unauthorized: a valid `Authorization: Bearer <api key>` header "
                                                "is required")
                 response.headers["WWW-Authenticate"] = "Bearer"
