@@ -27,6 +27,9 @@ MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 
 # The kinds of StructuredOutputsParams, in the order its fields are declared.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# StructuredOutputsParams' other fields (vLLM's), beside its one kind.
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                      "structural_tag")
 
 
 class RequestOutputKind(Enum):
@@ -49,8 +52,27 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's options, where they ask for what xgrammar does here: JSON without free whitespace
+    # (True, or None), an object's properties only those its schema names (xgrammar's strict mode:
+    # either value, as in vLLM's xgrammar backend); no whitespace pattern, no structural tags.
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported; give json, regex, choice, grammar "
+                             "or json_object")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported: JSON is generated without free "
+                             "whitespace")
+        if self.disable_any_whitespace is False:
+            raise ValueError("structured_outputs.disable_any_whitespace=False is not supported: JSON is generated "
+                             "without free whitespace (leave it unset or true)")
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError("structured_outputs.disable_additional_properties must be a bool, got "
+                             f"{quote(self.disable_additional_properties)}")
         given = [name for name in KINDS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError("structured_outputs must set exactly one of " + ", ".join(KINDS)

@@ -339,3 +339,16 @@ def test_utf8_tables_agree_with_pythons_decoder() -> None:
     allowed = np.unpackbits(tables.allowed_bitmask.view(np.uint8), bitorder="little").reshape(NUM_STATES, -1)
     assert not allowed[:, stop + 1:len(tokens) + 3].any() and not allowed[REJECT].any()
     assert (allowed[:, :len(tokens) + 3].astype(bool) == (tables.next_state != REJECT)).all()
+
+
+def test_vllms_structured_output_options() -> None:
+    """vLLM's StructuredOutputsParams options: taken where they ask for what xgrammar does here (JSON
+    without free whitespace, only the schema's properties), refused by name otherwise."""
+    ok = StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True,
+                                 disable_additional_properties=True)
+    assert ok.kind == "json" and ok.key == ("json", '{"type": "object"}')
+    for kwargs, match in (({"disable_any_whitespace": False}, "disable_any_whitespace=False is not supported"),
+                          ({"whitespace_pattern": " *"}, "whitespace_pattern is not supported"),
+                          ({"structural_tag": "{}"}, "structural_tag is not supported")):
+        with pytest.raises(ValueError, match=match):
+            StructuredOutputsParams(json_object=True, **kwargs)
