@@ -13,7 +13,7 @@ from nanovllm import unsupported_options
 from nanovllm.builtin_model import ensure_default_model
 from nanovllm.chat_inputs import joined_text, load_chat_template
 from nanovllm.config import EngineConfig
-from nanovllm.engine.llm_engine import LLMEngine, PromptType
+from nanovllm.engine.llm_engine import LLMEngine, PromptType, valid_text
 from nanovllm.engine.beam_search import run_beam_search
 from nanovllm.outputs import BeamSearchOutput, RequestOutput
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
@@ -86,6 +86,8 @@ class LLM:
         options are a ValueError naming them."""
         _check_unsupported(lora_request, priority, mm_processor_kwargs)
         prompt_list = _as_prompt_list(prompts)
+        if priority is not None and not isinstance(priority, int) and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one or one per prompt")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -97,8 +99,27 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; pass one or one per prompt"
                 )
         if tokenization_kwargs:
-            params_list = _with_tokenization(params_list, tokenization_kwargs)
+            prompt_list, params_list = self._with_tokenization(prompt_list, params_list, tokenization_kwargs)
         return self._run(prompt_list, params_list, use_tqdm)
+
+    def _with_tokenization(self, prompts: list[PromptType], params: list[SamplingParams],
+                           kwargs: dict[str, Any]) -> tuple[list[PromptType], list[SamplingParams]]:
+        """vLLM 0.32's tokenization_kwargs: truncate_prompt_tokens and truncation_side (as the sampling
+        params'), add_special_tokens (text prompts encoded here with it); other keys ignored with a
+        warning, as vLLM does."""
+        taken = {k: kwargs[k] for k in ("truncate_prompt_tokens", "truncation_side") if k in kwargs}
+        ignored = sorted(set(kwargs) - set(taken) - {"add_special_tokens"})
+        if ignored:
+            logger.warning("tokenization_kwargs %s ignored (taken: truncate_prompt_tokens, truncation_side, "
+                           "add_special_tokens)", ", ".join(repr(k) for k in ignored))
+        if taken:
+            params = [replace(p, **taken) for p in params]
+        if "add_special_tokens" in kwargs:
+            special = bool(kwargs["add_special_tokens"])
+            encode = self.engine.tokenizer.encode
+            prompts = [{"prompt_token_ids": encode(valid_text(text), add_special_tokens=special), "prompt": text}
+                       if (text := _text_of(p)) is not None else p for p in prompts]
+        return prompts, params
 
     def chat(
         self,
@@ -206,6 +227,9 @@ class LLM:
 def _check_unsupported(lora_request: object, priority: int | Sequence[int] | None,
                        mm_processor_kwargs: dict[str, Any] | None) -> None:
     """vLLM's request options this engine has no use for: refused unless they ask for nothing."""
+    if isinstance(lora_request, bool):  # chat(messages, params, use_tqdm, add_generation_prompt) of old
+        raise TypeError("the 4th argument of generate() and chat() is lora_request, as in vLLM: pass "
+                        "add_generation_prompt=... by name")
     if lora_request is not None:
         raise ValueError("lora_request is not supported: this engine serves the model's own weights (no LoRA)")
     priorities = [priority] if isinstance(priority, int) else list(priority or [])
@@ -215,16 +239,13 @@ def _check_unsupported(lora_request: object, priority: int | Sequence[int] | Non
         raise ValueError("mm_processor_kwargs is not supported: prompts are text or token ids")
 
 
-_TOKENIZATION_KWARGS = ("truncate_prompt_tokens", "truncation_side")
-
-
-def _with_tokenization(params: list[SamplingParams], kwargs: dict[str, Any]) -> list[SamplingParams]:
-    """The sampling params with tokenization_kwargs' truncation (vLLM 0.32 moved it there)."""
-    unknown = sorted(set(kwargs) - set(_TOKENIZATION_KWARGS))
-    if unknown:
-        raise ValueError(f"tokenization_kwargs may set {' and '.join(_TOKENIZATION_KWARGS)}, got "
-                         f"{', '.join(repr(k) for k in unknown)}")
-    return [replace(p, **kwargs) for p in params]
+def _text_of(prompt: PromptType) -> str | None:
+    """A text prompt's text (a str, or a dict with a string `prompt` and no token ids), else None."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+        return prompt["prompt"]
+    return None
 
 
 def _as_params_list(params: object) -> list[SamplingParams]:

@@ -27,6 +27,7 @@ MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 
 # The kinds of StructuredOutputsParams, in the order its fields are declared.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+FLOAT32_MAX = 3.4028234663852886e38  # biases are added to fp32 logits
 # StructuredOutputsParams' other fields (vLLM's), beside its one kind.
 STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
                       "structural_tag")
@@ -156,9 +157,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.seed == -1 and not isinstance(self.seed, bool):  # OpenAI's and vLLM's "no seed"
             self.seed = None
-        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True asks for the chosen token's and one more
-            if getattr(self, name) is True:
-                setattr(self, name, 1)
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's: True is 1 (one more than the chosen token), False 0
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {quote(self.stop_token_ids)}")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
@@ -238,8 +239,9 @@ class SamplingParams:
             # Any bias, as vLLM's SamplingParams (-inf bans a token; the server clamps to OpenAI's
             # [-100, 100] as vLLM's does); NaN or +inf would leave no distribution to sample.
             for token, bias in self.logit_bias.items():
-                if token < 0 or not isinstance(bias, (int, float)) or isinstance(bias, bool) or not bias < math.inf:
-                    fail("logit_bias", "a map of token id -> bias (a number below +inf)")
+                if token < 0 or not isinstance(bias, (int, float)) or isinstance(bias, bool) or not (
+                        bias == -math.inf or abs(bias) <= FLOAT32_MAX):
+                    fail("logit_bias", "a map of token id -> bias (a float32: at most 3.4e38 in magnitude, or -inf)")
         if self.truncation_side not in (None, "left", "right"):
             fail("truncation_side", "None, 'left' (keep the prompt's last tokens) or 'right' (its first)")
         if self.spaces_between_special_tokens is not True:

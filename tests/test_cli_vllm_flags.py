@@ -373,6 +373,13 @@ def test_vllm_spellings_are_rewritten_as_vllm_rewrites_them() -> None:
     args = build_parser().parse_args(vllm_spellings(["serve", "--max_num_seqs", "5", "--speculative-config.method",
                                                      "ngram"]))
     assert args.max_num_seqs == 5 and json.loads(args.speculative_config) == {"method": "ngram"}
+    merged = vllm_spellings(["serve", '--speculative-config={"num_speculative_tokens": 2}',
+                             "--speculative-config.method", "ngram"])
+    assert json.loads(merged[-1]) == {"num_speculative_tokens": 2, "method": "ngram"} and len(merged) == 3
+    with pytest.raises(ValueError, match="needs a value"):
+        vllm_spellings(["serve", "--speculative-config.method"])
+    with pytest.raises(ValueError, match="is not a JSON object"):
+        vllm_spellings(["serve", "--speculative-config", "{bad", "--speculative-config.method", "ngram"])
 
 
 def test_a_model_after_served_model_name_is_refused(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -382,3 +389,5 @@ def test_a_model_after_served_model_name_is_refused(model_dir: Path, capsys: pyt
 
     assert main(["serve", "--served-model-name", "tiny", str(model_dir)]) == 2
     assert "give the model first" in capsys.readouterr().err
+    assert main(["serve", "--api-key", "secret", str(model_dir)]) == 2
+    assert "after --api-key" in capsys.readouterr().err

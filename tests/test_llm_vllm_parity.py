@@ -200,6 +200,8 @@ def test_chat_takes_vllms_arguments_and_content_parts(llm: LLM, model_dir: Path,
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(ValueError, match="lora_request"):
         llm.chat(messages, None, False, object())
+    with pytest.raises(TypeError, match="pass add_generation_prompt=... by name"):
+        llm.chat(messages, None, False, False)
     with pytest.raises(ValueError, match="priority"):
         llm.generate(PROMPT, priority=[1])
     assert llm.generate(PROMPT, SamplingParams(max_tokens=1), priority=0, use_tqdm=False)[0].outputs
@@ -224,8 +226,12 @@ def test_tokenization_kwargs_truncate_as_vllm(llm: LLM) -> None:
     assert len(long.prompt_token_ids) == 511 and len(long.outputs[0].token_ids) == 1
     with pytest.raises(ValueError, match="cannot be greater than max_model_len"):
         llm.generate(ids, SamplingParams(truncate_prompt_tokens=513), use_tqdm=False)
-    with pytest.raises(ValueError, match="tokenization_kwargs may set"):
-        llm.generate(ids, params, tokenization_kwargs={"padding": True})
+    plain = llm.generate(PROMPT, params, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False,
+                                                                              "padding": True})[0]
+    assert plain.prompt == PROMPT
+    assert plain.prompt_token_ids == llm.get_tokenizer().encode(PROMPT, add_special_tokens=False)
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate([ids, ids], params, priority=[0])
 
 
 def test_vllm_sampling_param_forms(llm: LLM) -> None:
@@ -234,6 +240,7 @@ def test_vllm_sampling_param_forms(llm: LLM) -> None:
     from nanovllm import RequestOutputKind, TextPrompt, TokensPrompt
 
     assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    assert SamplingParams(logprobs=False).logprobs == 0
     assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"a": 1}).extra_args == {"a": 1}
     base = greedy(llm, max_tokens=6, ignore_eos=True).token_ids
     banned = greedy(llm, max_tokens=6, ignore_eos=True, logit_bias={base[0]: float("-inf")}).token_ids

@@ -378,6 +378,10 @@ def test_vllm_response_options(server: ServerProcess, llm: LLM) -> None:
     content = c["choices"][0]["logprobs"]["content"]
     assert all(e["token"].startswith("token_id:") and e["top_logprobs"][0]["token"].startswith("token_id:")
                for e in content)
+    # documents reach the template as apply_chat_template's argument (this template ignores them).
+    with_docs = httpx.post(f"{url}/chat/completions", json={**chat, "documents": [{"title": "t", "text": "x"}]})
+    assert with_docs.status_code == 200, with_docs.text
+    assert with_docs.json()["usage"]["prompt_tokens"] == len(rendered)
     # top_logprobs 0 (OpenAI's default) asks for nothing: no logprobs needed.
     r0 = httpx.post(f"{url}/chat/completions", json={**chat, "top_logprobs": 0})
     assert r0.status_code == 200 and r0.json()["choices"][0]["logprobs"] is None
@@ -389,13 +393,13 @@ def test_vllm_response_options(server: ServerProcess, llm: LLM) -> None:
 
 
 def test_chat_template_variables() -> None:
-    """documents and reasoning_effort reach the chat template as vLLM passes them (reasoning_effort
-    also sets enable_thinking unless chat_template_kwargs does)."""
+    """reasoning_effort reaches the chat template as vLLM passes it (it also sets enable_thinking
+    unless chat_template_kwargs does); documents go as apply_chat_template's own argument
+    (test_vllm_response_options)."""
     from nanovllm.entrypoints.openai.protocol import ChatCompletionRequest
 
-    docs = [{"title": "a", "text": "b"}]
-    req = ChatCompletionRequest.model_validate({"messages": HI, "documents": docs, "reasoning_effort": "none"})
-    assert req.template_variables() == {"documents": docs, "reasoning_effort": "none", "enable_thinking": False}
+    req = ChatCompletionRequest.model_validate({"messages": HI, "reasoning_effort": "none"})
+    assert req.template_variables() == {"reasoning_effort": "none", "enable_thinking": False}
     req = ChatCompletionRequest.model_validate({"messages": HI, "reasoning_effort": "high",
                                                 "chat_template_kwargs": {"enable_thinking": False, "x": 1}})
     assert req.template_variables() == {"enable_thinking": False, "x": 1, "reasoning_effort": "high"}

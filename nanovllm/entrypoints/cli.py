@@ -442,27 +442,38 @@ def vllm_spellings(argv: Sequence[str]) -> list[str]:
         else:
             out.append(arg)
     for head, obj in objects.items():
-        if head in out:  # the whole object given too: its keys given one by one go over it
-            at = out.index(head) + 1
-            out[at] = json.dumps({**json.loads(out[at]), **obj})
-        else:
-            out += [head, json.dumps(obj)]
+        # The whole object given too (`--x JSON` or `--x=JSON`): its keys given one by one go over it.
+        at = next((k for k, a in enumerate(out) if a == head or a.startswith(head + "=")), None)
+        whole = None
+        if at is not None:
+            whole = out[at].partition("=")[2] if "=" in out[at] else (out[at + 1] if at + 1 < len(out) else None)
+        try:
+            merged = {**json.loads(whole), **obj} if whole is not None else obj
+        except (json.JSONDecodeError, TypeError):
+            raise ValueError(f"{head} is not a JSON object: {whole}") from None
+        if at is not None:
+            del out[at:at + (1 if "=" in out[at] or whole is None else 2)]
+        out += [head, json.dumps(merged)]
     return out
 
 
+# serve's options that take several values: a model directory after them would be one more.
+_MANY_VALUES = ("--served-model-name", "--api-key")
+
+
 def _check_model_first(argv: Sequence[str]) -> None:
-    """vLLM's rule: `serve --served-model-name NAME MODEL` takes MODEL as another name. Here that
-    would serve the built-in model under both names; refused where a name is a model directory."""
+    """vLLM's rule: the model comes first. `serve --served-model-name NAME MODEL` (or `--api-key KEY
+    MODEL`) takes MODEL as one more value and would serve the built-in model: refused where such a
+    value is a model directory."""
     if len(argv) < 2 or argv[0] != "serve" or not argv[1].startswith("-"):
         return
-    names: list[str] = []
     for k, arg in enumerate(argv):
-        if arg == "--served-model-name":
-            names += [a for a in itertools.takewhile(lambda a: not a.startswith("-"), argv[k + 1:])]
-    model = next((n for n in names if Path(n).is_dir()), None)
-    if model is not None:
-        raise ValueError(f"give the model first: `nanovllm serve {model} --served-model-name ...` (after "
-                         f"--served-model-name, {model} was taken as another name)")
+        if arg in _MANY_VALUES:
+            values = itertools.takewhile(lambda a: not a.startswith("-"), argv[k + 1:])
+            model = next((v for v in values if Path(v).is_dir()), None)
+            if model is not None:
+                raise ValueError(f"give the model first: `nanovllm serve {model} {arg} ...` (after {arg}, "
+                                 f"{model} was taken as one more of its values)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

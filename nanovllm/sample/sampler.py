@@ -185,10 +185,10 @@ def apply_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torc
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens whose probability is below min_p times the row's largest."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    """Mask (to -inf) the tokens whose probability is below min_p times the row's largest: in logit
+    space, x < max + log(min_p) (no softmax; min_p 0 masks nothing)."""
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(min_p.to(logits.dtype))[:, None]
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def exponential_race(probs: torch.Tensor, generators: Mapping[int, torch.Generator] | None = None,

@@ -297,10 +297,9 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     def template_variables(self) -> dict[str, Any]:
-        """chat_template_kwargs with the request's template variables."""
+        """chat_template_kwargs with the request's reasoning effort (its documents are
+        apply_chat_template's own argument)."""
         variables: dict[str, Any] = dict(self.chat_template_kwargs or {})
-        if self.documents is not None:
-            variables["documents"] = self.documents
         if self.reasoning_effort is not None:
             variables["reasoning_effort"] = self.reasoning_effort
             variables.setdefault("enable_thinking", self.reasoning_effort != "none")

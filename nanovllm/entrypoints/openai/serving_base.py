@@ -175,9 +175,11 @@ class ServingContext:
 
     async def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None = None,
-                          extra: dict[str, Any] | None = None, add_special_tokens: bool = False) -> Prompt:
+                          extra: dict[str, Any] | None = None, add_special_tokens: bool = False,
+                          documents: list[dict[str, str]] | None = None) -> Prompt:
         """Applies the chat template (the model's; the request's only on a server that trusts
-        them), as `LLM.chat` does, in a text worker and within the render time limit."""
+        them), as `LLM.chat` does, in a text worker and within the render time limit; `documents`
+        (RAG) reach it as apply_chat_template's own argument, as vLLM passes them."""
         if add_generation_prompt and continue_final_message:
             raise OpenAIError(400, "add_generation_prompt and continue_final_message cannot both be true")
         kwargs: dict[str, Any] = dict(extra or {})
@@ -200,6 +202,8 @@ class ServingContext:
             raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions")
         conversation = [_message_dict(m) for m in messages]
         kwargs.update(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
+        if documents is not None:
+            kwargs["documents"] = documents
         if continue_final_message:
             kwargs["continue_final_message"] = True
         return Prompt(await self.workers.run(self._render_and_encode, conversation, kwargs, add_special_tokens), None)

@@ -54,7 +54,8 @@ class ChatServing:
         k = (req.top_logprobs or 0) if req.logprobs else None
         prompt = ctx.truncated(await ctx.render_chat(req.messages, req.add_generation_prompt,
                                                      req.continue_final_message, req.chat_template,
-                                                     req.template_variables(), req.add_special_tokens), req)
+                                                     req.template_variables(), req.add_special_tokens,
+                                                     req.documents), req)
         budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, getattr(req, budget), budget), k)
         await ctx.tokenize_bad_words([params])
@@ -68,8 +69,8 @@ class ChatServing:
 
     def _logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
                   as_id: bool) -> ChatChoiceLogprobs:
-        """Per token its text (or "token_id:N", `as_id`; bytes stay the text's), logprob and the top
-        `k` alternatives."""
+        """Per token its text (or "token_id:N", `as_id`: its bytes stay the text's, the
+        alternatives' are their names', as vLLM's), logprob and the top `k` alternatives."""
         content = []
         for tid, entry in zip(token_ids, entries):
             chosen = entry[tid]
@@ -79,8 +80,8 @@ class ChatServing:
             content.append(TokenLogprob(
                 token=self.ctx.token_name(tid, chosen, as_id), logprob=json_logprob(chosen.logprob),
                 bytes=list(text.encode("utf-8")),
-                top_logprobs=[TopLogprob(token=self.ctx.token_name(t, lp, as_id), logprob=json_logprob(lp.logprob),
-                                         bytes=list(self.ctx.token_name(t, lp, False).encode("utf-8")))
+                top_logprobs=[TopLogprob(token=(name := self.ctx.token_name(t, lp, as_id)),
+                                         logprob=json_logprob(lp.logprob), bytes=list(name.encode("utf-8")))
                               for t, lp in top],
             ))
         return ChatChoiceLogprobs(content=content)
@@ -120,12 +121,12 @@ class ChatServing:
                                            usage=usage, prompt_token_ids=prompt_token_ids))
 
         try:
-            # As OpenAI: each choice opens with the assistant role and empty content (the first
-            # chunk also with the prompt's token ids, for return_token_ids).
+            # As OpenAI: each choice opens with the assistant role and empty content (and, for
+            # return_token_ids, the prompt's token ids, as vLLM's first chunk of each choice).
             for j in range(req.n):
                 yield chunk([ChatStreamChoice(index=j, delta={"role": "assistant", "content": ""})],
                             _usage(prompt, 0) if req.continuous_usage else None,
-                            list(prompt.token_ids) if with_ids and j == 0 else None)
+                            list(prompt.token_ids) if with_ids else None)
             async for out in group:
                 for c in out.outputs:
                     generated[c.index] += len(c.token_ids)
