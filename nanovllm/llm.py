@@ -81,13 +81,14 @@ class LLM:
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """vLLM's LLM.generate. `tokenization_kwargs` may set truncate_prompt_tokens and
-        truncation_side (vLLM 0.32's place for them); LoRA, priorities other than 0 and multimodal
-        options are a ValueError naming them."""
+        """vLLM's LLM.generate. `tokenization_kwargs` may set truncate_prompt_tokens, truncation_side
+        (vLLM 0.32's place for them) and add_special_tokens; LoRA, priorities other than 0 and
+        multimodal options are a ValueError naming them."""
         _check_unsupported(lora_request, priority, mm_processor_kwargs)
         prompt_list = _as_prompt_list(prompts)
         if priority is not None and not isinstance(priority, int) and len(priority) != len(prompt_list):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one or one per prompt")
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts; pass one or one per "
+                             "prompt")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -160,7 +161,8 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in conversations:
             if chat_template_content_format != "openai":
-                conv = [{**m, "content": joined_text(m.get("content"))} if isinstance(m, dict) else m for m in conv]
+                conv = [{**m, "content": joined_text(m["content"])}
+                        if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in conv]
             text = tokenizer.apply_chat_template(conv, tokenize=False, **options)
             # The template writes the special tokens: encoding its text without adding them is
             # what apply_chat_template(tokenize=True) does.

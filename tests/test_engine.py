@@ -226,8 +226,9 @@ def test_bad_input_rejected_and_engine_keeps_serving(qwen3_dir: Path) -> None:
      ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5), ("n", 0), ("stop_token_ids", [-1]),
      ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
      ("logprobs", -2), ("prompt_logprobs", -2), ("stop", [""]), ("stop", 5), ("logit_bias", {1: float("nan")}),
-     ("logit_bias", {1: float("inf")}), ("logit_bias", {1: 1e39}), ("logit_bias", {"x": 1.0}), ("truncation_side", "middle"),
-     ("spaces_between_special_tokens", False), ("output_kind", 2), ("extra_args", [1]), ("skip_special_tokens", 1), ("temperature", float("nan")),
+     ("logit_bias", {1: float("inf")}), ("logit_bias", {1: 1e39}), ("logit_bias", {"x": 1.0}),
+     ("truncation_side", "middle"), ("spaces_between_special_tokens", False), ("output_kind", 2), ("extra_args", [1]),
+     ("skip_special_tokens", 1), ("temperature", float("nan")),
      ("stop", ["\ud800"]), ("top_k", 2**63), ("seed", 2**64), ("seed", -(2**63) - 1)],
 )
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:

@@ -3,9 +3,9 @@ beams fork (sharing every block, copying only on write) and dropped beams free t
 memory follows the live beams.
 
 Each step, every live beam's top 2 * beam_width next tokens (by the model's raw logprobs: vLLM's
-LLM.beam_search reports and scores those whatever its temperature) become candidates, as there: every candidate ending in EOS is
-complete (unless ignore_eos), whatever its rank; of the others, per prompt the best beam_width by
-cumulative log-probability continue. Completed and live beams are ranked by cum_logprob /
+LLM.beam_search reports and scores those whatever its temperature) become candidates, as there:
+every candidate ending in EOS is complete (unless ignore_eos), whatever its rank; of the others,
+per prompt the best beam_width by cumulative log-probability continue. Completed and live beams are ranked by cum_logprob /
 len(tokens) ** length_penalty (EOS not counted). The step is the engine's (schedule, execute,
 postprocess) with the choice of tokens and forks made here instead of by the sampler.
 """

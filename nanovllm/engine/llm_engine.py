@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 class TextPrompt(TypedDict, total=False):
     """vLLM's: a text prompt (the tokenizer encodes it)."""
 
@@ -320,7 +319,8 @@ class LLMEngine:
             comp.lp_refs, comp.cumulative_logprob = [], 0.0
         self.detokenizer.add(sid, skip_special_tokens=params.skip_special_tokens, stop=params.stop_strings,
                              include_stop_str_in_output=params.include_stop_str_in_output,
-                             min_tokens=params.min_tokens, deltas=req.stream, prompt_token_ids=req.prompt_token_ids)
+                             min_tokens=params.min_tokens, deltas=req.stream,
+                             prompt_token_ids=req.prompt_token_ids)
         if parent is None:
             self._seqs.reset(sid)
         else:

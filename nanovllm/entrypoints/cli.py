@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"{MODEL_HELP} (default: the built-in model, random weights)")
     serve.add_argument("--model", default=None, help="the same as MODEL_DIR, vLLM's spelling (default: none)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only, %(default)s)")
-    serve.add_argument("--port", type=tcp_port, default=8000, help="checked before the model loads (default: %(default)s)")
+    serve.add_argument("--port", type=tcp_port, default=8000,
+                       help="checked before the model loads (default: %(default)s)")
     serve.add_argument("--api-key", nargs="+", default=None,
                        help="require `Authorization: Bearer KEY` on /v1 routes, any of the keys given (default: "
                             "$NANOVLLM_API_KEY, else $VLLM_API_KEY)")

@@ -1,8 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
 
 Order of operations (vLLM's): temperature -> min-p -> top-k -> top-p (its mass measured against
-what min-p and top-k kept) -> sample. The rows of a batch are split on the host (no device sync) into three groups, each done
-in one batched pass:
+what min-p and top-k kept) -> sample. The rows of a batch are split on the host (no device sync)
+into three groups, each done in one batched pass:
 
 * top-k rows: `topk` of the group's largest k gives each row's candidates already sorted; the
   row's own k, then its nucleus (top-p), are cut inside them. No full-vocabulary sort.
