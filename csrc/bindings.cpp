@@ -549,6 +549,8 @@ void bind_scheduler(py::module_& m) {
            },
            py::arg("seq_id"), "This sequence never speculates (beam search).")
       .def("has_unfinished", &Scheduler::has_unfinished)
+      .def("take_first_hits", &Scheduler::take_first_hits,
+           "[(seq_id, prompt tokens the prefix cache held)] of the sequences first scheduled since the last call.")
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
            "Forget every cached prefix; only while no block is in use. Returns whether it did.")
       .def_property_readonly("in_flight", &Scheduler::in_flight, "Whether a scheduled step awaits postprocess().")

@@ -135,6 +135,10 @@ void Scheduler::schedule_waiting(int32_t& budget) {
       stats_.prefix_cache_queries += seq->num_tokens();
       stats_.prefix_cache_hits += hit_tokens;
     }
+    if (seq->num_cached_tokens < 0) {  // a preempted sequence's later hits are not its request's
+      seq->num_cached_tokens = hit_tokens;
+      first_hits_.emplace_back(seq->id, hit_tokens);
+    }
     waiting_.pop_front();
     seq->status = SeqStatus::kRunning;
     running_.push_back(seq);

@@ -116,6 +116,9 @@ class Scheduler {
   const StepPlan& plan() const { return plan_; }
   const KVCacheManager& kv() const { return kv_; }
   const SchedulerStats& stats() const { return stats_; }
+  // (sequence id, prompt tokens the prefix cache held) of each sequence first scheduled since the
+  // last call: its num_cached_tokens, handed out once.
+  std::vector<std::pair<int64_t, int32_t>> take_first_hits() { return std::exchange(first_hits_, {}); }
   size_t num_waiting() const { return waiting_.size(); }
   size_t num_running() const { return running_.size(); }
   bool has_unfinished() const { return !seqs_.empty(); }
@@ -153,6 +156,7 @@ class Scheduler {
   bool in_flight_ = false;
   bool spec_this_step_ = false;
   SchedulerStats stats_;
+  std::vector<std::pair<int64_t, int32_t>> first_hits_;  // take_first_hits()
 };
 
 }  // namespace nanovllm

@@ -34,6 +34,9 @@ struct Sequence {
   int32_t num_prompt_tokens = 0;
   // Tokens whose K/V are in the cache. The newest sampled token is never computed yet.
   int32_t num_computed = 0;
+  // Prompt tokens the prefix cache held when it was first scheduled (vLLM's num_cached_tokens);
+  // -1 until then.
+  int32_t num_cached_tokens = -1;
   std::vector<int32_t> block_table;
   // Chained hashes of the first block_hashes.size() full blocks of `tokens`.
   std::vector<uint64_t> block_hashes;

@@ -178,6 +178,8 @@ class Scheduler:
         proposals for its next step. Returns (finished as postprocess(), kept: the tokens each row took)."""
     def disable_spec(self, seq_id: int) -> None: ...  # never drafts (beam search); before it first runs
     def has_unfinished(self) -> bool: ...
+    def take_first_hits(self) -> list[tuple[int, int]]:
+        """[(seq_id, prompt tokens the prefix cache held)] of the sequences first scheduled since the last call."""
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only while no block is in use. Returns whether it did."""
     in_flight: bool  # a scheduled step awaits postprocess()

@@ -46,6 +46,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache held (vLLM's)
 
 
 @dataclass

@@ -561,3 +561,19 @@ def test_a_stop_string_that_only_the_end_completes_is_a_stop(sp_llm: LLM) -> Non
     out = sp_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, stop=["AA"], allowed_token_ids=[a]),
                           use_tqdm=False)[0].outputs[0]
     assert out.text == "" and out.finish_reason == "stop" and out.stop_reason == "AA"
+
+
+def test_num_cached_tokens_counts_the_prompts_prefix_cache_hits(model_dir: Path) -> None:
+    """vLLM's RequestOutput.num_cached_tokens: the prompt tokens the prefix cache held when the
+    request was first scheduled (whole blocks; never the prompt's last token, which is computed)."""
+    llm = LLM(str(model_dir), **ENGINE)
+    prompt = {"prompt_token_ids": list(range(1, 71))}  # 70 tokens: 4 whole blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+    again = llm.generate([prompt, {"prompt_token_ids": list(range(1, 40))}], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in again] == [64, 32]
+    n = llm.generate(prompt, SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=2), use_tqdm=False)[0]
+    assert n.num_cached_tokens == 64 and len(n.outputs) == 3
+    off = LLM(str(model_dir), enable_prefix_caching=False, **ENGINE)
+    off.generate(prompt, params, use_tqdm=False)
+    assert off.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0

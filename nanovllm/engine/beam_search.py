@@ -116,6 +116,7 @@ class _BeamSearch:
     def step(self) -> None:
         params, owner, scheduler = self.params, self.owner, self.scheduler
         so = scheduler.schedule()
+        scheduler.take_first_hits()  # beams are no request's: their prefix hits go unreported
         out = self.executor.execute(so)
         sids = out.seq_ids.tolist()
         if not sids:  # only prefill chunks this step

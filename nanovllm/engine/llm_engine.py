@@ -361,6 +361,9 @@ class LLMEngine:
         """Schedule, execute, postprocess, then the outputs: one for every streamed request that
         gained something and for every other request that finished."""
         so = self.scheduler.schedule()
+        for sid, hits in self.scheduler.take_first_hits():  # vLLM's num_cached_tokens, once a request
+            if sid in self._by_seq:
+                self._by_seq[sid][0].num_cached_tokens = hits
         try:
             out = self.executor.execute(so)
         except BaseException:

@@ -71,6 +71,7 @@ class Request:
     # Set once the first sample has fanned out into n completions (n > 1).
     fanned_out: bool = True
     grammar: HeldGrammar | None = None  # its structured output's grammar, held until it finishes
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held, once first scheduled
 
     def release_grammar(self) -> None:
         if self.grammar is not None:
@@ -94,7 +95,7 @@ class Request:
         if prompt_logprobs is not None and not detokenize:
             prompt_logprobs = [None if e is None else without_strings([e])[0] for e in prompt_logprobs]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, self.finished,
-                             self.metrics, prompt_logprobs)
+                             self.metrics, prompt_logprobs, self.num_cached_tokens)
 
 
 def without_strings(entries: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:

@@ -190,5 +190,10 @@ class Scheduler:
     def num_total_blocks(self) -> int:
         return self.core.num_total_blocks
 
+    def take_first_hits(self) -> list[tuple[int, int]]:
+        """(sequence id, prompt tokens the prefix cache held) of each sequence first scheduled since
+        the last call (vLLM's num_cached_tokens)."""
+        return self.core.take_first_hits()
+
     def stats(self) -> dict[str, int]:
         return dict(self.core.stats())
