@@ -11,6 +11,7 @@ tensor-parallel worker for itself); everything below the engine takes the resolv
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -24,6 +25,21 @@ from nanovllm.sampling_params import SEED_MAX, SEED_MIN
 
 # Without a GPU to measure, the CPU KV cache gets this much unless told otherwise.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The CPU KV cache's default size: vLLM's CPU setting VLLM_CPU_KVCACHE_SPACE (GiB; unset or 0:
+    nanovllm's default), which its users carry over, else DEFAULT_CPU_KV_CACHE_BYTES."""
+    value = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not value:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    try:
+        gib = int(value)
+    except ValueError:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB, got {value!r}") from None
+    if gib < 0:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be >= 0 GiB, got {gib}")
+    return gib << 30 if gib else DEFAULT_CPU_KV_CACHE_BYTES
 # Tokens per step by default. A GPU wants large steps; a CPU's GEMMs run fastest on a few hundred
 # rows (the activations stay in cache): a batch prefill of 64 prompts of the built-in model took
 # 1.07-1.2 s at 512 against 1.2-1.7 s at 2048-8192 (benchmarks/RESULTS.md).
@@ -171,8 +187,9 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.9, "share of the GPU's memory the engine may use (the KV cache "
                                            "gets what the weights and a profiled step leave)",
                                            aliases=("--device-memory-utilization",))
-    kv_cache_memory_bytes: int | None = option(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: "
-                                               "from gpu_memory_utilization)")
+    kv_cache_memory_bytes: int | None = option(None, "KV cache size in bytes (default on CPU: "
+                                               "$VLLM_CPU_KVCACHE_SPACE GiB as vLLM's CPU engine, else 1 GiB; "
+                                               "on GPU: from gpu_memory_utilization)")
     num_kvcache_blocks: int | None = option(None, "KV cache size in blocks (overrides the two above)",
                                             aliases=("--num-gpu-blocks-override",))
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly")

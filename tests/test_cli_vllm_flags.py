@@ -391,3 +391,25 @@ def test_a_model_after_served_model_name_is_refused(model_dir: Path, capsys: pyt
     assert "give the model first" in capsys.readouterr().err
     assert main(["serve", "--api-key", "secret", str(model_dir)]) == 2
     assert "after --api-key" in capsys.readouterr().err
+
+
+def test_vllm_cpu_kv_cache_space_sizes_the_cpu_cache(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU engine sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB), which its users carry
+    over; --kv-cache-memory-bytes goes first, 0 or unset is the 1 GiB default."""
+    from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, cpu_kv_cache_bytes
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert cpu_kv_cache_bytes() == DEFAULT_CPU_KV_CACHE_BYTES
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert cpu_kv_cache_bytes() == DEFAULT_CPU_KV_CACHE_BYTES
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "x")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB"):
+        cpu_kv_cache_bytes()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    blocks = LLM(str(model_dir), device="cpu", max_model_len=64).stats()["num_total_blocks"]
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    default = LLM(str(model_dir), device="cpu", max_model_len=64).stats()["num_total_blocks"]
+    assert blocks == 2 * default
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    given = LLM(str(model_dir), device="cpu", max_model_len=64, kv_cache_memory_bytes=1 << 29)
+    assert given.stats()["num_total_blocks"] == default // 2

@@ -24,7 +24,7 @@ import torch
 
 from nanovllm import _C
 from nanovllm.attention.metadata import AttentionMetadata, HostSeqLens
-from nanovllm.config import DEFAULT_CPU_KV_CACHE_BYTES, ResolvedConfig
+from nanovllm.config import ResolvedConfig, cpu_kv_cache_bytes
 from nanovllm.cpu import gemm as cpu_gemm
 from nanovllm.cpu import huge_pages
 from nanovllm.layers.attention import attention_layers, bind_kv_cache
@@ -167,7 +167,7 @@ class ModelRunner:
         elif self.device.type == "cuda" and options.kv_cache_memory_bytes is None:
             blocks = self.profile_num_blocks(options.gpu_memory_utilization, self.config.max_num_batched_tokens)
         else:
-            blocks = (options.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES) // per_block
+            blocks = (options.kv_cache_memory_bytes or cpu_kv_cache_bytes()) // per_block
         if self.tp is not None:
             blocks = self.tp.all_reduce_min(blocks)
         if blocks < 1:
