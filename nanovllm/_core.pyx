@@ -391,14 +391,13 @@ cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint in
     return 0
 
 
-cdef bint _has_text(TokenTable t, const int32_t[::1] toks, bint skip_special) except -1:
+cdef bint _has_text(TokenTable t, object toks, bint skip_special) except -1:
     """Whether any of `toks` reaches the decoder (in the table, not a hole, not a skipped special
-    token)."""
-    cdef Py_ssize_t i
-    cdef int32_t tok
+    token). Walked as given, to the first that does (the prompt's first or second token, as a
+    rule): a whole prompt's conversion for each of a request's n samples would cost far more."""
+    cdef int64_t tok
     cdef uint8_t f
-    for i in range(toks.shape[0]):
-        tok = toks[i]
+    for tok in toks:
         if tok < 0 or <size_t>tok >= t.flags.size():
             continue
         f = t.flags[tok]
@@ -736,8 +735,7 @@ cdef class Detokenizer:
             self.free_slots.pop_back()
         cdef Seq* s = &self.seqs[slot]
         _init_seq(self.table, s, key, skip_special_tokens, include_stop_str_in_output)
-        if prompt_token_ids is not None and _has_text(self.table, _as_int32(prompt_token_ids, "prompt_token_ids"),
-                                                      skip_special_tokens):
+        if prompt_token_ids is not None and _has_text(self.table, prompt_token_ids, skip_special_tokens):
             s.started = True
             s.strip_left = 0
         cdef bytes e

@@ -28,9 +28,6 @@ MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 # The kinds of StructuredOutputsParams, in the order its fields are declared.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 FLOAT32_MAX = 3.4028234663852886e38  # biases are added to fp32 logits
-# StructuredOutputsParams' other fields (vLLM's), beside its one kind.
-STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
-                      "structural_tag")
 
 
 class RequestOutputKind(Enum):

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StrictStr, field_validator
 
 from nanovllm.quote import quote
-from nanovllm.sampling_params import (
-    KINDS,
-    SEED_MAX,
-    SEED_MIN,
-    STRUCTURED_OPTIONS,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from nanovllm.sampling_params import KINDS, SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # strict floats still accept JSON integers
@@ -174,7 +168,7 @@ class SamplingRequest(OpenAIBaseModel):
             return StructuredOutputsParams(**{GUIDED[name]: getattr(self, name)})
         if name == "response_format":
             return self.response_format.structured()
-        unknown = sorted(set(self.structured_outputs) - set(KINDS) - set(STRUCTURED_OPTIONS))
+        unknown = sorted(set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)})
         if unknown:
             raise ValueError(f"structured_outputs has unknown field(s) {', '.join(quote(u) for u in unknown[:5])}; "
                              f"it takes one of {', '.join(KINDS)}")
