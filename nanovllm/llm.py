@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from nanovllm import unsupported_options
 from nanovllm.builtin_model import ensure_default_model
-from nanovllm.chat_inputs import joined_text, load_chat_template
+from nanovllm.chat_inputs import joined_text, load_chat_template, template_conversation
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine, PromptType, valid_text
 from nanovllm.engine.beam_search import run_beam_search
@@ -163,6 +163,7 @@ class LLM:
             if chat_template_content_format != "openai":
                 conv = [{**m, "content": joined_text(m["content"])}
                         if isinstance(m, dict) and isinstance(m.get("content"), list) else m for m in conv]
+            conv = template_conversation(conv, chat_template or tokenizer.chat_template)
             text = tokenizer.apply_chat_template(conv, tokenize=False, **options)
             # The template writes the special tokens: encoding its text without adding them is
             # what apply_chat_template(tokenize=True) does.

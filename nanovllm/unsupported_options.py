@@ -183,7 +183,7 @@ UNSUPPORTED: dict[str, Unsupported] = {u.name: u for u in [
             "disable_access_log_for_endpoints", where=frozenset({SERVE})),
     *_group("the OpenAI routes answer as documented in the README; this response option is not implemented",
             "chat_template_content_format=auto|string", "default_chat_template_kwargs", "response_role=assistant",
-            "return_tokens_as_token_ids?=false", "enable_prompt_tokens_details?=false", "enable_per_request_metrics?=false",
+            "return_tokens_as_token_ids?=false", "enable_per_request_metrics?=false",
             "enable_server_load_tracking?=false", "enable_force_include_usage?=false", "sse_keep_alive_interval=0",
             "enable_tokenizer_info_endpoint?=false", "tokens_only?=false", "cohere_is_reasoning_model?", "cohere_format",
             "anthropic_disabled_thinking_effort", where=frozenset({SERVE})),

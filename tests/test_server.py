@@ -281,7 +281,8 @@ def test_echo_without_generation_scores_the_prompt(server: ServerProcess, llm: L
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         choices = {c["index"]: {**c, "token_logprobs": c["logprobs"]["token_logprobs"]} for c in r.json()["choices"]}
-    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                     "prompt_tokens_details": None}  # vLLM's null without --enable-prompt-tokens-details
     assert sorted(choices) == [0, 1]
     for c in choices.values():
         assert c["text"] == prompt and c["finish_reason"] == "length"
@@ -490,7 +491,7 @@ def test_continuous_usage_is_per_choice_and_needs_include_usage(server: ServerPr
                            {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     *choice_chunks, final = chunks
     assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 11, "completion_tokens": 20,
-                                                          "total_tokens": 31}
+                                                          "total_tokens": 31, "prompt_tokens_details": None}
     last: dict[int, int] = {}
     for c in choice_chunks:
         index = c["choices"][0]["index"]

@@ -278,6 +278,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           max_queued_requests=args.max_queued_requests, log_level=args.log_level,
                           access_log=not args.disable_access_log, max_request_bytes=args.max_request_bytes,
                           trust_request_chat_template=args.trust_request_chat_template,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           chat_template_timeout=args.chat_template_timeout, limit_concurrency=args.limit_concurrency,
                           timeout_keep_alive=args.timeout_keep_alive, header_timeout=args.header_timeout,
                           shutdown_timeout=args.shutdown_timeout, stream_stall_timeout=args.stream_stall_timeout,
@@ -365,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "of max_model_len, at least 1 MiB)")
     _switch(serve, "--trust-request-chat-template", dest="trust_request_chat_template", default=False,
             help="run chat templates sent with a request (`chat_template`); refused with 400 otherwise")
+    _switch(serve, "--enable-prompt-tokens-details", dest="enable_prompt_tokens_details", default=False,
+            help="report in each response's usage.prompt_tokens_details.cached_tokens the prompt tokens the "
+                 "prefix cache held")
     serve.add_argument("--chat-template-timeout", type=float, default=5.0,
                        help="seconds a chat template may take to render before the request gets a 400 "
                             "(default: %(default)s)")

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one AsyncLLMEngine, run by uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (all /v1 routes need
-`Authorization: Bearer <key>` when an API key is set), GET /health, GET /version, GET /metrics
-(Prometheus), POST /tokenize, POST /detokenize.
+`Authorization: Bearer <key>` when an API key is set), GET /health (and GET or POST /ping, its
+vLLM alias), GET /version, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class ServerConfig:
     access_log: bool = True
     max_request_bytes: int | None = None  # default: default_max_request_bytes(max_model_len)
     trust_request_chat_template: bool = False
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens, as vLLM's flag
     chat_template_timeout: float = 5.0  # seconds a chat template may render
     limit_concurrency: int | None = None  # connections + requests; default: from the open-file limit
     timeout_keep_alive: float = 5.0  # an idle keep-alive connection is closed after this
@@ -121,7 +122,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                          model_path=config.model_path, max_model_len=engine.max_model_len, workers=workers,
                          grammar_pool=grammar_pool, trust_request_chat_template=config.trust_request_chat_template,
                          render_timeout=config.chat_template_timeout, sampling_defaults=engine.sampling_defaults,
-                         max_tokens_cap=engine.max_tokens_cap)
+                         max_tokens_cap=engine.max_tokens_cap,
+                         prompt_tokens_details=config.enable_prompt_tokens_details)
     max_request_bytes = config.max_request_bytes or default_max_request_bytes(engine.max_model_len)
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
@@ -162,6 +164,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.state.stop = stop
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the same check
     async def health() -> Response:
         if not async_engine.is_running:
             return error_response(503, "the engine is not running")

@@ -7,6 +7,7 @@ be encoded as UTF-8 and would otherwise turn a 4xx into a 500."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -63,9 +64,10 @@ def error_body(status: int, message: str, param: str | None = None) -> ErrorResp
                                          param=None if param is None else _printable(param), code=status))
 
 
-def error_response(status: int, message: str, param: str | None = None) -> Response:
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> Response:
     try:
-        return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+        return JSONResponse(error_body(status, message, param).model_dump(), status_code=status, headers=headers)
     except Exception:
         logger.exception("could not build an error response")
         return Response(_FALLBACK_BODY, status_code=500, media_type="application/json")
@@ -98,7 +100,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # e.g. 405's Allow
 
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> Response:

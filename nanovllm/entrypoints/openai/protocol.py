@@ -119,6 +119,8 @@ class SamplingRequest(OpenAIBaseModel):
     # each choice carries its token ids, and the response (or the choice) the prompt's.
     return_tokens_as_token_ids: Bool | None = None
     return_token_ids: Bool | None = None
+    # vLLM's: the id the response reports (after the X-Request-Id header, which wins).
+    request_id: Str | None = None
 
     @field_validator("n", mode="before")
     @classmethod
@@ -346,10 +348,15 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int | None = None  # prompt tokens whose KV the prefix cache held
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # --enable-prompt-tokens-details (vLLM's)
 
 
 class CompletionLogprobs(BaseModel):

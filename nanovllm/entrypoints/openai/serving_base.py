@@ -8,6 +8,7 @@ import inspect
 import logging
 import math
 import weakref
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -17,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.chat_inputs import joined_text
+from nanovllm.chat_inputs import joined_text, template_conversation
 from nanovllm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -32,7 +33,9 @@ from nanovllm.entrypoints.openai.protocol import (
     ChatMessage,
     CompletionRequest,
     OpenAIBaseModel,
+    PromptTokensDetails,
     SamplingRequest,
+    UsageInfo,
 )
 from nanovllm.entrypoints.openai.text_workers import RenderTimeoutError, TextWorkers, run_with_deadline
 from nanovllm.outputs import CompletionOutput, Logprob
@@ -103,13 +106,20 @@ class ServingContext:
     # the most tokens any request gets (its max_new_tokens where vLLM makes it a server-wide limit).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_tokens_cap: int | None = None
+    prompt_tokens_details: bool = False  # usage reports the prompt tokens the prefix cache held
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        details = (PromptTokensDetails(cached_tokens=cached_tokens)
+                   if self.prompt_tokens_details and cached_tokens is not None else None)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
+        if name and name not in self.model_names:  # None or "": the served model, as vLLM
             raise OpenAIError(404, f"The model {quote(name)} does not exist; this server serves "
                                    f"{', '.join(repr(n) for n in self.model_names)}.", param="model")
 
@@ -200,7 +210,11 @@ class ServingContext:
                                    "of the server, not template variables", param="chat_template_kwargs")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        conversation = [_message_dict(m) for m in messages]
+        try:
+            conversation = template_conversation([_message_dict(m) for m in messages],
+                                                 chat_template or self.tokenizer.chat_template)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
         kwargs.update(add_generation_prompt=add_generation_prompt, chat_template=chat_template)
         if documents is not None:
             kwargs["documents"] = documents
@@ -336,6 +350,15 @@ class ChoiceState:
             self.logprobs += delta.logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def response_id(prefix: str, raw: Request, request: SamplingRequest) -> str:
+    """The id a response reports, as vLLM's: the client's X-Request-Id header, else the body's
+    request_id, else a fresh one. The engine's request ids stay fresh: clients may reuse theirs."""
+    given = raw.headers.get("X-Request-Id")
+    if given is None:
+        given = request.request_id
+    return f"{prefix}-{uuid.uuid4().hex if given is None else given}"
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

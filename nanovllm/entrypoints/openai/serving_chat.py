@@ -32,6 +32,7 @@ from nanovllm.entrypoints.openai.serving_base import (
     ServingContext,
     event_stream,
     json_logprob,
+    response_id,
     sse,
     stream_error,
     until_disconnected,
@@ -59,8 +60,8 @@ class ChatServing:
         budget = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(prompt, getattr(req, budget), budget), k)
         await ctx.tokenize_bad_words([params])
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        group = await until_disconnected(raw, ctx.submit([(request_id, prompt, params)], arrival))
+        request_id = response_id("chatcmpl", raw, req)
+        group = await until_disconnected(raw, ctx.submit([(f"chatcmpl-{uuid.uuid4().hex}", prompt, params)], arrival))
         created = int(arrival)  # as vLLM and OpenAI: when the request came, streamed or not
         if req.stream:
             return event_stream(self._stream(req, request_id, created, group, prompt), group)
@@ -89,8 +90,10 @@ class ChatServing:
     async def _collect(self, req: ChatCompletionRequest, request_id: str, created: int, group: RequestGroup,
                        prompt: Prompt) -> ChatCompletionResponse:
         states = [ChoiceState() for _ in range(req.n)]
+        cached = None
         try:
             async for out in group:
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     states[c.index].add(c)
         finally:
@@ -98,14 +101,15 @@ class ChatServing:
         k = (req.top_logprobs or 0) if req.logprobs else None
         as_id = bool(req.return_tokens_as_token_ids)
         choices = [
-            ChatChoice(index=j, message=ChatResponseMessage(content=st.text),
+            ChatChoice(index=j, message=ChatResponseMessage(role=_role(req), content=st.text),
                        logprobs=self._logprobs(st.token_ids, st.logprobs, k, as_id) if k is not None else None,
                        finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                        token_ids=st.token_ids if req.return_token_ids else None)
             for j, st in enumerate(states)
         ]
         return ChatCompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=choices,
-                                      usage=_usage(prompt, sum(len(st.token_ids) for st in states)),
+                                      usage=self.ctx.usage(len(prompt.token_ids),
+                                                           sum(len(st.token_ids) for st in states), cached),
                                       prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, group: RequestGroup,
@@ -114,6 +118,8 @@ class ChatServing:
         as_id, with_ids = bool(req.return_tokens_as_token_ids), bool(req.return_token_ids)
         model = self.ctx.model_name
         generated = [0] * req.n  # each choice's tokens so far
+        cached = None
+        n_prompt = len(prompt.token_ids)
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
                   prompt_token_ids: list[int] | None = None) -> str:
@@ -121,13 +127,14 @@ class ChatServing:
                                            usage=usage, prompt_token_ids=prompt_token_ids))
 
         try:
-            # As OpenAI: each choice opens with the assistant role and empty content (and, for
+            # As OpenAI: each choice opens with the role and empty content (and, for
             # return_token_ids, the prompt's token ids, as vLLM's first chunk of each choice).
             for j in range(req.n):
-                yield chunk([ChatStreamChoice(index=j, delta={"role": "assistant", "content": ""})],
-                            _usage(prompt, 0) if req.continuous_usage else None,
+                yield chunk([ChatStreamChoice(index=j, delta={"role": _role(req), "content": ""})],
+                            self.ctx.usage(n_prompt, 0) if req.continuous_usage else None,
                             list(prompt.token_ids) if with_ids else None)
             async for out in group:
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     generated[c.index] += len(c.token_ids)
                     if not c.text and c.finish_reason is None and not ((k is not None or with_ids) and c.token_ids):
@@ -137,9 +144,9 @@ class ChatServing:
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason,
                                                   token_ids=list(c.token_ids) if with_ids else None)],
-                                _usage(prompt, generated[c.index]) if req.continuous_usage else None)
+                                self.ctx.usage(n_prompt, generated[c.index]) if req.continuous_usage else None)
             if req.include_usage:
-                yield chunk([], _usage(prompt, sum(generated)))
+                yield chunk([], self.ctx.usage(n_prompt, sum(generated), cached))
             yield SSE_DONE
         except STREAM_ERRORS as e:
             yield stream_error(e)
@@ -148,6 +155,8 @@ class ChatServing:
             group.abort()  # also on client disconnect: free the blocks before the next step
 
 
-def _usage(prompt: Prompt, completion_tokens: int) -> UsageInfo:
-    n = len(prompt.token_ids)
-    return UsageInfo(prompt_tokens=n, completion_tokens=completion_tokens, total_tokens=n + completion_tokens)
+def _role(req: ChatCompletionRequest) -> str:
+    """The reply's role, as vLLM's: the assistant's, or, without a generation prompt (the reply
+    continues the conversation's last message), that message's."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+

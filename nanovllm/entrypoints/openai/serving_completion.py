@@ -28,6 +28,7 @@ from nanovllm.entrypoints.openai.serving_base import (
     ServingContext,
     event_stream,
     json_logprob,
+    response_id,
     sse,
     stream_error,
     until_disconnected,
@@ -57,8 +58,9 @@ class CompletionServing:
         params = [ctx.sampling_params(req.to_sampling_params, ctx.max_tokens(p, max_tokens), k,
                                       max(wanted, default=None)) for p in prompts]
         await ctx.tokenize_bad_words(params)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        rids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        request_id = response_id("cmpl", raw, req)
+        engine_id = f"cmpl-{uuid.uuid4().hex}"
+        rids = [f"{engine_id}-{i}" for i in range(len(prompts))]
         group = await until_disconnected(raw, ctx.submit(list(zip(rids, prompts, params)), arrival))
         created = int(arrival)  # as vLLM and OpenAI: when the request came, streamed or not
         if req.stream:
@@ -133,9 +135,11 @@ class CompletionServing:
         index = {rid: i for i, rid in enumerate(group.request_ids)}
         states = [[ChoiceState() for _ in range(n)] for _ in prompts]
         prompt_logprobs: list[LogprobEntries | None] = [None] * len(prompts)
+        cached: list[int | None] = [None] * len(prompts)
         try:
             async for out in group:
                 i = index[out.request_id]
+                cached[i] = out.num_cached_tokens
                 if out.prompt_logprobs is not None:
                     prompt_logprobs[i] = out.prompt_logprobs
                 for c in out.outputs:
@@ -158,7 +162,15 @@ class CompletionServing:
                                                 **_token_ids(req, st.token_ids, prompt)))
         generated = 0 if req.echo_only else sum(len(st.token_ids) for row in states for st in row)
         return CompletionResponse(id=request_id, created=created, model=self.ctx.model_name, choices=choices,
-                                  usage=_usage(prompts, generated))
+                                  usage=self._usage(prompts, generated, cached))
+
+    def _usage(self, prompts: list[Prompt], completion_tokens: int,
+               cached: list[int | None] | None = None) -> UsageInfo:
+        """Usage of `prompts`; the prefix cache's part summed over those it reported (vLLM reports
+        the last prompt's alone)."""
+        known = [c for c in cached or () if c is not None]
+        return self.ctx.usage(sum(len(p.token_ids) for p in prompts), completion_tokens,
+                              sum(known) if known else None)
 
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, group: RequestGroup,
                       prompts: list[Prompt]) -> AsyncIterator[str]:
@@ -167,9 +179,11 @@ class CompletionServing:
         index = {rid: i for i, rid in enumerate(group.request_ids)}
         offsets: dict[int, int] = {}  # choice -> text offset of its next token (for logprobs)
         generated: dict[int, int] = {}  # choice -> its tokens so far
+        cached: list[int | None] = [None] * len(prompts)
         try:
             async for out in group:
                 i = index[out.request_id]
+                cached[i] = out.num_cached_tokens
                 for c in out.outputs:
                     choice = i * n + c.index
                     if req.echo_only:
@@ -197,12 +211,12 @@ class CompletionServing:
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                   prompt_logprobs=prompt_logprobs,
                                                   **_token_ids(req, new_ids, prompts[i] if first else None))],
-                        usage=_usage(prompts[i:i + 1], generated.get(choice, 0)) if req.continuous_usage else None,
+                        usage=self._usage(prompts[i:i + 1], generated.get(choice, 0)) if req.continuous_usage else None,
                     )
                     yield sse(chunk)
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                             usage=_usage(prompts, sum(generated.values()))))
+                                             usage=self._usage(prompts, sum(generated.values()), cached)))
             yield SSE_DONE
         except STREAM_ERRORS as e:
             yield stream_error(e)
@@ -221,8 +235,3 @@ def _token_ids(req: CompletionRequest, token_ids: list[int], prompt: Prompt | No
     return {"token_ids": [] if req.echo_only else token_ids,
             "prompt_token_ids": None if prompt is None else list(prompt.token_ids)}
 
-
-def _usage(prompts: list[Prompt], completion_tokens: int) -> UsageInfo:
-    prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
