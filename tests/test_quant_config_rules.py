@@ -1,9 +1,9 @@
 """Which modules of a quantized checkpoint are quantized, and how, as the formats' own libraries
 (and vLLM) decide it from `quantization_config`:
 
-- compressed-tensors: of the targets matching a module, a name beats a regex and a regex beats the
-  class ("Linear"), whatever the order of the config groups (compressed_tensors.utils.match
-  `match_targets`, quantization/lifecycle/apply.py); `actorder: "dynamic"` is "group" (a g_idx is
+- compressed-tensors: of the targets matching a module, its whole name beats a regex (the first in
+  sorted order) and a regex beats the class ("Linear"), whatever the order of the config groups
+  (compressed_tensors.utils.match `match_targets`, quantization/lifecycle/apply.py, as the oracle); `actorder: "dynamic"` is "group" (a g_idx is
   stored); online transforms and sparse formats are refused by name; a `kv_cache_scheme`'s scales are
   passed over (the KV cache stays in the model's dtype, as vLLM's kv_cache_dtype="auto").
 - GPTQ: GPTQModel's `dynamic` rules ("-:" regex: stored unquantized; "+:" or bare: the module's own
@@ -71,10 +71,55 @@ def test_a_regex_target_beats_the_class_as_in_compressed_tensors() -> None:
         assert ours == getattr(model.mlp, module).quantization_scheme.weights.num_bits, module
     assert cfg.scheme_for("model.layers.0.mlp.down_proj").bits == 8
     # a name beats a regex; a target named again by a later group takes its scheme
-    named = _config(_ct({"a": {"targets": ["re:.*proj"], "weights": W8}, "b": {"targets": ["q_proj"], "weights": W4},
-                         "c": {"targets": ["re:.*proj"], "weights": W4}}))
+    named = _config(_ct({"a": {"targets": ["re:.*proj"], "weights": W8},
+                         "b": {"targets": ["model.layers.1.self_attn.q_proj"], "weights": W4},
+                         "c": {"targets": ["re:.*proj"], "weights": W8}}))
     assert named.scheme_for("model.layers.1.self_attn.q_proj").bits == 4
-    assert named.scheme_for("model.layers.1.self_attn.k_proj").bits == 4
+    assert named.scheme_for("model.layers.1.self_attn.k_proj").bits == 8
+
+
+W4_64 = dict(W4, group_size=64)
+MODULES = [*(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"),
+           *(f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down"))]
+TARGET_CASES = [
+    # a bare module name is no suffix match: only the whole name (compressed-tensors' match_name, vLLM's)
+    ({"a": {"targets": ["Linear"], "weights": W4}}, ["lm_head", "down_proj"]),
+    ({"a": {"targets": ["down_proj", "re:.*q_proj"], "weights": W8}}, ["lm_head"]),
+    # several regexes match: compressed-tensors takes the first in sorted order, not the config's
+    ({"a": {"targets": ["re:.*mlp.*"], "weights": W4}, "b": {"targets": ["re:.*down_proj"], "weights": W8}},
+     ["lm_head"]),
+    ({"a": {"targets": ["re:.*down_proj"], "weights": W8}, "b": {"targets": ["re:.*mlp.*"], "weights": W4}},
+     ["lm_head"]),
+    ({"z": {"targets": ["re:model.layers.1.*"], "weights": W4_64}, "a": {"targets": ["re:.*proj"], "weights": W8},
+      "m": {"targets": ["Linear", "model.layers.0.mlp.up_proj"], "weights": W4}}, ["lm_head", "re:.*k_proj"]),
+    ({"a": {"targets": ["Linear"], "weights": W4}, "b": {"targets": ["re:.*layers.0.*"], "weights": W8}},
+     ["lm_head", "model.layers.0.self_attn.q_proj", "re:.*layers.1.mlp.*"]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TARGET_CASES)))
+def test_targets_and_ignore_match_as_compressed_tensors_applies_them(case: int) -> None:
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.apply import apply_quantization_config
+
+    groups, ignore = TARGET_CASES[case]
+    model = torch.nn.Module()
+    for name in [*MODULES, "lm_head"]:
+        parent = model
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, torch.nn.Linear(128, 128, bias=False))
+    apply_quantization_config(model, QuantizationConfig.model_validate({"config_groups": groups, "ignore": ignore}))
+    ours = _config(_ct(groups, ignore=ignore))
+    for name in MODULES:
+        theirs = getattr(model.get_submodule(name), "quantization_scheme", None)
+        expected = None if theirs is None else (theirs.weights.num_bits, theirs.weights.group_size)
+        scheme = ours.scheme_for(name)
+        assert (None if scheme is None else (scheme.bits, scheme.group_size or -1)) == (
+            None if expected is None else (expected[0], expected[1] or -1)), name
 
 
 def test_dynamic_actorder_is_group() -> None:
@@ -205,6 +250,83 @@ def test_gptq_checkpoint_with_dense_attention_loads(tmp_path: Path, rule: str) -
         dict(GPTQ, modules_in_block_to_quantize=[["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]])
     layers = _quantized_layers(_checkpoint(tmp_path, qc, re.compile(r"\.self_attn\.")))
     assert layers == {f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+
+
+def test_packing_named_by_format_as_transformers_reads_it() -> None:
+    """transformers 5 names GPTQ's and AWQ's packing `format`; the older key (checkpoint_format,
+    version) wins where both are given."""
+    from transformers import AwqConfig, GPTQConfig
+
+    base = {k: v for k, v in GPTQ.items() if k != "checkpoint_format"}
+    for given in ({"format": "gptq_v2"}, {"format": "gptq"}, {}, {"format": "gptq", "checkpoint_format": "gptq_v2"},
+                  {"format": "gptq_v2", "checkpoint_format": None}):
+        expected = GPTQConfig.from_dict({**base, **given}).format
+        assert _config({**base, **given}).extra["zero_offset"] == (0 if expected == "gptq_v2" else 1), given
+    awq = {k: v for k, v in AWQ.items() if k != "version"}
+    assert AwqConfig.from_dict({**awq, "format": "gemv"}).format == "gemv"
+    with pytest.raises(ValueError, match="AWQ version 'gemv' is not supported"):
+        _config({**awq, "format": "gemv"})
+    assert _config({**awq, "format": "gemm"}).method == "awq"
+    with pytest.raises(ValueError, match="AWQ version 'gemv'"):
+        _config({**awq, "format": "gemm", "version": "gemv"})
+
+
+def test_boolean_and_enum_fields_as_the_libraries_read_them() -> None:
+    from compressed_tensors.quantization import QuantizationArgs
+
+    assert QuantizationArgs.model_validate(dict(W4, strategy="GROUP", type="INT")).strategy == "group"
+    upper = _config(_ct({"g": {"targets": ["Linear"], "weights": dict(W4, strategy="GROUP", type="Int")}}))
+    assert upper.scheme_for("model.layers.0.mlp.up_proj") == _config(_ct({"g": {"targets": ["Linear"],
+                                                                                 "weights": W4}})).scheme_for(
+        "model.layers.0.mlp.up_proj")
+    # A JSON string "false" is false, not a non-empty string's truth.
+    for text, value in (("false", False), ("True", True)):
+        assert _config(dict(GPTQ, sym=text)).scheme_for("model.layers.0.mlp.up_proj").symmetric is value
+        assert _config(dict(GPTQ, desc_act=text)).scheme_for("model.layers.0.mlp.up_proj").actorder is value
+    with pytest.raises(ValueError, match="sym must be true or false, got 'no'"):
+        _config(dict(GPTQ, sym="no"))
+    with pytest.raises(ValueError, match="zero_point must be true or false, got 1"):
+        _config(dict(AWQ, zero_point=1))
+    with pytest.raises(ValueError, match="symmetric must be true or false"):
+        _config(_ct({"g": {"targets": ["Linear"], "weights": dict(W4, symmetric="yes")}}))
+
+
+def test_gptq_without_g_idx_and_with_unlisted_dense_layers(tmp_path: Path) -> None:
+    """As vLLM reads GPTQ: without desc_act a g_idx may be left out (each row's group is its index
+    // group_size), and a layer the checkpoint stores dense is loaded dense though the config does
+    not list it (vLLM's maybe_update_config finds them from the stored dtypes)."""
+    with_g_idx = _checkpoint(tmp_path / "a", GPTQ, re.compile(r"^$"))
+    out = tmp_path / "no_g_idx"
+    shutil.copytree(with_g_idx, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.endswith(".g_idx")}, str(out / "model.safetensors"))
+    expected, got = _quantized(load_model(with_g_idx, dtype="float32")[0]), _quantized(load_model(out, dtype="float32")[0])
+    assert expected.keys() == got.keys() and expected
+    for name, w in got.items():
+        assert torch.equal(w.qweight, expected[name].qweight) and torch.equal(w.scales, expected[name].scales), name
+    raw = json.loads((out / "config.json").read_text())
+    raw["quantization_config"]["desc_act"] = True  # activation order needs each row's group
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"missing tensors: '.*g_idx'"):
+        load_model(out, dtype="float32")
+    # Attention stored dense, the config silent about it.
+    layers = _quantized_layers(_checkpoint(tmp_path / "b", GPTQ, re.compile(r"\.self_attn\.")))
+    assert layers == {f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")}
+    # A fused layer stored half dense cannot be one layer.
+    with pytest.raises(ValueError, match="stored partly quantized, partly dense"):
+        load_model(_checkpoint(tmp_path / "c", GPTQ, re.compile(r"\.self_attn\.k_proj")), dtype="float32")
+
+
+def test_load_time_scheme_on_an_autogptq_checkpoint_says_what_it_is(tmp_path: Path) -> None:
+    out = _checkpoint(tmp_path, GPTQ, re.compile(r"^$"))
+    raw = json.loads((out / "config.json").read_text())
+    (out / "quantize_config.json").write_text(json.dumps({k: v for k, v in raw.pop("quantization_config").items()
+                                                          if k != "quant_method"}))
+    (out / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"quantization='int8' quantizes an unquantized checkpoint.*"
+                                         r"holds quantize_config.json.*quantization='gptq'"):
+        load_model(out, dtype="float32", quantization="int8")
+    assert _quantized(load_model(out, dtype="float32", quantization="gptq")[0])
 
 
 def test_modules_to_not_convert_leave_every_module_containing_them(tmp_path: Path) -> None:

@@ -163,7 +163,8 @@ def load_weights(model: DecoderForCausalLM, model_dir: str | Path, skipped: tupl
                 except Exception as e:  # safetensors' own errors for unreadable data
                     raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
                 loaded[name] = file
-    missing = sorted(set(targets) - set(loaded))
+    missing = sorted(name for name in set(targets) - set(loaded)
+                     if not getattr(params[targets[name].param_name], "optional_in_checkpoint", False))
     if missing:
         shown = ", ".join(repr(m) for m in missing[:10])
         more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
@@ -207,10 +208,10 @@ def load_model_from_config(config: ModelConfig, dtype: torch.dtype, device: torc
     quant = check_model_config(config, quantization)
     # Every file's header is checked before the model takes any memory: a truncated shard fails
     # here, naming the file, not halfway through the load.
-    validate_weight_files(find_weight_files(config.model_dir))
+    stored = validate_weight_files(find_weight_files(config.model_dir))
     model = build_model(config, dtype, device, attn_backend, tp)
     if quant is not None:
-        prepare_model(model, quant)
+        prepare_model(model, quant, {name for names in stored.values() for name in names})
     load_weights(model, config.model_dir, quant.skipped_tensors if quant is not None else ())
     if quant is not None:
         finish_model(model, quant, torch.device(device))

@@ -77,17 +77,20 @@ class QuantConfig:
     def scheme_for(self, module: str) -> WeightScheme | None:
         """The scheme of the checkpoint's linear module `module` (e.g. "model.layers.0.mlp.up_proj"),
         None when it is stored unquantized. Of the targets that match it, a name beats a regex and a
-        regex beats the class ("Linear"), as compressed-tensors and vLLM pick; among equals the first."""
+        regex beats the class ("Linear"), as compressed-tensors picks; among regexes, compressed-tensors
+        takes the first in sorted order (match_targets sorts them), GPTQ's dynamic rules the first given."""
         if any(_match_rank(pattern, module) is not None for pattern in self.ignore):
             return None
         if self.only and not any(name in module for name in self.only):
             return None
-        best: tuple[int, WeightScheme | None] | None = None
+        by_name = self.method == "compressed-tensors"
+        best: tuple[tuple[int, str], WeightScheme | None] | None = None
         for targets, scheme in self.groups:
             for target in targets:
                 rank = _match_rank(target, module)
-                if rank is not None and (best is None or rank < best[0]):
-                    best = (rank, scheme)
+                key = (rank, target if by_name else "")
+                if rank is not None and (best is None or key < best[0]):
+                    best = (key, scheme)
         return None if best is None else best[1]
 
     def tensor_names(self, scheme: WeightScheme) -> tuple[str, ...]:
@@ -99,6 +102,11 @@ class QuantConfig:
         if self.method == "gptq":
             return gptq.TENSOR_NAMES
         return ("weight",)  # a load-time scheme reads the dense weight and rounds it (linear_method)
+
+    def optional_tensors(self, scheme: WeightScheme) -> tuple[str, ...]:
+        """Those of tensor_names a checkpoint may leave out: GPTQ's g_idx without desc_act (each
+        row's group is then its index // group_size; vLLM never reads it there)."""
+        return ("g_idx",) if self.method == "gptq" and not scheme.actorder else ()
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], scheme: WeightScheme, out_features: int,
                in_features: int, where: str) -> QuantizedWeight:
@@ -121,14 +129,14 @@ def _group(scheme: WeightScheme, in_features: int) -> int:
 
 
 def _match_rank(pattern: str, module: str) -> int | None:
-    """How `pattern` matches `module` as compressed-tensors matches targets: 0 the module's name (or a
-    suffix of it at a dot), 1 "re:<regex>" from the start of the name, 2 "Linear" (the class of every
-    layer nanovllm quantizes); None when it does not."""
+    """How `pattern` matches `module` as compressed-tensors (and vLLM) match targets and ignore
+    entries: 0 the module's whole name, 1 "re:<regex>" from the start of the name, 2 "Linear" (the
+    class of every layer nanovllm quantizes); None when it does not."""
     if pattern.startswith("re:"):
         return 1 if re.match(pattern[3:], module) is not None else None
     if pattern == "Linear":
         return 2
-    return 0 if module == pattern or module.endswith("." + pattern) else None
+    return 0 if module == pattern else None
 
 
 def _containing(names: Any, where: str, what: str) -> tuple[str, ...]:
@@ -164,6 +172,12 @@ def resolve_quant_config(raw: Mapping[str, Any], requested: str | None, where: s
         if requested is None:
             return None
         if requested not in CHECKPOINT_METHODS:
+            side = [n for n in dict.fromkeys(n for names in SIDE_FILES.values() for n in names)
+                    if model_dir is not None and (model_dir / n).is_file()]
+            if side:
+                raise ValueError(f"quantization={asked!r} quantizes an unquantized checkpoint while loading, but "
+                                 f"{model_dir} holds {side[0]} (an AutoGPTQ / AutoAWQ checkpoint): run it as "
+                                 "stored with quantization='gptq' or 'awq'")
             return load_time_config(requested)
         qc, where = side_config(requested, asked, where, model_dir)
     if not isinstance(qc, dict):
@@ -201,6 +215,20 @@ def side_config(method: str, asked: str | None, where: str, model_dir: Path | No
                          f"{', '.join(missing)} (another format's file?)")
     # The files rarely name their format (null is none); one that names another is refused by the caller.
     return {**qc, "quant_method": qc.get("quant_method") or method}, str(found[0])
+
+
+def _first_given(qc: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> Any:
+    """The value of the first of `keys` that `qc` sets (not null), else `default`."""
+    return next((qc[k] for k in keys if qc.get(k) is not None), default)
+
+
+def _flag(value: Any, where: str, what: str, field: str) -> bool:
+    """A boolean field: true / false, or a JSON string of one ("false" would otherwise read as true)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{where}: {what}: {field} must be true or false, got {value!r}")
 
 
 def _integer(value: Any, where: str, what: str, field: str) -> int:
@@ -244,7 +272,9 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
         if group.get("input_activations") is not None or group.get("output_activations") is not None:
             raise ValueError(f"{where}: {what} quantizes activations: not supported (only weight-only "
                              "schemes: W4A16, W8A16)")
-        w = group.get("weights") or {}
+        # compressed-tensors' enums take any case ("GROUP", "Int"), as its QuantizationArgs reads them.
+        w = {k: v.lower() if k in ("type", "strategy", "actorder") and isinstance(v, str) else v
+             for k, v in (group.get("weights") or {}).items()}
         if w.get("type", "int") != "int" or w.get("dynamic", False):
             raise ValueError(f"{where}: {what}: weights of type {w.get('type')!r} (dynamic={w.get('dynamic')}) are "
                              "not supported; only static int weights")
@@ -261,7 +291,7 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
             raise ValueError(f"{where}: {what}: actorder {actorder!r} is not supported")
         # "dynamic" is compressed-tensors' other name for "group": a g_idx is stored.
         scheme = WeightScheme(_bits(w.get("num_bits", 8), where, what, "num_bits"), group_size,
-                              bool(w.get("symmetric", True)), actorder in ("group", "dynamic"))
+                              _flag(w.get("symmetric", True), where, what, "symmetric"), actorder in ("group", "dynamic"))
         # A target named again by a later group takes that group's scheme (compressed-tensors).
         for target in group.get("targets") or ():
             schemes[target] = scheme
@@ -281,10 +311,11 @@ def _compressed_tensors_config(qc: Mapping[str, Any], where: str) -> QuantConfig
 
 
 def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
-    version = str(qc.get("version", "gemm")).lower()
+    # transformers 5 names the packing `format`; `version` (AutoAWQ's) wins where both are given, as there.
+    version = str(_first_given(qc, ("version", "format"), "gemm")).lower()
     if version != "gemm":
         raise ValueError(f"{where}: AWQ version {version!r} is not supported: only 'gemm' packing")
-    if not qc.get("zero_point", True):
+    if not _flag(qc.get("zero_point", True), where, "AWQ", "zero_point"):
         raise ValueError(f"{where}: AWQ without zero points is not supported (GEMM packing stores them)")
     bits = _bits(qc.get("bits", qc.get("w_bit", 4)), where, "AWQ")
     if bits != 4:
@@ -297,17 +328,20 @@ def _awq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
 
 def _gptq_config(qc: Mapping[str, Any], where: str) -> QuantConfig:
     # AutoGPTQ (0.7.1 and before) marks Marlin's repacked checkpoints with is_marlin_format instead.
-    fmt = "marlin" if qc.get("is_marlin_format") else str(qc.get("checkpoint_format", "gptq")).lower()
+    # transformers 5 names it `format`; `checkpoint_format` (the older key) wins where both are given, as there.
+    fmt = ("marlin" if _flag(qc.get("is_marlin_format", False), where, "GPTQ", "is_marlin_format")
+           else str(_first_given(qc, ("checkpoint_format", "format"), "gptq")).lower())
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-    if qc.get("lm_head"):
+    if _flag(qc.get("lm_head", False), where, "GPTQ", "lm_head"):
         raise ValueError(f"{where}: a quantized LM head (GPTQ lm_head=true) is not supported")
 
     def scheme(fields: Mapping[str, Any], base: Mapping[str, Any], what: str) -> WeightScheme:
         def field(name: str, default: Any) -> Any:
             return fields.get(name, base.get(name, default))
         return WeightScheme(_bits(field("bits", 4), where, what), _group_size(field("group_size", 128), where, what),
-                            bool(field("sym", True)), bool(field("desc_act", False)))
+                            _flag(field("sym", True), where, what, "sym"),
+                            _flag(field("desc_act", False), where, what, "desc_act"))
 
     rules: list[tuple[tuple[str, ...], WeightScheme | None]] = []
     dynamic = qc.get("dynamic") or {}

@@ -7,7 +7,7 @@ definition: per linear module (the weight stored `[in, out]`)
   dimension; format "gptq" (v1) stores each zero point minus one, "gptq_v2" as it is;
 - `scales` `[groups, out]` (float16);
 - `g_idx` int32 `[in]`: each input row's group (rows in activation order with desc_act; i // group
-  without).
+  without, where a checkpoint may leave it out).
 
 w[i, o] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o].
 """
@@ -29,8 +29,9 @@ def unpack(t: Mapping[str, torch.Tensor], bits: int, group_size: int, symmetric:
     n, k = out_features, in_features
     per_word = 32 // bits
     groups = -(-k // group_size)
-    expected = {"qweight": (-(-k // per_word), n), "qzeros": (groups, -(-n // per_word)), "scales": (groups, n),
-                "g_idx": (k,)}
+    expected = {"qweight": (-(-k // per_word), n), "qzeros": (groups, -(-n // per_word)), "scales": (groups, n)}
+    if "g_idx" in t:
+        expected["g_idx"] = (k,)
     for name, shape in expected.items():
         if tuple(t[name].shape) != shape or (name in ("qweight", "qzeros") and t[name].dtype != torch.int32):
             raise ValueError(f"{where}.{name} is {t[name].dtype} {tuple(t[name].shape)}, expected "
@@ -42,7 +43,7 @@ def unpack(t: Mapping[str, torch.Tensor], bits: int, group_size: int, symmetric:
     if int(z.max()) > 127 or int(z.min()) < -128:
         raise ValueError(f"{where}.qzeros: a zero point outside [0, 255]")
     zeros = None if symmetric and not bool(z.any()) else z.to(torch.int8).contiguous()
-    perm = permutation_from_g_idx(t["g_idx"], group_size, f"{where}.g_idx")
+    perm = permutation_from_g_idx(t["g_idx"], group_size, f"{where}.g_idx") if "g_idx" in t else None
     q = q if perm is None else q[:, perm]
     return unpacked(where, q.to(torch.int8).contiguous(), t["scales"].float().t().contiguous(), zeros, bits,
                     group_size, perm)

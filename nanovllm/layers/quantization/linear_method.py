@@ -17,6 +17,7 @@ before packing) `F.linear` on the dequantized weight, the reference.
 from __future__ import annotations
 
 import logging
+from collections.abc import Set
 from typing import TYPE_CHECKING
 
 import torch
@@ -223,6 +224,20 @@ def _linear_layers(model: nn.Module) -> list[tuple[str, LinearBase]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
 
 
+def _stored_dense(config: QuantConfig, scheme: WeightScheme, shards: list[tuple[ShardId, int, str]],
+                  stored: Set[str]) -> bool:
+    """Whether the checkpoint holds this (checkpoint-format) layer's every shard as a dense weight
+    and none of its quantized tensors; a layer stored half one way, half the other, is an error."""
+    if config.method == "rtn" or not stored:
+        return False
+    first = config.tensor_names(scheme)[0]
+    dense = [f"{module}.weight" in stored and f"{module}.{first}" not in stored for _, _, module in shards]
+    if any(dense) and not all(dense):
+        raise ValueError(f"the fused modules {[m for _, _, m in shards]} are stored partly quantized, partly dense; "
+                         "they must be stored one way")
+    return all(dense)
+
+
 def _scheme(config: QuantConfig, shards: list[tuple[ShardId, int, str]]) -> WeightScheme | None:
     schemes = {config.scheme_for(module) for _, _, module in shards}
     if len(schemes) > 1:
@@ -235,22 +250,25 @@ def _drop_dense_weight(layer: LinearBase) -> None:
     layer.weight = None  # type: ignore[assignment]  (nn.Module keeps the name registered, as None)
 
 
-def prepare_model(model: nn.Module, config: QuantConfig) -> int:
+def prepare_model(model: nn.Module, config: QuantConfig, stored: Set[str] = frozenset()) -> int:
     """Before loading: each quantized linear layer, and each mixture-of-experts layer whose experts
     are quantized, gets placeholders for its checkpoint tensors (QuantConfig.tensor_names: the
-    format's, or a load-time scheme's dense `weight`) in place of its dense weights. Returns how many
-    layers are quantized."""
+    format's, or a load-time scheme's dense `weight`) in place of its dense weights. A layer the
+    checkpoint (its tensor names: `stored`) holds as a dense weight stays dense whatever the config
+    says, as vLLM reads GPTQ checkpoints that do not list their unquantized layers. Returns how
+    many layers are quantized."""
     count = 0
     for name, layer in _linear_layers(model):
         shards = _checkpoint_shards(model, name, layer)
         scheme = _scheme(config, shards)
-        if scheme is None:
+        if scheme is None or _stored_dense(config, scheme, shards, stored):
             continue
         _refuse_tensor_parallel(layer)
         quant = QuantizedLinear(shards, layer.input_size, config, scheme)
         _drop_dense_weight(layer)
         for tensor in config.tensor_names(scheme):
             param = _empty_parameter()
+            param.optional_in_checkpoint = tensor in config.optional_tensors(scheme)  # type: ignore[attr-defined]
             set_weight_loader(param, quant.tensor_loader(tensor))
             layer.register_parameter(tensor, param)
         layer.quant = quant
@@ -260,6 +278,8 @@ def prepare_model(model: nn.Module, config: QuantConfig) -> int:
         _drop_dense_experts(moe)
         for tensor in config.tensor_names(scheme):
             w13, w2 = experts.placeholders(moe, tensor)
+            w13.optional_in_checkpoint = w2.optional_in_checkpoint = (  # type: ignore[attr-defined]
+                tensor in config.optional_tensors(scheme))
             moe.register_parameter(f"w13_{tensor}", w13)
             moe.register_parameter(f"w2_{tensor}", w2)
         moe.quant = experts
