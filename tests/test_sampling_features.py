@@ -102,6 +102,26 @@ def test_logit_bias_and_min_tokens(llm: LLM) -> None:
     assert_pool_whole(llm)
 
 
+def test_logit_bias_comes_before_penalties(llm: LLM, model_dir: Path) -> None:
+    """vLLM's order (v1/sample/sampler.py apply_logits_processors): the bias, then the penalties, so
+    a repetition penalty scales the biased logit, (l + b) / r, not l / r + b."""
+    prompt = random_prompts([12], VOCAB, seed=6)[0]
+    bias = {t: 0.3 for t in prompt[:6]} | {t: -0.2 for t in prompt[6:]}
+
+    def biased(logits: torch.Tensor) -> torch.Tensor:
+        for t, b in bias.items():
+            logits[t] += b
+        return logits
+
+    for rep in (0.5, 1.8):
+        penalize = penalty_process(prompt, rep, 0.0, 0.0)
+        expected = reference_greedy(model_dir, prompt, 12, lambda lg, out: penalize(biased(lg), out))
+        assert expected != reference_greedy(model_dir, prompt, 12, lambda lg, out: biased(penalize(lg, out)))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=rep,
+                                logit_bias=bias)
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == expected, rep
+
+
 def test_logprobs_match_transformers(llm: LLM, model_dir: Path) -> None:
     prompt = random_prompts([9], VOCAB, seed=3)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.9, seed=7, max_tokens=6, logprobs=3,

@@ -284,10 +284,15 @@ def test_structured_output_with_drafts(qwen3_dir: Path) -> None:
     llm = make_llm(qwen3_dir, ngram(4, adaptive=False))
     for so in cases:
         for temperature, seed in ((0.0, None), (0.8, 3)):
-            params = SamplingParams(temperature=temperature, seed=seed, max_tokens=64, structured_outputs=so)
+            params = SamplingParams(temperature=temperature, seed=seed, max_tokens=64, structured_outputs=so,
+                                    logprobs=2)
             a = base.generate(["{} {} {}"], params, use_tqdm=False)[0].outputs[0]
             b = llm.generate(["{} {} {}"], params, use_tqdm=False)[0].outputs[0]
             assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+            # Logprobs of the grammar's masked distribution, with or without drafts.
+            assert a.logprobs is not None and b.logprobs is not None
+            for t, ea, eb in zip(a.token_ids, a.logprobs, b.logprobs, strict=True):
+                assert eb[t].logprob == pytest.approx(ea[t].logprob, abs=1e-4) and eb[t].rank == ea[t].rank
             if so.json is not None and a.finish_reason == "stop":
                 json.loads(b.text)
     assert llm.stats()["spec_num_draft_tokens"] > 0

@@ -138,6 +138,29 @@ def test_a_grammar_finished_before_min_tokens_aborts(llm: LLM) -> None:
     assert_clean(llm)
 
 
+def test_logprobs_are_of_the_masked_distribution(llm: LLM) -> None:
+    """As vLLM's (its grammar bitmask applies before the sampler takes logprobs): a greedy
+    constrained token is the masked distribution's first, a token the grammar forces has logprob 0,
+    and the alternatives listed share the masked distribution's mass (as vLLM, those past what
+    the grammar allows are listed at -inf)."""
+    prompt = "the answer is"
+    so = StructuredOutputsParams(choice=["yes yes", "no no no"])
+    out = llm.generate(prompt, params(so, temperature=0.0, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and out.text in so.choice
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert entry[token].rank == 1
+        assert sum(np.exp(lp.logprob) for lp in entry.values()) <= 1 + 1e-5
+    assert out.logprobs[-1][out.token_ids[-1]].logprob == 0.0  # the end is forced once the choice is whole
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    # Above the unconstrained model's logprob of the same first token: the mask renormalizes.
+    raw = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, logprobs=20), use_tqdm=False)
+    top = raw[0].outputs[0].logprobs[0]  # type: ignore[index]
+    first = out.token_ids[0]
+    at_most = top[first].logprob if first in top else min(lp.logprob for lp in top.values())
+    assert out.logprobs[0][first].logprob > at_most
+    assert_clean(llm)
+
+
 def test_stop_strings_still_cut(llm: LLM) -> None:
     so = StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")
     out = llm.generate("hi", params(so, temperature=0, stop="-"), use_tqdm=False)[0].outputs[0]

@@ -226,8 +226,22 @@ class SamplingState:
             generators = {int(row): self.generators[int(sids[row])] for row in seeded}
         return SamplingBatch(r.temperature[sids], r.top_k[sids], r.top_p[sids], r.min_p[sids], generators)
 
+    def mask_grammars(self, logits: torch.Tensor, sids: np.ndarray) -> bool:
+        """The grammars' masks of rows `sids` that have one, in place, before any other processing:
+        as vLLM's, a constrained request's logprobs are those of the masked distribution (a forced
+        token has logprob 0). Whether any row had one."""
+        grammars = self.grammars
+        if grammars is None or not grammars.matchers:
+            return False
+        rows = np.flatnonzero(self.rows.constrained[sids])
+        if not len(rows):
+            return False
+        grammars.mask(logits, rows, sids[rows])
+        return True
+
     def process(self, logits: torch.Tensor, sids: np.ndarray, keep_input: bool = True) -> torch.Tensor:
-        """Penalties, logit bias, min_tokens masking and grammars for the rows that ask. With
+        """Logit bias (allowed_token_ids too), then penalties (vLLM's order: a repetition penalty
+        scales the biased logit), min_tokens masking and bad words for the rows that ask. With
         `keep_input` the input stays untouched (the raw logits logprobs are computed from): it is
         returned as is when no row asks, else a processed copy; without it, it is processed in
         place (no copy of [rows, vocab] floats when no row wants logprobs)."""
@@ -241,15 +255,15 @@ class SamplingState:
         pen_rows = np.flatnonzero(pen_slots >= 0)
         bias_rows = np.flatnonzero(bias_slots >= 0)
         mask_rows = np.flatnonzero(masked)
-        grammars = self.grammars
-        grammar_rows = np.flatnonzero(r.constrained[sids]) if grammars is not None and grammars.matchers \
-            else mask_rows[:0]
         banned = self._banned(sids) if self.bad_words else None
-        if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or len(grammar_rows) or banned):
+        if not (len(pen_rows) or len(bias_rows) or len(mask_rows) or banned):
             return logits
         if keep_input:
             logits = logits.clone()
         dev = logits.device
+        if len(bias_rows):
+            rows = to_device(bias_rows, dev)
+            logits[rows] += self._bias.data[to_device(bias_slots[bias_rows], dev)]
         if len(pen_rows):
             s = sids[pen_rows]
             if cpu_sampler.runs_on(logits):
@@ -260,9 +274,6 @@ class SamplingState:
                 slots = to_device(pen_slots[pen_rows], dev)
                 apply_penalties(logits, rows, self._penalties.data[slots], r.repetition[s], r.frequency[s],
                                 r.presence[s])
-        if len(bias_rows):
-            rows = to_device(bias_rows, dev)
-            logits[rows] += self._bias.data[to_device(bias_slots[bias_rows], dev)]
         if len(mask_rows):
             ids = self._stop_ids[stop_rows[mask_rows]]
             valid = ids >= 0
@@ -271,9 +282,6 @@ class SamplingState:
         if banned:
             rows, ids = banned
             logits[to_device(rows, dev), to_device(ids, dev)] = float("-inf")
-        if len(grammar_rows):
-            assert grammars is not None
-            grammars.mask(logits, grammar_rows, sids[grammar_rows])
         return logits
 
     def _banned(self, sids: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

@@ -122,6 +122,7 @@ class TokenSampler:
         if state.users.logprobs:
             wanted = state.rows.logprobs[rows]
             lp_rows = np.flatnonzero(wanted >= 0)
+        state.mask_grammars(raw, rows)
         processed = state.process(raw, rows, keep_input=len(lp_rows) > 0)
         tokens = self.sampler(processed, state.batch(rows))
         logprobs = None
@@ -181,8 +182,11 @@ class TokenSampler:
             idx = first[alive] + j
             rows = sids[alive]
             with_q = [(i, q_of[r][j]) for i, r in enumerate(alive.tolist()) if r in q_of and j < drafts[r]]
-            host, step_ends, forks_j = self._draw(raw[to_device(idx, raw.device)], rows, fan if j == 0 else [],
-                                                  with_q, draft_at[idx])
+            at = to_device(idx, raw.device)
+            position = raw[at]
+            if self.state.mask_grammars(position, rows):  # kept in raw too: logprobs are of the masked rows
+                raw[at] = position
+            host, step_ends, forks_j = self._draw(position, rows, fan if j == 0 else [], with_q, draft_at[idx])
             forks += forks_j
             emitted[idx] = host
             ends.terminated += step_ends.terminated
