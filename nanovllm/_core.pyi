@@ -21,6 +21,7 @@ class TokenTable:
         strip_char: str = " ",
         strip_left: int = 0,
         cleanup: Sequence[tuple[str, str]] = (),
+        leading_spaces: Sequence[int] | None = None,
     ) -> None: ...
     def __len__(self) -> int: ...
     @property
@@ -34,13 +35,15 @@ class TokenTable:
     def piece(self, token_id: int) -> bytes | None: ...
     def is_special(self, token_id: int) -> bool: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...  # == tokenizer.decode
-    def decode_token(self, token_id: int) -> str: ...  # == tokenizer.decode([token_id])
+    def decode_token(self, token_id: int) -> str: ...  # a logprob's string, as vLLM's (see _core.pyx)
     def decode_tokens(self, ids: Sequence[int]) -> list[str]: ...
+    def corrected_string(self, token_id: int, context: Sequence[int]) -> str: ...  # vLLM's, for a character's part
     def logprob_entries(self, top_ids: Any, top_logprobs: Any, chosen_ids: Any, chosen_logprob: Any,
-                        chosen_rank: Any, wanted: Any, logprob: type) -> list[dict[int, Any]]:
+                        chosen_rank: Any, wanted: Any, logprob: type) -> tuple[list[dict[int, Any]], frozenset[int]]:
         """Per row `{token id: logprob(value, rank, string)}` of its `wanted[r]` most likely tokens
         (int64 / float64 [rows, k] arrays, most likely first) and its chosen token (int64 / float64
-        / int64 [rows]), whose object serves its top-k place too."""
+        / int64 [rows]), whose object serves its top-k place too; and the rows with a string that
+        ends in U+FFFD."""
 
 class Detokenizer:
     """Incremental detokenization and stop strings for many sequences, one call per step."""

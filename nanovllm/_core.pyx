@@ -174,6 +174,8 @@ cdef class TokenTable:
     cdef readonly tuple cleanup
     cdef readonly frozenset special_ids
     cdef list _token_strings          # each id's decode_token string, made at first use
+    cdef bytearray _token_partial     # 1 where that string ends in U+FFFD (a character's part)
+    cdef bytes _leading_spaces         # per id, the spaces its logprob string starts with at least
 
     def __init__(
         self,
@@ -186,6 +188,7 @@ cdef class TokenTable:
         str strip_char=" ",
         int strip_left=0,
         cleanup=(),
+        leading_spaces=None,
     ):
         cdef Py_ssize_t n = len(pieces), i
         cdef bytes p
@@ -247,6 +250,9 @@ cdef class TokenTable:
             self.clean_old.push_back(a.encode())
             self.clean_new.push_back(b.encode())
         self.cleanup = rules
+        if leading_spaces is not None and len(leading_spaces) != n:
+            raise ValueError("leading_spaces must have one entry per id")
+        self._leading_spaces = None if leading_spaces is None else bytes(leading_spaces)
 
     def __len__(self) -> int:
         return <Py_ssize_t>self.flags.size()
@@ -291,11 +297,15 @@ cdef class TokenTable:
         return _utf8(s.text, 0, s.text.size())
 
     def decode_token(self, token_id: int) -> str:
-        """`tokenizer.decode([token_id])`, e.g. for a logprob's `decoded_token` (remembered)."""
+        """A logprob's `decoded_token` as vLLM makes it (remembered): `tokenizer.decode([token_id])`,
+        with at least `leading_spaces[token_id]` leading spaces (a Metaspace tokenizer's markers,
+        which decode drops from a text's first token; vLLM puts them back). A string ending in
+        U+FFFD (part of a character) is what vLLM then corrects from the tokens before it
+        (sample.logprobs)."""
         return self._token_string(self._id(token_id))
 
     def decode_tokens(self, ids) -> list[str]:
-        """`[tokenizer.decode([i]) for i in ids]` in one call (logprobs of a whole step). A token's
+        """`[decode_token(i) for i in ids]` in one call (logprobs of a whole step). A token's
         string does not depend on its neighbours here, so each id is decoded once per table and
         remembered: the logprobs of a step ask for ~6 per sequence, mostly the same few."""
         cdef const int32_t[::1] toks = _as_int32(ids, "ids")
@@ -308,10 +318,54 @@ cdef class TokenTable:
         """decode_token(tok), remembered (`tok` already checked)."""
         if self._token_strings is None:
             self._token_strings = [None] * <Py_ssize_t>self.flags.size()
+            self._token_partial = bytearray(<Py_ssize_t>self.flags.size())
         text = self._token_strings[tok]
         if text is None:
-            text = self._token_strings[tok] = self._decode_one(tok)
+            text = self._decode_one(tok)
+            if self._leading_spaces is not None:
+                text = u" " * max(0, self._leading_spaces[tok] - (len(text) - len(text.lstrip(u" ")))) + text
+            self._token_strings[tok] = text
+            self._token_partial[tok] = text.endswith(u"\ufffd")
         return text
+
+    def corrected_string(self, token_id: int, context) -> str:
+        """vLLM's logprob string of `token_id` where its decode_token ends in U+FFFD (part of a
+        character), from `context`, the sequence's tokens before it (the last 4 count, oldest
+        first): of the shortest tail of the context whose decode with the token ends no character
+        short, that decode less what the tail's whole-text tokens decode to; "" where none
+        (v1/engine/logprobs.py _correct_decoded_token)."""
+        cdef int32_t tok = self._id(token_id)
+        cdef list ctx = [self._id(c) for c in context][-4:]
+        cdef Py_ssize_t m = len(ctx), n, clean, common
+        cdef list tail
+        for n in range(1, m + 1):
+            tail = ctx[m - n:]
+            full = self._decode_ids(tail + [tok])
+            if full.endswith(u"\ufffd"):
+                continue
+            clean = n  # the tail's tokens before its trailing parts of characters
+            while clean > 0:
+                self._token_string(tail[clean - 1])
+                if not self._token_partial[tail[clean - 1]]:
+                    break
+                clean -= 1
+            prefix = self._decode_ids(tail[:clean]) if clean else u""
+            if full.startswith(prefix):
+                return full[len(prefix):]
+            common = 0
+            while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+                common += 1
+            return full[common:]
+        return u""
+
+    cdef object _decode_ids(self, list ids):
+        """tokenizer.decode(ids) of checked ids."""
+        cdef Seq s
+        _init_seq(self, &s, 0, False, False)
+        for t in ids:
+            _feed(self, &s, <int32_t>t)
+        _finish(self, &s)
+        return _utf8(s.text, 0, s.text.size())
 
     cdef object _decode_one(self, int32_t tok):
         cdef Seq s
@@ -321,11 +375,12 @@ cdef class TokenTable:
         return _utf8(s.text, 0, s.text.size())
 
     def logprob_entries(self, top_ids, top_logprobs, chosen_ids, chosen_logprob, chosen_rank, wanted,
-                        logprob) -> list[dict]:
+                        logprob) -> tuple[list[dict], frozenset]:
         """A step's logprob rows as vLLM hands them out: per row `{token id: logprob(value, rank,
         string)}` of its chosen token (first, as vLLM orders it) and its `wanted[r]` most likely
         tokens (most likely first; the chosen one's object serves its top-k place too). `logprob` is
-        the class to build (outputs.Logprob).
+        the class to build (outputs.Logprob). Also the rows holding a string that ends in U+FFFD
+        (part of a character), which vLLM corrects from the tokens before them.
         One C loop for the whole step: in Python the same dicts cost ~4 us a row."""
         cdef const int64_t[:, ::1] ti = top_ids
         cdef const double[:, ::1] tl = top_logprobs
@@ -342,19 +397,25 @@ cdef class TokenTable:
             for j in range(min(max(w[r], 0), k)):
                 self._check_id(ti[r, j])
         cdef list out = []
+        cdef list partial = []
         cdef dict entry
         cdef int64_t tid, cid
+        cdef bint part
         for r in range(rows):
             cid = ci[r]
             mine = _new_logprob(logprob, cl[r], cr[r], self._token_string(<int32_t>cid))
+            part = self._token_partial[cid]
             entry = {cid: mine}
             n = min(max(w[r], 0), k)
             for j in range(n):
                 tid = ti[r, j]
                 if tid != cid:
                     entry[tid] = _new_logprob(logprob, tl[r, j], j + 1, self._token_string(<int32_t>tid))
+                    part = part or self._token_partial[tid]
             out.append(entry)
-        return out
+            if part:
+                partial.append(r)
+        return out, frozenset(partial)
 
 
 cdef inline object _new_logprob(object cls, double value, int64_t rank, object text):

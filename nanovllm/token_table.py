@@ -138,13 +138,14 @@ def build_token_table(tokenizer: Any, *, vocab_size: int | None = None) -> Token
     steps = _steps(json.loads(backend.decoder.__getstate__()) if backend.decoder else None)
     cleanup = CLEANUP_REPLACEMENTS if _cleanup_applies(tokenizer, backend) else ()
     kinds = [s["type"] for s in steps]
+    leading = _leading_markers(backend, tokens)
 
     if kinds == ["ByteLevel"]:
         alphabet = {ord(c): chr(b) for b, c in bytes_to_unicode().items()}
         table: dict[int, int | None] = {c: 0xFFFF for c in range(256) if c not in alphabet}
         table.update({c: ord(b) for c, b in alphabet.items()})
         pieces = [None if t is None else _byte_level_piece(t, table) for t in tokens]
-        return TokenTable(pieces, byte_level=True, special_ids=specials, cleanup=cleanup)
+        return TokenTable(pieces, byte_level=True, special_ids=specials, cleanup=cleanup, leading_spaces=leading)
 
     # SentencePiece style: per-token string steps, then ByteFallback / Fuse / Strip.
     normal: list[str | None] = list(tokens)
@@ -206,4 +207,17 @@ def build_token_table(tokenizer: Any, *, vocab_size: int | None = None) -> Token
         strip_char=strip_char,
         strip_left=strip_left,
         cleanup=cleanup,
+        leading_spaces=leading,
     )
+
+
+def _leading_markers(backend: Any, tokens: list[str | None]) -> list[int] | None:
+    """vLLM's logprob strings of a Metaspace pre-tokenizer's tokens start with a space per leading
+    marker (decode drops them from a text's first token; vLLM's convert_ids_list_to_tokens puts
+    them back): per id the markers its token starts with, None for other pre-tokenizers."""
+    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    subs = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
+    marker = next((p.get("replacement", "▁") for p in subs if p.get("type") == "Metaspace"), None)
+    if marker is None:
+        return None
+    return [0 if t is None else min(255, len(t) - len(t.lstrip(marker))) for t in tokens]

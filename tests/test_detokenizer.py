@@ -277,15 +277,69 @@ def test_output_continues_its_prompt_as_vllm_decodes_it(name, data):
     assert alone.text(8) == kind.decode(output, skip)
 
 
+def vllm_token_string(tok: PreTrainedTokenizerFast, token: int) -> str:
+    """vLLM 0.32's logprob string of a token (tokenizers/detokenizer_utils.py
+    convert_ids_list_to_tokens): tokenizer.decode([id]), with the leading spaces a Metaspace
+    pre-tokenizer's markers stand for put back where decode dropped them."""
+    text = tok.decode([token]) or ""
+    pre = json.loads(tok.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    subs = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    marker = next((p.get("replacement", "▁") for p in subs if p.get("type") == "Metaspace"), None)
+    if marker is None:
+        return text
+    raw = tok.convert_ids_to_tokens(token)
+    markers = len(raw) - len(raw.lstrip(marker))
+    missing = markers - (len(text) - len(text.lstrip(" ")))
+    return " " * missing + text if missing > 0 else text
+
+
+def vllm_corrected(tok: PreTrainedTokenizerFast, token: int, context: list[int]) -> str:
+    """vLLM 0.32's correction of a logprob string that ends in U+FFFD (v1/engine/logprobs.py
+    _correct_decoded_token), from the sequence's tokens before it."""
+    for n in range(1, min(len(context), 4) + 1):
+        tail = context[-n:]
+        full = tok.decode(tail + [token])
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(tail)
+        for j in range(len(tail) - 1, -1, -1):
+            if tok.decode([tail[j]]).endswith("\ufffd"):
+                clean = j
+            else:
+                break
+        prefix = tok.decode(tail[:clean]) if clean > 0 else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return full[len(os.path.commonprefix([prefix, full])):]
+    return ""
+
+
 @pytest.mark.parametrize("name", KIND_NAMES)
 def test_table_decode_matches_tokenizer(name):
     kind = kinds()[name]
     ids = list(range(kind.n))
-    # decode_token == tokenizer.decode([id]) for every id, and a whole-vocab decode both ways.
-    assert kind.table.decode_tokens(ids) == [kind.tok.decode([i]) for i in ids]
-    assert [kind.table.decode_token(i) for i in ids[:50]] == [kind.tok.decode([i]) for i in ids[:50]]
+    # decode_token is vLLM's logprob string for every id; a whole-vocab decode is tokenizer.decode both ways.
+    expected = [vllm_token_string(kind.tok, i) for i in ids]
+    assert kind.table.decode_tokens(ids) == expected
+    assert [kind.table.decode_token(i) for i in ids[:50]] == expected[:50]
+    if name.startswith("metaspace_") and name != "metaspace_never":
+        assert expected != [kind.tok.decode([i]) for i in ids]  # the leading spaces put back
     for skip in (False, True):
         assert kind.table.decode(ids, skip) == kind.decode(ids, skip)
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_partial_character_strings_corrected_as_vllm(name, data):
+    """A logprob string that is part of a character ("\ufffd") becomes what vLLM makes of it from
+    the 4 tokens before it: "" while the character is unfinished, the character on its last token."""
+    kind = kinds()[name]
+    stream = data.draw(token_stream(kind))
+    for j, token in enumerate(stream):
+        if kind.table.decode_token(token).endswith("\ufffd"):
+            context = stream[max(0, j - 4):j]
+            assert kind.table.corrected_string(token, context) == vllm_corrected(kind.tok, token, context), (j, stream)
 
 
 @pytest.mark.parametrize("name", KIND_NAMES)

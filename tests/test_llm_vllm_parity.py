@@ -23,7 +23,7 @@ from engine_helpers import hf_model
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 
-from nanovllm import LLM, BeamSearchParams, SamplingParams
+from nanovllm import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 ENGINE = dict(device="cpu", num_kvcache_blocks=256, max_model_len=512, block_size=16)
 PROMPT = "hello world, this is"
@@ -561,6 +561,40 @@ def test_a_stop_string_that_only_the_end_completes_is_a_stop(sp_llm: LLM) -> Non
     out = sp_llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, stop=["AA"], allowed_token_ids=[a]),
                           use_tqdm=False)[0].outputs[0]
     assert out.text == "" and out.finish_reason == "stop" and out.stop_reason == "AA"
+
+
+def test_logprob_strings_of_a_characters_parts_as_vllm(sp_llm: LLM) -> None:
+    """vLLM's logprob strings of byte-fallback tokens: "" while a character is unfinished, the
+    whole character on its last byte (from the sequence's 4 tokens before it: its earlier output
+    tokens; for a prompt's, the prompt tokens after the first), as test_detokenizer's oracle."""
+    from test_detokenizer import vllm_corrected, vllm_token_string
+
+    tok = sp_llm.get_tokenizer()
+    sigma = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in "∑".encode()]
+    prompt = tok.encode("a ∑ b", add_special_tokens=False)
+    assert set(sigma) <= set(prompt)
+    # The grammar makes the output the character's bytes in order, three times.
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1,
+                            allowed_token_ids=[*sigma, tok.eos_token_id],
+                            structured_outputs=StructuredOutputsParams(regex="∑{3}"))
+    out = sp_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+
+    def expected(token: int, context: list[int]) -> str:
+        text = vllm_token_string(tok, token)
+        return vllm_corrected(tok, token, context[-4:]) if text.endswith("\ufffd") else text
+
+    got = out.outputs[0]
+    assert got.text == "∑∑∑" and got.finish_reason == "stop" and got.logprobs is not None
+    for j, entry in enumerate(got.logprobs):
+        for token, lp in entry.items():
+            assert lp.decoded_token == expected(token, got.token_ids[:j]), (j, token)
+    assert [e[t].decoded_token for t, e in zip(got.token_ids, got.logprobs)][:9] == ["", "", "∑"] * 3
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    for p, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry is not None
+        for token, lp in entry.items():
+            assert lp.decoded_token == expected(token, prompt[1:p]), (p, token)
+    assert [out.prompt_logprobs[p][t].decoded_token for p, t in enumerate(prompt) if t in sigma] == ["", "", "∑"]
 
 
 def test_num_cached_tokens_counts_the_prompts_prefix_cache_hits(model_dir: Path) -> None:

@@ -241,7 +241,10 @@ def test_logprobs(client: openai.OpenAI, llm: LLM) -> None:
                                           max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 5
-    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    offline = llm.chat(HI, greedy(5, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert offline.logprobs is not None and chat.choices[0].message.content == offline.text
+    # The engine's strings (vLLM's: "" for part of a character, test_llm_vllm_parity).
+    assert [t.token for t in content] == [e[t].decoded_token for t, e in zip(offline.token_ids, offline.logprobs)]
     for t in content:
         assert len(t.top_logprobs) == 2 and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)
         assert t.bytes == list(t.token.encode())

@@ -39,7 +39,7 @@ from nanovllm.models.loader import check_model_config
 from nanovllm.outputs import RequestMetrics, RequestOutput
 from nanovllm.quote import quote
 from nanovllm.row_columns import RowColumns
-from nanovllm.sample import build_entries
+from nanovllm.sample import build_entries, correct_partial
 from nanovllm.sampling_params import SamplingParams, truncated_prompt
 from nanovllm.token_table import build_token_table
 from nanovllm.worker.step import RunnerOutput, SchedulerOutput
@@ -396,8 +396,13 @@ class LLMEngine:
         self._record(sids, out)
         if out.prompt_logprobs is not None:
             rows = out.prompt_logprobs
-            for sid, entry in zip(rows.seq_ids.tolist(), build_entries(rows.refs, self.token_table)):
-                self._by_seq[sid][0].prompt_logprobs.append(entry)
+            table = self.token_table
+            for sid, entry, (block, row) in zip(rows.seq_ids.tolist(), build_entries(rows.refs, table), rows.refs):
+                req = self._by_seq[sid][0]
+                at = len(req.prompt_logprobs)
+                if block.partial(row):  # as vLLM's, from the prompt tokens before it (the first has no entry)
+                    correct_partial(entry, req.prompt_token_ids[max(1, at - 4):at], table)
+                req.prompt_logprobs.append(entry)
         return self._finish_step(sids, tokens, offsets, finished, out)
 
     def _record(self, sids: np.ndarray, out: RunnerOutput) -> None:

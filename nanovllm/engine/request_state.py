@@ -30,6 +30,7 @@ class Completion:
     text: str = ""  # likewise
     num_collected: int = 0  # tokens collected from the detokenizer so far
     lp_refs: list[tuple[LogprobBlock, int]] | None = None  # logprob rows not yet handed out
+    lp_context: list[int] = field(default_factory=list)  # the last 4 tokens of rows handed out
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -42,7 +43,7 @@ class Completion:
     def output(self, table: TokenTable, delta: bool, detokenize: bool = True) -> CompletionOutput:
         """What it holds, as an output; with `delta` (streaming) it then holds nothing. Without
         `detokenize` (SamplingParams.detokenize) no text: "" and logprobs without their strings."""
-        logprobs = None if self.lp_refs is None else build_entries(self.lp_refs, table)
+        logprobs = None if self.lp_refs is None else build_entries(self.lp_refs, table, self.lp_context)
         if logprobs is not None and not detokenize:
             logprobs = without_strings(logprobs)
         out = CompletionOutput(self.index, self.text if detokenize else "", self.token_ids, self.cumulative_logprob,

@@ -3,7 +3,7 @@ processors it applies (penalties, logit bias, min_tokens, grammars for structure
 sampler and logprobs. Rank 0's model runner owns the state, through its token sampler
 (worker/token_sampler.py)."""
 
-from nanovllm.sample.logprobs import LogprobBlock, build_entries, gather_logprobs
+from nanovllm.sample.logprobs import LogprobBlock, build_entries, correct_partial, gather_logprobs
 from nanovllm.sample.sampler import GREEDY_EPS, Sampler, SamplingBatch, make_sampling_batch
 from nanovllm.sample.state import SamplingState
 
@@ -14,6 +14,7 @@ __all__ = [
     "SamplingBatch",
     "SamplingState",
     "build_entries",
+    "correct_partial",
     "gather_logprobs",
     "make_sampling_batch",
 ]

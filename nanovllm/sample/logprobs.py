@@ -11,7 +11,7 @@ decoded in one call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,15 +36,20 @@ class LogprobBlock:
     # The `{token id: Logprob}` of every row, made at the block's first output (build_entries): a
     # block is one step's rows of many requests, and converting it whole is cheaper than row by row.
     _entries: list[dict[int, Logprob]] | None = field(default=None, init=False, repr=False, compare=False)
+    _partial: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def entries(self, table: TokenTable) -> list[dict[int, Logprob]]:
         """Each row's top-k alternatives (most likely first) plus the chosen token, whose Logprob
         serves its top-k place too (TokenTable.logprob_entries: one C loop, strings remembered)."""
         if self._entries is None:
-            self._entries = table.logprob_entries(
+            self._entries, self._partial = table.logprob_entries(
                 np.ascontiguousarray(self.top_ids, dtype=np.int64), np.ascontiguousarray(self.top_logprobs),
                 self.chosen_ids, np.ascontiguousarray(self.chosen_logprob), self.chosen_rank, self.wanted, Logprob)
         return self._entries
+
+    def partial(self, row: int) -> bool:
+        """Whether a string of row `row` ends in U+FFFD (known once `entries` ran)."""
+        return row in self._partial
 
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
@@ -78,6 +83,29 @@ def unpack_logprobs(a: np.ndarray, wanted: np.ndarray) -> LogprobBlock:
                         a[:, 2].astype(np.int64), np.asarray(wanted, dtype=np.int64))
 
 
-def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable) -> list[dict[int, Logprob]]:
-    """The `{token id: Logprob}` of each (block, row) (LogprobBlock.entries)."""
-    return [block.entries(table)[row] for block, row in refs]
+def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable,
+                  context: list[int] | None = None) -> list[dict[int, Logprob]]:
+    """The `{token id: Logprob}` of each (block, row) (LogprobBlock.entries), the rows in order
+    of one sequence's tokens when `context` is given: its (at most 4) tokens before the first row,
+    which this updates to the last 4 rows' tokens. Strings that end in U+FFFD are then corrected
+    from the rows before them, as vLLM's (`correct_partial`)."""
+    entries = [block.entries(table)[row] for block, row in refs]
+    if context is None:
+        return entries
+    fix = [j for j, (block, row) in enumerate(refs) if block.partial(row)]
+    if fix:
+        chosen = [next(iter(e)) for e in entries]  # the sampled token is each entry's first
+        for j in fix:
+            correct_partial(entries[j], (context + chosen[max(0, j - 4):j])[-4:], table)
+    context[:] = (context + [next(iter(e)) for e in entries[-4:]])[-4:]
+    return entries
+
+
+def correct_partial(entry: dict[int, Logprob], context: Sequence[int], table: TokenTable) -> None:
+    """vLLM's correction of logprob strings that end in U+FFFD (v1/engine/logprobs.py): a token
+    that is part of a character gets the text the character's tokens make with the sequence's
+    tokens before it (`context`, the last 4, oldest first), or "" while the character is unfinished
+    (TokenTable.corrected_string)."""
+    for token, lp in entry.items():
+        if lp.decoded_token is not None and lp.decoded_token.endswith("\ufffd"):
+            entry[token] = replace(lp, decoded_token=table.corrected_string(token, context))

@@ -270,7 +270,8 @@ class ServingContext:
         """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""
         if as_id:
             return f"token_id:{token_id}"
-        return (logprob.decoded_token if logprob is not None else None) or self.decode_token(token_id)
+        text = logprob.decoded_token if logprob is not None else None
+        return text if text is not None else self.decode_token(token_id)  # "": part of a character
 
     async def prompt_text(self, prompt: Prompt) -> str:
         return prompt.text if prompt.text is not None else await self.decode(prompt.token_ids)

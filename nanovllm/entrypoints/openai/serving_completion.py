@@ -118,7 +118,8 @@ class CompletionServing:
             return None
         return [None if entry is None else {
             t: PromptLogprob(logprob=json_logprob(lp.logprob), rank=lp.rank,
-                             decoded_token=lp.decoded_token or self.ctx.decode_token(t))
+                             decoded_token=lp.decoded_token if lp.decoded_token is not None
+                             else self.ctx.decode_token(t))
             for t, lp in entry.items() if t == tid or (lp.rank is not None and lp.rank <= k)}
             for tid, entry in zip(prompt.token_ids, entries)]
 
