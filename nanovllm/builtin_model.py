@@ -156,6 +156,7 @@ def build_hf_model(spec: TinyModelSpec, eos_token_id: int) -> Any:
         "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
         "Qwen2ForCausalLM": ("Qwen2Config", "Qwen2ForCausalLM"),
         "LlamaForCausalLM": ("LlamaConfig", "LlamaForCausalLM"),
+        "MistralForCausalLM": ("MistralConfig", "MistralForCausalLM"),
         "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         "MixtralForCausalLM": ("MixtralConfig", "MixtralForCausalLM"),
     }
@@ -185,7 +186,7 @@ def build_hf_model(spec: TinyModelSpec, eos_token_id: int) -> Any:
         kwargs["head_dim"] = spec.head_dim
     if spec.rope_scaling is not None:
         kwargs["rope_scaling"] = dict(spec.rope_scaling)
-    if spec.arch not in ("Qwen2ForCausalLM", "MixtralForCausalLM"):  # fixed biases (Qwen2) or none (Mixtral)
+    if spec.arch not in ("Qwen2ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"):  # fixed biases or none
         kwargs["attention_bias"] = spec.attention_bias
     config = config_cls(**kwargs)
     config.architectures = [spec.arch]

@@ -35,12 +35,13 @@ _DTYPES: dict[str, torch.dtype] = {
 
 # What models/registry.py builds (tests/test_models_loader.py checks the two agree). Checked before
 # any other key: a GPT-2 or Mistral checkpoint is named as such, not as a config with a missing key.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # What transformers' config classes default to where config.json leaves a field out (where they
 # differ from the rest's: rope_theta 10000, rms_norm_eps 1e-6).
 _ARCH_DEFAULTS: dict[str, dict[str, float]] = {
     "LlamaForCausalLM": {"max_position_embeddings": 2048},
+    "MistralForCausalLM": {"max_position_embeddings": 131072},
     "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768},
@@ -183,7 +184,8 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         rms_norm_eps=number("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=integer("max_position_embeddings", raw.get("max_position_embeddings")
                                         or int(defaults.get("max_position_embeddings", 2048))),
-        rope=_parse_rope(raw, defaults.get("rope_theta", 10000.0)),
+        rope=_parse_rope(raw, defaults.get("rope_theta", 10000.0),
+                         raw.get("max_position_embeddings") or int(defaults.get("max_position_embeddings", 2048))),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -214,7 +216,8 @@ def _sliding_window(raw: dict[str, Any], num_layers: int) -> Any:
     if model_type in _QWEN_TYPES:
         window = raw.get("sliding_window", _QWEN_DEFAULT_WINDOW) if raw.get("use_sliding_window") else None
     elif model_type in _WINDOW_TYPES:
-        window = raw.get("sliding_window")
+        # MistralConfig's default window where config.json leaves the key out (Mixtral's is none).
+        window = raw.get("sliding_window", 4096 if model_type == "mistral" else None)
     else:
         return None
     if window is None or window == 0:
@@ -229,7 +232,7 @@ def _sliding_window(raw: dict[str, Any], num_layers: int) -> Any:
     return window
 
 
-def _parse_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], default_theta: float, max_positions: Any) -> RopeConfig:
     # v5: {"rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}}
     # v4: {"rope_theta": ..., "rope_scaling": {"rope_type" or "type": ..., ...} or null}
     params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
@@ -237,6 +240,13 @@ def _parse_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if rope_type in ("llama3", "yarn"):
+        # transformers' standardize_rope_params: the pretraining length a top-level field gives
+        # (Phi-3's) wins, else the scaling's own, else max_position_embeddings.
+        if raw.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", max_positions)
+        params.setdefault("max_position_embeddings", max_positions)  # YaRN without a factor
     return RopeConfig(theta=float(theta), rope_type=str(rope_type), scaling=params)
 
 

@@ -6,6 +6,7 @@ decodes over shuffled, non-contiguous blocks, and greedy generation must equal H
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +71,11 @@ def test_config_parsed(pair: Pair) -> None:
     if spec.tie_word_embeddings:
         assert pair.ours.lm_head.weight is pair.ours.model.embed_tokens.weight
     if spec.rope_scaling:
-        assert pair.config.rope.rope_type == "llama3"
+        assert pair.config.rope.rope_type == spec.rope_scaling["rope_type"]
+    # YaRN scales cos and sin (transformers) by its attention factor: here the softmax scale, squared.
+    plain = pair.config.head_dim**-0.5
+    scale = pair.ours.model.layers[0].self_attn.attn.scale
+    assert scale == (pytest.approx(plain * (0.1 * math.log(4.0) + 1) ** 2) if pair.name == "qwen3_yarn" else plain)
 
 
 def test_chunked_prefill_and_decode_logits_match_hf(pair: Pair) -> None:

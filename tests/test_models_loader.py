@@ -172,9 +172,9 @@ def test_pickle_only_checkpoint_refused(model_dir: Path) -> None:
 
 
 def test_unsupported_architecture(model_dir: Path) -> None:
-    edit_config(model_dir, architectures=["MistralForCausalLM"])
+    edit_config(model_dir, architectures=["GPT2LMHeadModel"])
     with pytest.raises(
-        ValueError, match="unsupported model architecture 'MistralForCausalLM'"
+        ValueError, match="unsupported model architecture 'GPT2LMHeadModel'"
     ) as e:
         load_model(model_dir)
     for arch in supported_architectures():
@@ -183,9 +183,12 @@ def test_unsupported_architecture(model_dir: Path) -> None:
 
 def test_unsupported_rope_type(model_dir: Path) -> None:
     edit_config(
-        model_dir, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+        model_dir, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     )
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'.*llama3"):
+    with pytest.raises(ValueError, match="unsupported rope type 'longrope'.*llama3.*yarn"):
+        load_model(model_dir)
+    edit_config(model_dir, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="linear rope scaling is missing key 'factor'"):
         load_model(model_dir)
 
 
@@ -270,3 +273,49 @@ def test_legacy_v4_config_format(model_dir: Path) -> None:
 def test_head_dim_defaults_to_hidden_over_heads(model_dir: Path) -> None:
     edit_config(model_dir, head_dim=None)
     assert load_model_config(model_dir).head_dim == 64 // 4
+
+
+YARN_CASES = [
+    {"factor": 4.0},
+    {"factor": 8.0, "beta_fast": 16, "beta_slow": 2},
+    {"factor": 2.0, "truncate": False},
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 128},
+    {"factor": 4.0, "attention_factor": 1.3},
+    {"factor": None, "original_max_position_embeddings": 1024},  # DeepSeek's: max / original
+]
+
+
+@pytest.mark.parametrize("case", range(len(YARN_CASES)))
+def test_yarn_and_linear_rope_as_transformers_computes_them(model_dir: Path, case: int) -> None:
+    """The inverse frequencies and YaRN's attention factor of transformers' ROPE_INIT_FUNCTIONS
+    (the attention factor reaches our attention as its softmax scale, squared), for config.json's
+    forms: the pretraining length from the scaling, from max_position_embeddings, or absent."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding, attention_factor
+
+    scaling = {"rope_type": "yarn", **YARN_CASES[case]}
+    edit_config(model_dir, max_position_embeddings=4096, rope_parameters={"rope_theta": 50000.0, **scaling})
+    theirs = AutoConfig.from_pretrained(model_dir)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, torch.device("cpu"))
+    ours = load_model_config(model_dir)
+    assert torch.allclose(RotaryEmbedding(ours.head_dim, ours.rope).inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert attention_factor(ours.rope) == pytest.approx(factor, rel=1e-12)
+    edit_config(model_dir, rope_parameters={"rope_theta": 50000.0, "rope_type": "linear", "factor": 3.0})
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["linear"](AutoConfig.from_pretrained(model_dir), torch.device("cpu"))
+    ours = load_model_config(model_dir)
+    assert torch.allclose(RotaryEmbedding(ours.head_dim, ours.rope).inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert attention_factor(ours.rope) == 1.0
+
+
+def test_mistral_window_as_its_config_class_reads_it(model_dir: Path) -> None:
+    """MistralConfig's window is 4096 where config.json leaves the key out; null is none."""
+    edit_config(model_dir, architectures=["MistralForCausalLM"], model_type="mistral")
+    raw = json.loads((model_dir / "config.json").read_text())
+    for key in ("sliding_window", "layer_types", "use_sliding_window", "max_window_layers"):  # Qwen3's own
+        raw.pop(key, None)
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(model_dir).sliding_window == 4096
+    edit_config(model_dir, sliding_window=None)
+    assert load_model_config(model_dir).sliding_window is None

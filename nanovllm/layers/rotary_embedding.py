@@ -24,16 +24,75 @@ def _default_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> t
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
+def _needed(scaling: dict[str, Any], key: str, rope_type: str) -> float:
+    try:
+        return float(scaling[key])
+    except KeyError:
+        raise ValueError(f"{rope_type} rope scaling is missing key {key!r}") from None
+
+
+def _linear_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Position interpolation: every angle divided by `factor` (transformers' "linear")."""
+    return _default_inv_freq(head_dim, theta, scaling) / _needed(scaling, "factor", "linear")
+
+
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek-V3's form: the ratio of the two lengths
+        return _needed(scaling, "max_position_embeddings", "yarn") / _needed(
+            scaling, "original_max_position_embeddings", "yarn")
+    return float(factor)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): the angles of dimensions that turn fewer than
+    beta_slow times over the original length divided by `factor`, those that turn more than
+    beta_fast times kept, a linear ramp between."""
+    factor = _yarn_factor(scaling)
+    old_len = _needed(scaling, "original_max_position_embeddings", "yarn")
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # the share of the unscaled angle
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What YaRN multiplies cos and sin by (transformers' attention_factor; 1 for the other
+    types). Attention applies it squared to its softmax scale instead: q and k each carry it once."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    s = rope.scaling
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = _yarn_factor(s)
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return _yarn_mscale(factor, float(s["mscale"])) / _yarn_mscale(factor, float(s["mscale_all_dim"]))
+    return _yarn_mscale(factor)
+
+
 def _llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, a smooth ramp between."""
     inv_freq = _default_inv_freq(head_dim, theta, scaling)
-    try:
-        factor = float(scaling["factor"])
-        low = float(scaling["low_freq_factor"])
-        high = float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-    except KeyError as e:
-        raise ValueError(f"llama3 rope scaling is missing key {e.args[0]!r}") from e
+    factor = _needed(scaling, "factor", "llama3")
+    low = _needed(scaling, "low_freq_factor", "llama3")
+    high = _needed(scaling, "high_freq_factor", "llama3")
+    old_len = _needed(scaling, "original_max_position_embeddings", "llama3")
     low_freq_wavelen = old_len / low
     high_freq_wavelen = old_len / high
     wavelen = 2 * math.pi / inv_freq
@@ -46,7 +105,9 @@ def _llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> to
 
 _INV_FREQ: dict[str, Callable[[int, float, dict[str, Any]], torch.Tensor]] = {
     "default": _default_inv_freq,
+    "linear": _linear_inv_freq,
     "llama3": _llama3_inv_freq,
+    "yarn": _yarn_inv_freq,
 }
 
 

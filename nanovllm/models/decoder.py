@@ -28,7 +28,7 @@ from nanovllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, attention_factor
 from nanovllm.model_config import ModelConfig
 from nanovllm.models import cpu_stack
 
@@ -77,7 +77,7 @@ class DecoderAttention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 * attention_factor(config.rope) ** 2,
             layer_idx,
             backend,
         )

@@ -1,4 +1,5 @@
-"""Llama (2, 3, 3.1+ with llama3 rope scaling): `attention_bias` covers q/k/v/o, `mlp_bias` the MLP."""
+"""Llama (2, 3, 3.1+ with llama3 rope scaling): `attention_bias` covers q/k/v/o, `mlp_bias` the MLP.
+Mistral's checkpoints (MistralForCausalLM) are the same layers without biases."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama's layers without biases (its window: model_config)
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
