@@ -44,7 +44,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, float]] = {
     "MistralForCausalLM": {"max_position_embeddings": 131072},
     "MixtralForCausalLM": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768},
-    "Qwen3ForCausalLM": {"max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "head_dim": 128},
     "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768},
 }
 # A Hugging Face Hub id: `org/name`, no further path parts.
@@ -157,8 +157,13 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
     defaults = _ARCH_DEFAULTS.get(archs[0], {})
     hidden_size = integer("hidden_size", need("hidden_size"))
     num_heads = integer("num_attention_heads", need("num_attention_heads"))
-    # `head_dim` is explicit in Qwen3 (and may differ from hidden/heads); older configs omit it.
-    head_dim = integer("head_dim", raw.get("head_dim") or hidden_size // num_heads)
+    # `head_dim` is explicit in Qwen3 (and may differ from hidden/heads); older configs omit it,
+    # which Qwen3Config reads as 128, the others as hidden / heads (null too).
+    head_dim = integer("head_dim", raw.get("head_dim") or (
+        defaults.get("head_dim") if "head_dim" not in raw else None) or hidden_size // num_heads)
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' "swish" is SiLU; vLLM refuses the others too
+        raise ValueError(f"{where}: hidden_act {act!r} is not supported (only 'silu')")
     num_kv_heads = integer("num_key_value_heads", raw.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads != 0:
         raise ValueError(
@@ -235,8 +240,8 @@ def _sliding_window(raw: dict[str, Any], num_layers: int) -> Any:
 def _parse_rope(raw: dict[str, Any], default_theta: float, max_positions: Any) -> RopeConfig:
     # v5: {"rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}}
     # v4: {"rope_theta": ..., "rope_scaling": {"rope_type" or "type": ..., ...} or null}
-    params: dict[str, Any] = dict(raw.get("rope_parameters") or {})
-    params.update(raw.get("rope_scaling") or {})
+    # A rope_scaling (v4) replaces rope_parameters whole, as transformers 5 reads both.
+    params: dict[str, Any] = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

@@ -319,3 +319,31 @@ def test_mistral_window_as_its_config_class_reads_it(model_dir: Path) -> None:
     assert load_model_config(model_dir).sliding_window == 4096
     edit_config(model_dir, sliding_window=None)
     assert load_model_config(model_dir).sliding_window is None
+
+
+def test_config_fields_as_transformers_reads_them(model_dir: Path) -> None:
+    """hidden_act other than SiLU is refused (transformers would run it, vLLM refuses it; a silent
+    SiLU was the worst outcome); Qwen3Config's head_dim is 128 where config.json leaves it out; a
+    rope_scaling replaces rope_parameters whole, rope_theta then from the top level."""
+    from transformers import AutoConfig
+
+    for act in ("gelu", "gelu_pytorch_tanh", "relu"):
+        edit_config(model_dir, hidden_act=act)
+        with pytest.raises(ValueError, match=f"hidden_act '{act}' is not supported"):
+            load_model_config(model_dir)
+    edit_config(model_dir, hidden_act="swish")  # SiLU by another name
+    assert load_model_config(model_dir).architecture == "Qwen3ForCausalLM"
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw.pop("head_dim")
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(model_dir).head_dim == AutoConfig.from_pretrained(model_dir).head_dim == 128
+    edit_config(model_dir, head_dim=None)  # null: hidden / heads, as Llama's reads it (Qwen3Config refuses it)
+    assert load_model_config(model_dir).head_dim == raw["hidden_size"] // raw["num_attention_heads"]
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    edit_config(model_dir, head_dim=raw["hidden_size"] // raw["num_attention_heads"], rope_theta=500000.0,
+                rope_scaling=llama3,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    theirs = AutoConfig.from_pretrained(model_dir).rope_parameters
+    rope = load_model_config(model_dir).rope
+    assert (rope.rope_type, rope.theta) == (theirs["rope_type"], theirs["rope_theta"]) == ("llama3", 500000.0)
+    assert rope.scaling["original_max_position_embeddings"] == theirs["original_max_position_embeddings"]

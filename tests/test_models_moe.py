@@ -284,3 +284,14 @@ def test_a_moe_model_on_cpu_takes_larger_steps_by_default(models: dict[str, Path
     no_experts = edited_copy(models["qwen3_moe"], tmp_path / "none", {"num_local_experts": 0, "num_experts": 8})
     assert EngineConfig(model=str(no_experts), device="cpu",
                         max_model_len=1024).resolve().max_num_batched_tokens == DEFAULT_BATCHED_TOKENS["cpu"]
+
+
+@pytest.mark.parametrize("name,top_k", [("qwen3_moe", 8), ("mixtral", 2)])
+def test_num_experts_per_tok_defaults_as_the_config_classes(models: dict[str, Path], tmp_path: Path, name: str,
+                                                            top_k: int) -> None:
+    from transformers import AutoConfig
+
+    path = edited_copy(models[name], tmp_path / name, {"num_experts_per_tok": None}, None)
+    assert AutoConfig.from_pretrained(path).num_experts_per_tok == top_k
+    model, _ = load_model(path)
+    assert {m.top_k for m in model.modules() if hasattr(m, "top_k")} == {top_k}

@@ -79,13 +79,12 @@ def _int_field(config: ModelConfig, *keys: str, low: int, default: int | None = 
 
 
 def _moe_config(config: ModelConfig, num_experts: int, intermediate_size: int, renormalize: bool,
-                sparse_layers: frozenset[int], expert_names: tuple[str, str, str]) -> MoeConfig:
+                sparse_layers: frozenset[int], expert_names: tuple[str, str, str], default_top_k: int) -> MoeConfig:
     where = config.model_dir / "config.json"
-    top_k = _int_field(config, "num_experts_per_tok", low=1, default=None if sparse_layers else 1)
+    # The config classes' defaults (Qwen3-MoE's 8, Mixtral's 2) where config.json leaves it out.
+    top_k = _int_field(config, "num_experts_per_tok", low=1, default=default_top_k if sparse_layers else 1)
     if sparse_layers and top_k > num_experts:
         raise ValueError(f"{where}: num_experts_per_tok ({top_k}) exceeds the number of experts ({num_experts})")
-    if config.raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {config.raw['hidden_act']!r} is not supported (only 'silu')")
     return MoeConfig(num_experts, top_k, intermediate_size, renormalize, sparse_layers, expert_names)
 
 
@@ -101,10 +100,10 @@ def qwen3_moe_config(config: ModelConfig) -> MoeConfig:
                        if num_experts > 0 and i not in dense and (i + 1) % step == 0)
     inter = _int_field(config, "moe_intermediate_size", low=1) if sparse else 0
     renormalize = bool(config.raw.get("norm_topk_prob", False))
-    return _moe_config(config, num_experts, inter, renormalize, sparse, QWEN_EXPERT_NAMES)
+    return _moe_config(config, num_experts, inter, renormalize, sparse, QWEN_EXPERT_NAMES, default_top_k=8)
 
 
 def mixtral_config(config: ModelConfig) -> MoeConfig:
     num_experts = _int_field(config, "num_local_experts", "num_experts", low=1)
     return _moe_config(config, num_experts, config.intermediate_size, True,
-                       frozenset(range(config.num_hidden_layers)), MIXTRAL_EXPERT_NAMES)
+                       frozenset(range(config.num_hidden_layers)), MIXTRAL_EXPERT_NAMES, default_top_k=2)
