@@ -53,13 +53,14 @@ def template_conversation(conversation: Sequence[Mapping[str, Any]],
     are then merged, in order, into one at the front (templates such as Qwen's accept a system
     message only there). An assistant message's tool call arguments (a JSON string in OpenAI's
     format) become the object templates expect: none, an empty string or anything that is not a
-    JSON object becomes {} (with a warning: failing would break every later turn of the chat)."""
+    JSON object becomes {} (with a warning: failing would break every later turn of the chat); null
+    or empty tool_calls are dropped."""
     messages = [dict(m) for m in conversation]
     for m in messages:
         if m.get("role") == "assistant" and "tool_calls" in m:
             calls = m["tool_calls"]
-            if isinstance(calls, list) and not calls:
-                del m["tool_calls"]  # an empty list would take templates down their tool-call path
+            if calls is None or (isinstance(calls, list) and not calls):
+                del m["tool_calls"]  # null or [] would take templates down their tool-call path
             elif isinstance(calls, list):
                 m["tool_calls"] = [_with_parsed_arguments(call) for call in calls]
     sources = template.values() if isinstance(template, Mapping) else [template or ""]

@@ -215,7 +215,7 @@ def _leading_markers(backend: Any, tokens: list[str | None]) -> list[int] | None
     """vLLM's logprob strings of a Metaspace pre-tokenizer's tokens start with a space per leading
     marker (decode drops them from a text's first token; vLLM's convert_ids_list_to_tokens puts
     them back): per id the markers its token starts with, None for other pre-tokenizers."""
-    pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else {}
     subs = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else [pre]
     marker = next((p.get("replacement", "▁") for p in subs if p.get("type") == "Metaspace"), None)
     if marker is None:

@@ -283,6 +283,7 @@ def test_boolean_and_enum_fields_as_the_libraries_read_them() -> None:
     for text, value in (("false", False), ("True", True)):
         assert _config(dict(GPTQ, sym=text)).scheme_for("model.layers.0.mlp.up_proj").symmetric is value
         assert _config(dict(GPTQ, desc_act=text)).scheme_for("model.layers.0.mlp.up_proj").actorder is value
+    assert _config(dict(GPTQ, sym=None)).scheme_for("model.layers.0.mlp.up_proj").symmetric is False  # vLLM's
     with pytest.raises(ValueError, match="sym must be true or false, got 'no'"):
         _config(dict(GPTQ, sym="no"))
     with pytest.raises(ValueError, match="zero_point must be true or false, got 1"):

@@ -154,8 +154,9 @@ def test_tool_call_arguments_reach_templates_as_objects() -> None:
     sent = call('{"a": 1}')
     template_conversation([sent], None)
     assert sent["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'  # the caller's message is not changed
-    empty = {"role": "assistant", "content": "x", "tool_calls": []}
-    assert template_conversation([empty], None) == [{"role": "assistant", "content": "x"}]
+    for none in ([], None):  # vLLM drops both: templates test `'tool_calls' in message`
+        empty = {"role": "assistant", "content": "x", "tool_calls": none}
+        assert template_conversation([empty], None) == [{"role": "assistant", "content": "x"}]
     for bad in ([{"type": "code", "function": {}}], [{"type": "function"}], ["f"]):
         with pytest.raises(ValueError, match="tool_calls must be objects of type 'function'"):
             template_conversation([{"role": "assistant", "tool_calls": bad}], None)
@@ -206,3 +207,24 @@ def test_prompt_tokens_details(llm: LLM, client: TestClient) -> None:
         assert chunks[-1]["usage"]["prompt_tokens_details"] == usage["prompt_tokens_details"]
         streamed = sse_chunks(detailed, "/v1/completions", {**completion, "stream_options": {"include_usage": True}})
         assert streamed[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
+def test_echoed_prompt_tokens_of_a_metaspace_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An echo's first prompt token has no logprob entry: vLLM names it tokenizer.decode([id]),
+    without the leading space its logprob strings put back (those of the other prompt tokens)."""
+    from test_detokenizer import _sp_tokenizer, vllm_token_string
+
+    from nanovllm.builtin_model import TinyModelSpec, build_hf_model
+
+    path = tmp_path_factory.mktemp("metaspace")
+    tok = _sp_tokenizer("first")
+    tok.save_pretrained(path)
+    build_hf_model(TinyModelSpec(arch="LlamaForCausalLM", vocab_size=len(tok), head_dim=16, seed=9),
+                   eos_token_id=tok.eos_token_id).save_pretrained(path, safe_serialization=True)
+    ids = tok.encode(" hello world", add_special_tokens=False)
+    assert tok.convert_ids_to_tokens(ids[0]).startswith("▁")  # a token whose space decode drops
+    with serve(LLM(str(path), **ENGINE_ARGS)) as client:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+        tokens = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens[:len(ids)] == [tok.decode([ids[0]])] + [vllm_token_string(tok, i) for i in ids[1:]]
+    assert not tokens[0].startswith(" ")

@@ -30,7 +30,7 @@ class Completion:
     text: str = ""  # likewise
     num_collected: int = 0  # tokens collected from the detokenizer so far
     lp_refs: list[tuple[LogprobBlock, int]] | None = None  # logprob rows not yet handed out
-    lp_context: list[int] = field(default_factory=list)  # the last 4 tokens of rows handed out
+    lp_context: list[tuple[LogprobBlock, int]] = field(default_factory=list)  # the last 4 rows handed out
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

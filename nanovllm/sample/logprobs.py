@@ -1,11 +1,12 @@
 """Log-probabilities of sampled (or prompt) tokens and of the top-k alternatives, as vLLM reports
-them: computed from the model's raw logits (before penalties, temperature and truncation).
+them: computed from the model's raw logits (before penalties, temperature and truncation; after a
+grammar's mask, which vLLM applies before its sampler).
 
 A step computes them for all rows that asked in one batched pass (`LogprobBlock`): on the CPU one
 kernel call (csrc/cpu_sampler.cpp), elsewhere `log_softmax` + `topk` and one device-to-host
 transfer. The per-token `{token id: Logprob}` dicts users see are
-built only when an output is built (`build_entries`), with every token string of that output
-decoded in one call.
+built only when an output is built (`build_entries`), a block's rows at once in one C loop, the
+strings of a character's parts then corrected as vLLM corrects them.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class LogprobBlock:
 
     def partial(self, row: int) -> bool:
         """Whether a string of row `row` ends in U+FFFD (known once `entries` ran)."""
-        return row in self._partial
+        return bool(self._partial) and row in self._partial
 
 
 def gather_logprobs(logits: torch.Tensor, chosen: torch.Tensor, wanted: np.ndarray) -> LogprobBlock:
@@ -84,20 +85,22 @@ def unpack_logprobs(a: np.ndarray, wanted: np.ndarray) -> LogprobBlock:
 
 
 def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable,
-                  context: list[int] | None = None) -> list[dict[int, Logprob]]:
+                  context: list[tuple[LogprobBlock, int]] | None = None) -> list[dict[int, Logprob]]:
     """The `{token id: Logprob}` of each (block, row) (LogprobBlock.entries), the rows in order
-    of one sequence's tokens when `context` is given: its (at most 4) tokens before the first row,
-    which this updates to the last 4 rows' tokens. Strings that end in U+FFFD are then corrected
-    from the rows before them, as vLLM's (`correct_partial`)."""
+    of one sequence's tokens when `context` is given: the (at most 4) rows before the first,
+    which this updates to the last 4. Strings that end in U+FFFD are then corrected from the
+    tokens of the rows before them, as vLLM's (`correct_partial`)."""
     entries = [block.entries(table)[row] for block, row in refs]
     if context is None:
         return entries
-    fix = [j for j, (block, row) in enumerate(refs) if block.partial(row)]
+    fix = [j for j, (block, row) in enumerate(refs) if block._partial and row in block._partial]
     if fix:
-        chosen = [next(iter(e)) for e in entries]  # the sampled token is each entry's first
+        ids = [int(block.chosen_ids[row]) for block, row in (*context, *refs)]
         for j in fix:
-            correct_partial(entries[j], (context + chosen[max(0, j - 4):j])[-4:], table)
-    context[:] = (context + [next(iter(e)) for e in entries[-4:]])[-4:]
+            at = len(context) + j
+            correct_partial(entries[j], ids[max(0, at - 4):at], table)
+    context.extend(refs[-4:])
+    del context[:-4]
     return entries
 
 

@@ -1,8 +1,9 @@
 """The sampling side of a step on rank 0: from the model's hidden states to a RunnerOutput.
 
 Per step: the plan's sampling-state changes are applied (`apply`: finished sequences dropped, new
-ones admitted, outside forks copied), then `sample` takes the logits at the sampled positions, runs
-the sampling state's processors (penalties, logit bias, min_tokens, grammars) and the sampler, and
+ones admitted, outside forks copied), then `sample` takes the logits at the sampled positions,
+masks them by the rows' grammars (in place: logprobs are of the masked distribution, as vLLM's),
+runs the sampling state's processors (logit bias, penalties, min_tokens, bad words) and the sampler, and
 brings the tokens back with their logprobs in one wait (nanovllm.staging). Prompt logprobs are
 computed here too, for the prefill chunks of sequences that asked.
 

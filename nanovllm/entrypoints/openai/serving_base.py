@@ -263,8 +263,10 @@ class ServingContext:
         return await self.workers.run(lambda: str(self.tokenizer.decode(token_ids)))
 
     def decode_token(self, token_id: int) -> str:
-        # The engine's token table: the same strings its logprobs carry (read-only, thread-safe).
-        return self.engine.engine.token_table.decode_token(token_id)
+        """A token without a logprob entry (an echoed prompt's first; none at all without
+        detokenization), named as vLLM names it: tokenizer.decode([id]), from the engine's table
+        (thread-safe: its C code holds the GIL)."""
+        return self.engine.engine.token_table.decode([token_id])
 
     def token_name(self, token_id: int, logprob: Logprob | None, as_id: bool) -> str:
         """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids)."""

@@ -223,9 +223,10 @@ def _first_given(qc: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> 
 
 
 def _flag(value: Any, where: str, what: str, field: str) -> bool:
-    """A boolean field: true / false, or a JSON string of one ("false" would otherwise read as true)."""
-    if isinstance(value, bool):
-        return value
+    """A boolean field: true / false, null (false, as vLLM reads it), or a JSON string of one ("false"
+    would otherwise read as true)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise ValueError(f"{where}: {what}: {field} must be true or false, got {value!r}")
