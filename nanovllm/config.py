@@ -144,6 +144,10 @@ class SpeculativeConfig:
         return cls(**v)
 
 
+# Options whose None means the default, as vLLM's EngineArgs read them.
+_NONE_IS_DEFAULT = frozenset({"max_num_seqs", "enable_prefix_caching", "enable_chunked_prefill"})
+
+
 def option(default: Any, help: str, *, aliases: tuple[str, ...] = (), choices: tuple[Any, ...] | None = None,
            metavar: str | None = None, serve_only: bool = False) -> Any:
     """An engine option: its default and help text; `aliases` are extra command-line flags (vLLM's
@@ -226,6 +230,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # vLLM's None for these is "the platform's default": ours (code that forwards its own
+        # argument parser's Nones into LLM(...) gets what vLLM would give it).
+        for f in fields(self):
+            if f.name in _NONE_IS_DEFAULT and getattr(self, f.name) is None:
+                object.__setattr__(self, f.name, f.default)
         # The shipped models' names become their directories here, once, for every entry point.
         object.__setattr__(self, "model", resolve_builtin(self.model))
         if self.tokenizer is not None:
@@ -283,6 +292,13 @@ class EngineConfig:
     def options(cls) -> list[Any]:
         """The option fields (everything a caller sets), in declaration order."""
         return [f for f in fields(cls) if f.init]
+
+    @classmethod
+    def python_aliases(cls) -> dict[str, str]:
+        """vLLM's other names of options, as LLM(...) keywords (its `--num-gpu-blocks-override` is
+        `num_gpu_blocks_override=`): alias -> the option's name."""
+        return {alias[2:].replace("-", "_"): f.name for f in cls.options() for alias in f.metadata.get("aliases", ())
+                if alias.startswith("--") and not alias.startswith("--no-")}
 
     def as_options(self) -> dict[str, Any]:
         """The options as keyword arguments (what rebuilds this object)."""

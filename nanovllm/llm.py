@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +22,18 @@ Conversation = list[dict[str, Any]]
 logger = logging.getLogger("nanovllm")
 
 
+_POOLING = "pooling models (embeddings, classification, scores) are not supported: nanovllm runs generative models"
+
+
+def _unsupported(name: str, reason: str) -> Callable[..., Any]:
+    def method(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"LLM.{name}() is not supported: {reason}")
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"vLLM's LLM.{name}: not supported ({reason})."
+    return method
+
+
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         """`model`: a Hugging Face model directory, or "builtin-code": the small code model shipped
@@ -36,10 +48,17 @@ class LLM:
         many GPUs, or processes on CPU), distributed_backend, and across machines nnodes, node_rank,
         master_addr, master_port (this process is node 0; the others run `nanovllm serve ...
         --node-rank N --headless`); chat_template (vLLM's: chat()'s template where a call gives
-        none, a file's path or the template itself). vLLM's options this engine does not implement
-        are a ValueError naming the reason, unless the value asks for what it does anyway
+        none, a file's path or the template itself). vLLM's other names of these are taken too
+        (num_gpu_blocks_override), and None for max_num_seqs / enable_prefix_caching /
+        enable_chunked_prefill is the default, as vLLM reads it. vLLM's options this engine does not
+        implement are a ValueError naming the reason, unless the value asks for what it does anyway
         (pipeline_parallel_size=1)."""
         chat_template = load_chat_template(options.pop("chat_template", None), "chat_template")
+        for alias, name in EngineConfig.python_aliases().items():
+            if alias in options:
+                if name in options:
+                    raise TypeError(f"LLM() got both {name} and its other name {alias}")
+                options[name] = options.pop(alias)
         known = {f.name for f in EngineConfig.options()}
         refused = {u.name: u for u in unsupported_options.refused_here(unsupported_options.LLM_API)}
         for name in sorted(set(options) - known):
@@ -222,9 +241,26 @@ class LLM:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prompt prefix; only while no request runs. Returns whether it did."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prompt prefix; only while no request runs (offline, between calls:
+        always). Returns whether it did. vLLM's two options ask for nothing here: no request runs
+        between calls, and there is no KV connector."""
         return self.engine.reset_prefix_cache()
+
+    # vLLM's LLM methods for what this engine does not do: a NotImplementedError saying so, not an
+    # AttributeError.
+    encode = _unsupported("encode", _POOLING)
+    embed = _unsupported("embed", _POOLING)
+    classify = _unsupported("classify", _POOLING)
+    score = _unsupported("score", _POOLING)
+    sleep = _unsupported("sleep", "sleep mode (offloading weights and freeing the KV cache) is not implemented")
+    wake_up = _unsupported("wake_up", "sleep mode (offloading weights and freeing the KV cache) is not implemented")
+    start_profile = _unsupported("start_profile", "profile a step with benchmarks/profile_cpu_step.py")
+    stop_profile = _unsupported("stop_profile", "profile a step with benchmarks/profile_cpu_step.py")
+    collective_rpc = _unsupported("collective_rpc", "workers take no calls from user code")
+    apply_model = _unsupported("apply_model", "workers take no calls from user code")
+    get_metrics = _unsupported("get_metrics", "LLM.stats() gives the engine's counters; `nanovllm serve` has "
+                                              "/metrics")
 
 
 def _check_unsupported(lora_request: object, priority: int | Sequence[int] | None,

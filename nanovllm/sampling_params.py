@@ -148,7 +148,6 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = field(default_factory=lambda: RequestOutputKind.CUMULATIVE)
     extra_args: dict[str, Any] | None = None
-    stop_strings: list[str] = field(init=False, repr=False)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,10 +161,10 @@ class SamplingParams:
         if not isinstance(self.stop, (str, list, tuple, type(None))):
             raise ValueError(f"stop must be a string or a list of strings, got {quote(self.stop)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop = list(self.stop_strings)  # vLLM's: always a list (a lone string its one entry)
         if not isinstance(self.bad_words, (list, tuple, type(None))):
             raise ValueError(f"bad_words must be a list of strings, got {quote(self.bad_words)}")
-        self.bad_words = None if self.bad_words is None else list(self.bad_words)
+        self.bad_words = list(self.bad_words or [])  # vLLM's: None is []
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a map of token id -> bias, got {quote(self.logit_bias)}")
@@ -175,8 +174,7 @@ class SamplingParams:
             logger.warning("temperature %s is below %s, which may give nan or inf; it is raised to %s",
                            self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
-        if self.bad_words is not None:
-            self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM's: each word once
+        self.bad_words = list(dict.fromkeys(self.bad_words))  # vLLM's: each word once
 
     def _validate(self) -> None:
         def fail(name: str, requirement: str) -> None:
@@ -286,6 +284,12 @@ class SamplingParams:
     def bad_words_token_ids(self) -> list[list[int]] | None:
         """The token sequences bad_words forbid, once update_from_tokenizer has run."""
         return self._bad_words_token_ids
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings, read when a request is added (as vLLM reads `stop`: an assignment
+        after construction counts)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def greedy(self) -> bool:

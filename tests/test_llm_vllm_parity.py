@@ -611,3 +611,60 @@ def test_num_cached_tokens_counts_the_prompts_prefix_cache_hits(model_dir: Path)
     off = LLM(str(model_dir), enable_prefix_caching=False, **ENGINE)
     off.generate(prompt, params, use_tqdm=False)
     assert off.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+
+
+def test_sampling_params_lists_as_vllm() -> None:
+    """vLLM's SamplingParams keeps stop as a list ([] for none, a lone string its entry) and None
+    bad_words as [], and reads `stop` when a request is added (an assignment after construction
+    counts)."""
+    assert SamplingParams().stop == [] and SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"] and SamplingParams().bad_words == []
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params.stop = ["\x00never"]
+    assert params.stop_strings == ["\x00never"]
+    params.stop = "x"
+    assert params.stop_strings == ["x"]
+
+
+def test_stop_assigned_after_construction_stops(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip() and stop in text
+    params.stop = [stop]
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[:text.index(stop)]
+
+
+def test_engine_options_as_vllm_passes_them(model_dir: Path) -> None:
+    """vLLM's None for max_num_seqs, enable_prefix_caching and enable_chunked_prefill is its
+    default (prefix caching on); its names of options (num_gpu_blocks_override) are taken."""
+    llm = LLM(str(model_dir), device="cpu", num_gpu_blocks_override=40, max_model_len=512, block_size=16,
+              max_num_seqs=None, enable_prefix_caching=None, enable_chunked_prefill=None)
+    assert llm.stats()["num_total_blocks"] == 40
+    prompt = {"prompt_token_ids": list(range(1, 40))}
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 32
+    with pytest.raises(TypeError, match="both num_kvcache_blocks and its other name num_gpu_blocks_override"):
+        LLM(str(model_dir), device="cpu", num_gpu_blocks_override=40, num_kvcache_blocks=40)
+
+
+def test_what_this_engine_does_not_do_says_so(llm: LLM) -> None:
+    """vLLM's prompt fields for multimodal input, embeddings and cache isolation are refused, not
+    dropped; its LLM methods for pooling, sleep mode, profiling and worker calls raise
+    NotImplementedError naming the reason."""
+    for key, value in (("multi_modal_data", {"image": object()}), ("mm_processor_kwargs", {"x": 1}),
+                       ("cache_salt", "tenant-a"), ("prompt_embeds", object())):
+        for prompt in ({"prompt": "hello", key: value}, {"prompt_token_ids": [1, 2], key: value}):
+            with pytest.raises(ValueError, match=f"a prompt's '{key}' is not supported"):
+                llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.generate({"prompt": "hello", "multi_modal_data": None}, SamplingParams(max_tokens=1),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    for name in ("encode", "embed", "classify", "score", "sleep", "wake_up", "start_profile", "stop_profile",
+                 "collective_rpc", "apply_model", "get_metrics"):
+        with pytest.raises(NotImplementedError, match=rf"LLM\.{name}\(\) is not supported: "):
+            getattr(llm, name)("x")
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=False) is True
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]

@@ -134,6 +134,15 @@ def checked_sampling_defaults(options: EngineConfig) -> dict[str, Any]:
     return defaults
 
 
+# vLLM's prompt fields this engine does not implement, refused rather than dropped.
+_MULTIMODAL = "nanovllm runs text-only models"
+_REFUSED_PROMPT_KEYS = {
+    "multi_modal_data": _MULTIMODAL, "mm_processor_kwargs": _MULTIMODAL, "multi_modal_uuids": _MULTIMODAL,
+    "prompt_embeds": "prompts are text or token ids",
+    "cache_salt": "the prefix cache is shared by every request (no per-tenant isolation)",
+}
+
+
 class LLMEngine:
     def __init__(self, options: EngineConfig) -> None:
         try:
@@ -214,6 +223,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(valid_text(prompt))
         if isinstance(prompt, dict):
+            asked = [k for k in _REFUSED_PROMPT_KEYS if prompt.get(k) is not None]
+            if asked:
+                raise ValueError(f"a prompt's {asked[0]!r} is not supported: {_REFUSED_PROMPT_KEYS[asked[0]]}")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
