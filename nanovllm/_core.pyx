@@ -25,10 +25,14 @@ what that token contributes to `tokenizer.decode(ids)`:
 Then, in this order, the optional `clean_up_tokenization_spaces` replacements of transformers (as a
 cascade of streaming `str.replace`s, so the result equals the replacements applied to the whole
 text), then stop strings. A delta never contains text that a later token could still change or cut
-off, so the concatenated deltas plus `flush()` are exactly `tokenizer.decode(all_tokens)` (cut at a
-stop string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
+off, so the concatenated deltas plus `flush()` are `tokenizer.decode(all_tokens)` (cut at a stop
+string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
 prompt's (as vLLM's decoder, which starts from the prompt: Strip and Metaspace's first-token rule
-then belong to the prompt).
+then belong to the prompt) -- except at the end, where a sequence's text, as vLLM's, never ends in
+U+FFFD: trailing U+FFFDs (an unfinished character, invalid bytes) are held back until text follows
+them, and dropped by `flush()`; a ByteFallback run still open at the end that is not valid UTF-8
+keeps its valid beginning (vLLM had emitted it while the run was valid). `TokenTable.decode` is
+`tokenizer.decode` exactly.
 
 All text inside is UTF-8 in `std::string`s; working on bytes is exact because every stage only
 ever splits text at character boundaries (stop strings and replacement patterns are valid UTF-8, so
@@ -104,7 +108,8 @@ cdef inline int _utf8_seq(const unsigned char* b, size_t i, size_t n, size_t* st
     return 0
 
 
-cdef bint _utf8_valid(const string& s) noexcept:
+cdef size_t _valid_prefix(const string& s) noexcept:
+    """How many of `s`'s first bytes make whole, valid UTF-8 characters."""
     cdef const unsigned char* b = <const unsigned char*>s.data()
     cdef size_t n = s.size(), i = 0, j = 0
     while i < n:
@@ -113,8 +118,12 @@ cdef bint _utf8_valid(const string& s) noexcept:
         elif _utf8_seq(b, i, n, &j) == 1:
             i = j
         else:
-            return False
-    return True
+            break
+    return i
+
+
+cdef inline bint _utf8_valid(const string& s) noexcept:
+    return _valid_prefix(s) == s.size()
 
 
 # One sequence's text state. A plain struct of C++ members, stored by value in a vector (no Python
@@ -335,7 +344,9 @@ cdef class TokenTable:
         short, that decode less what the tail's whole-text tokens decode to; "" where none
         (v1/engine/logprobs.py _correct_decoded_token)."""
         cdef int32_t tok = self._id(token_id)
-        cdef list ctx = [self._id(c) for c in context][-4:]
+        cdef list ctx = [self._id(c) for c in context]
+        if len(ctx) > 4:
+            ctx = ctx[len(ctx) - 4:]
         cdef Py_ssize_t m = len(ctx), n, clean, common
         cdef list tail
         for n in range(1, m + 1):
@@ -533,17 +544,28 @@ cdef int _drain_bytes(TokenTable t, Seq* s, bint final) except -1:
     return 0
 
 
-cdef int _close_run(TokenTable t, Seq* s) except -1:
-    """ByteFallback: a run of byte tokens ended; it decodes as a whole or as one U+FFFD per byte."""
+cdef int _close_run(TokenTable t, Seq* s, bint at_end=False) except -1:
+    """ByteFallback: a run of byte tokens ended; it decodes as a whole or as one U+FFFD per byte.
+    `at_end` (a sequence's flush): an invalid run keeps only its longest valid beginning."""
     cdef string run
     cdef size_t k
     run.swap(s.pending)
     if _utf8_valid(run):
         _emit(t, s, run.data(), run.size())
+    elif at_end:
+        _emit(t, s, run.data(), _valid_prefix(run))
     else:
         for k in range(run.size()):
             _emit(t, s, REPL, 3)
     return 0
+
+
+cdef size_t _before_replacements(Seq* s, size_t end) noexcept:
+    """`end` moved back over the U+FFFDs that end s.text[s.emitted:end] (vLLM's text never ends in
+    one: its decoder holds a step whose text does)."""
+    while end >= s.emitted + 3 and memcmp(s.text.data() + end - 3, REPL, 3) == 0:
+        end -= 3
+    return end
 
 
 cdef int _emit(TokenTable t, Seq* s, const char* p, size_t n) except -1:
@@ -656,7 +678,10 @@ cdef size_t _releasable(Seq* s) noexcept:
     up to a match's end is output either way, and matches are found before anything is returned.
     """
     cdef size_t L = s.text.size()
-    if s.finished or s.include_stop or s.stops.empty():
+    if s.finished:
+        return L
+    L = _before_replacements(s, L)
+    if s.include_stop or s.stops.empty():
         return L
     cdef size_t avail = L - s.emitted, hold = 0, k, idx
     for idx in range(s.stops.size()):
@@ -671,18 +696,21 @@ cdef size_t _releasable(Seq* s) noexcept:
     return L - hold
 
 
-cdef int _finish(TokenTable t, Seq* s) except -1:
-    """End of the token stream: release the held bytes and buffers, then a last stop check."""
+cdef int _finish(TokenTable t, Seq* s, bint sequence=False) except -1:
+    """End of the token stream: release the held bytes and buffers, then a last stop check. For a
+    `sequence` (not TokenTable.decode), vLLM's end: no trailing U+FFFD unless a stop string cut it."""
     if s.finished:
         return 0
     if t.byte_level:
         _drain_bytes(t, s, True)
     elif not s.pending.empty():
-        _close_run(t, s)
+        _close_run(t, s, sequence)
     if not t.clean_old.empty():
         _cleanup(t, s, NULL, 0, True)
     _check_stop(s)
     s.finished = True
+    if sequence and s.stop_index < 0:
+        s.text.resize(_before_replacements(s, s.text.size()))
     return 0
 
 
@@ -913,21 +941,21 @@ cdef class Detokenizer:
         return (s.key, delta, stop)
 
     def flush(self, int64_t key) -> str:
-        """End of the sequence: return everything held back (an unfinished character or byte run
-        decodes lossily, as in tokenizer.decode). The sequence takes no more tokens afterwards;
-        flushing again returns ""."""
+        """End of the sequence: return everything held back, as vLLM's text ends: without trailing
+        U+FFFDs (an unfinished character is dropped; an open ByteFallback run keeps its valid
+        beginning). The sequence takes no more tokens afterwards; flushing again returns ""."""
         cdef Seq* s = self._get(key)
-        _finish(self.table, s)
+        _finish(self.table, s, True)
         cdef size_t start = s.emitted
         s.emitted = s.text.size()
         return _utf8(s.text, start, s.text.size())
 
     def text(self, int64_t key) -> str:
         """The sequence's whole text if it ended now: tokenizer.decode of its tokens so far, cut at
-        a stop string (held-back text included; changes nothing)."""
+        a stop string, else without trailing U+FFFDs as flush() ends it (changes nothing)."""
         cdef Seq* s = self._get(key)
         cdef Seq tmp = s[0]
-        _finish(self.table, &tmp)
+        _finish(self.table, &tmp, True)
         return _utf8(tmp.text, 0, tmp.text.size())
 
     def token_ids(self, int64_t key, Py_ssize_t start=0) -> list:

@@ -54,7 +54,9 @@ def test_a_stop_token_id_keeps_its_token_but_not_its_text(llm: LLM, stream: bool
     base = greedy(llm, max_tokens=20, ignore_eos=True)
     k = plain_token_at(llm, base.token_ids)
     stop_id = base.token_ids[k]
-    decode = llm.get_tokenizer().decode
+    def decode(ids: list[int]) -> str:  # vLLM's text: no U+FFFD at its end
+        return llm.get_tokenizer().decode(ids).rstrip("\ufffd")
+
     for include, expected in ((False, decode(base.token_ids[:k])), (True, decode(base.token_ids[:k + 1]))):
         params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id],
                                 include_stop_str_in_output=include)
@@ -668,3 +670,24 @@ def test_what_this_engine_does_not_do_says_so(llm: LLM) -> None:
     assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=False) is True
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unfinished_character_at_the_end_is_dropped(llm: LLM, stream: bool) -> None:
+    """vLLM's text never ends in U+FFFD (its decoder holds a step whose text does): an output cut
+    inside a character by max_tokens ends before it, where tokenizer.decode would end in U+FFFD;
+    text that follows such bytes releases them (as U+FFFD, in the middle)."""
+    from nanovllm.token_table import bytes_to_unicode
+
+    tok = llm.get_tokenizer()
+    lead, tail = (tok.convert_tokens_to_ids(bytes_to_unicode()[b]) for b in (0xE6, 0x97))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[lead])
+    if stream:
+        llm.engine.add_request("cut", PROMPT, params, stream=True)
+        deltas = [o.outputs[0].text for _ in range(10) for o in llm.engine.step()]
+        assert deltas and all(d == "" for d in deltas)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [lead] * 3 and out.text == "" and tok.decode(out.token_ids) == "\ufffd" * 3
+    mixed = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                allowed_token_ids=[lead, tail]), use_tqdm=False)[0].outputs[0]
+    assert mixed.text == tok.decode(mixed.token_ids).rstrip("\ufffd")
