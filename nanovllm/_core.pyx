@@ -24,9 +24,10 @@ what that token contributes to `tokenizer.decode(ids)`:
 
 Then, in this order, the optional `clean_up_tokenization_spaces` replacements of transformers (as a
 cascade of streaming `str.replace`s, so the result equals the replacements applied to the whole
-text), then stop strings. A delta never contains text that a later token could still change or cut
-off, so the concatenated deltas plus `flush()` are `tokenizer.decode(all_tokens)` (cut at a stop
-string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
+text: `TokenTable.decode` only; a sequence's text has none, as vLLM's decoder, tokenizers'
+DecodeStream, applies none), then stop strings. A delta never contains text that a later token
+could still change or cut off, so the concatenated deltas plus `flush()` are
+`tokenizer.decode(all_tokens)` (cut at a stop string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
 prompt's (as vLLM's decoder, which starts from the prompt: Strip and Metaspace's first-token rule
 then belong to the prompt) -- except at the end, where a sequence's text, as vLLM's, never ends in
 U+FFFD: trailing U+FFFDs (an unfinished character, invalid bytes) are held back until text follows
@@ -146,6 +147,7 @@ cdef struct Seq:
     bint deltas             # process() reports its new text every call, not only its stop
     vector[int32_t] tokens  # every token fed, in order (the completion's token ids)
     vector[string] stops    # UTF-8
+    bint cleanup            # the table's cleanup replacements apply (TokenTable.decode; no sequence)
     vector[string] clean_buf  # per cleanup rule: input it holds back (a possible pattern start)
 
 
@@ -458,6 +460,7 @@ cdef int _init_seq(TokenTable t, Seq* s, int64_t key, bint skip_special, bint in
     s.deltas = True
     s.tokens.clear()
     s.stops.clear()
+    s.cleanup = not t.clean_old.empty()
     s.clean_buf.clear()
     s.clean_buf.resize(t.clean_old.size())
     return 0
@@ -579,7 +582,7 @@ cdef int _emit(TokenTable t, Seq* s, const char* p, size_t n) except -1:
             s.strip_left -= 1
         else:
             s.strip_left = 0
-    if t.clean_old.empty():
+    if not s.cleanup:
         if n:
             s.text.append(p, n)
         return 0
@@ -634,9 +637,9 @@ cdef int _cleanup(TokenTable t, Seq* s, const char* p, size_t n, bint final) exc
 cdef int _check_stop(Seq* s) except -1:
     """Search the text added since the last check for stop strings; on a match, cut and finish.
 
-    The match that wins is the one that ends first in the text (ties: the longest), i.e. the
-    first stop string that has been generated completely; this does not depend on how the tokens
-    were split into steps.
+    The match that wins is the one that ends first in the text (ties: the first in the stop list,
+    as vLLM's check_stop_strings), i.e. the first stop string that has been generated completely;
+    this does not depend on how the tokens were split into steps.
     """
     cdef size_t L = s.text.size()
     # As vLLM: until more than min_tokens tokens came, text is passed over, not searched; a stop
@@ -654,7 +657,7 @@ cdef int _check_stop(Seq* s) except -1:
         if pos == npos:
             continue
         end = pos + m
-        if end < best_end or (end == best_end and m > best_len):
+        if end < best_end:
             best_end = end
             best_len = m
             best = <int>idx
@@ -705,7 +708,7 @@ cdef int _finish(TokenTable t, Seq* s, bint sequence=False) except -1:
         _drain_bytes(t, s, True)
     elif not s.pending.empty():
         _close_run(t, s, sequence)
-    if not t.clean_old.empty():
+    if s.cleanup:
         _cleanup(t, s, NULL, 0, True)
     _check_stop(s)
     s.finished = True
@@ -824,6 +827,7 @@ cdef class Detokenizer:
             self.free_slots.pop_back()
         cdef Seq* s = &self.seqs[slot]
         _init_seq(self.table, s, key, skip_special_tokens, include_stop_str_in_output)
+        s.cleanup = False  # vLLM's decoder (tokenizers' DecodeStream) applies no cleanup
         if prompt_token_ids is not None and _has_text(self.table, prompt_token_ids, skip_special_tokens):
             s.started = True
             s.strip_left = 0
