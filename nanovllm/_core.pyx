@@ -27,7 +27,7 @@ cascade of streaming `str.replace`s, so the result equals the replacements appli
 text: `TokenTable.decode` only; a sequence's text has none, as vLLM's decoder, tokenizers'
 DecodeStream, applies none), then stop strings. A delta never contains text that a later token
 could still change or cut off, so the concatenated deltas plus `flush()` are
-`tokenizer.decode(all_tokens)` (cut at a stop string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
+`tokenizer.decode(all_tokens)` (without cleanup; cut at a stop string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
 prompt's (as vLLM's decoder, which starts from the prompt: Strip and Metaspace's first-token rule
 then belong to the prompt) -- except at the end, where a sequence's text, as vLLM's, never ends in
 U+FFFD: trailing U+FFFDs (an unfinished character, invalid bytes) are held back until text follows
@@ -141,9 +141,9 @@ cdef struct Seq:
     int num_tokens          # tokens fed so far (skipped specials included)
     int min_tokens          # stop strings are not looked for until more tokens than this came
     size_t emitted          # bytes of `text` already returned in deltas
-    size_t scanned          # bytes of `text` already searched for stop strings
+    size_t scanned          # bytes of `text` already searched for stop strings (not held U+FFFDs)
     string pending          # byte_level: an unfinished UTF-8 character; else: the open byte run
-    string text             # final text so far (decoded, stripped, cleaned up)
+    string text             # final text so far (decoded, stripped; cleaned up where `cleanup`)
     bint deltas             # process() reports its new text every call, not only its stop
     vector[int32_t] tokens  # every token fed, in order (the completion's token ids)
     vector[string] stops    # UTF-8
@@ -563,10 +563,11 @@ cdef int _close_run(TokenTable t, Seq* s, bint at_end=False) except -1:
     return 0
 
 
-cdef size_t _before_replacements(Seq* s, size_t end) noexcept:
-    """`end` moved back over the U+FFFDs that end s.text[s.emitted:end] (vLLM's text never ends in
-    one: its decoder holds a step whose text does)."""
-    while end >= s.emitted + 3 and memcmp(s.text.data() + end - 3, REPL, 3) == 0:
+cdef size_t _before_replacements(Seq* s, size_t end, size_t floor) noexcept:
+    """`end` moved back over the U+FFFDs that end s.text[floor:end] (vLLM's text never ends in
+    one: its decoder holds a step whose text does, so neither its output nor its stop strings
+    see them until text follows)."""
+    while end >= floor + 3 and memcmp(s.text.data() + end - 3, REPL, 3) == 0:
         end -= 3
     return end
 
@@ -639,9 +640,11 @@ cdef int _check_stop(Seq* s) except -1:
 
     The match that wins is the one that ends first in the text (ties: the first in the stop list,
     as vLLM's check_stop_strings), i.e. the first stop string that has been generated completely;
-    this does not depend on how the tokens were split into steps.
+    this does not depend on how the tokens were split into steps. (vLLM takes the first in the
+    list among those its step's new text holds; the same whenever a step adds one token's text.)
+    Trailing U+FFFDs are not searched until text follows them, as vLLM's text holds them back.
     """
-    cdef size_t L = s.text.size()
+    cdef size_t L = _before_replacements(s, s.text.size(), s.scanned)
     # As vLLM: until more than min_tokens tokens came, text is passed over, not searched; a stop
     # string that completes afterwards is still found if it began in that text.
     if s.stops.empty() or L == s.scanned or s.num_tokens <= s.min_tokens:
@@ -654,7 +657,7 @@ cdef int _check_stop(Seq* s) except -1:
         # A match ending before `scanned` would have been found by an earlier check.
         start = s.scanned + 1 - m if s.scanned + 1 > m else 0
         pos = s.text.find(s.stops[idx], start)
-        if pos == npos:
+        if pos == npos or pos + m > L:
             continue
         end = pos + m
         if end < best_end:
@@ -683,7 +686,7 @@ cdef size_t _releasable(Seq* s) noexcept:
     cdef size_t L = s.text.size()
     if s.finished:
         return L
-    L = _before_replacements(s, L)
+    L = _before_replacements(s, L, s.emitted)
     if s.include_stop or s.stops.empty():
         return L
     cdef size_t avail = L - s.emitted, hold = 0, k, idx
@@ -710,10 +713,12 @@ cdef int _finish(TokenTable t, Seq* s, bint sequence=False) except -1:
         _close_run(t, s, sequence)
     if s.cleanup:
         _cleanup(t, s, NULL, 0, True)
+    if sequence:  # the held U+FFFDs go before the last stop check: no stop string sees them
+        s.text.resize(_before_replacements(s, s.text.size(), s.emitted))
+        if s.scanned > s.text.size():
+            s.scanned = s.text.size()
     _check_stop(s)
     s.finished = True
-    if sequence and s.stop_index < 0:
-        s.text.resize(_before_replacements(s, s.text.size()))
     return 0
 
 
@@ -955,8 +960,9 @@ cdef class Detokenizer:
         return _utf8(s.text, start, s.text.size())
 
     def text(self, int64_t key) -> str:
-        """The sequence's whole text if it ended now: tokenizer.decode of its tokens so far, cut at
-        a stop string, else without trailing U+FFFDs as flush() ends it (changes nothing)."""
+        """The sequence's whole text if it ended now, as flush() would end it: its tokens decoded
+        (tokenizer.decode without cleanup), cut at a stop string, without trailing U+FFFDs
+        (changes nothing)."""
         cdef Seq* s = self._get(key)
         cdef Seq tmp = s[0]
         _finish(self.table, &tmp, True)

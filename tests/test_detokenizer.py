@@ -1,8 +1,10 @@
 """Incremental detokenization and stop strings (`nanovllm._core`, `nanovllm.token_table`).
 
 The oracle is `tokenizer.decode(all_tokens, skip_special_tokens=...)` of transformers' fast
-tokenizers: for any token stream, split into steps in any way and interleaved with other
-sequences, the deltas plus `flush()` must concatenate to exactly that text (cut at a stop string).
+tokenizers: `TokenTable.decode` equals it; for any token stream, split into steps in any way and
+interleaved with other sequences, a sequence's deltas plus `flush()` concatenate to that text as
+vLLM's decoder ends it (`sequence_text`: no cleanup replacements, cut at a stop string, else no
+trailing U+FFFD; an open byte run at the end keeps its valid beginning).
 Tokenizers are trained here in a second: a byte-level BPE (Qwen / Llama 3 style) and SentencePiece
 style BPEs with `<0xNN>` byte fallback (Llama 2's decoder, and the `Metaspace` decoder).
 """
@@ -217,7 +219,7 @@ def sequence_text(kind: Kind, ids: list[int], skip: bool, stops: list[str] = (),
     """What a sequence's text ends as: tokenizer.decode (of `lenient_ids`), cut at the first stop
     string, else without trailing U+FFFDs (vLLM's text never ends in one)."""
     full = kind.stream_decode(lenient_ids(kind, ids, skip), skip)
-    hit = _first_stop(full, list(stops))
+    hit = _first_stop(full.rstrip("\ufffd"), list(stops))  # trailing U+FFFDs are no text to stops either
     if hit is not None:
         return full[: hit[1] if include else hit[0]]
     return full.rstrip("\ufffd")
@@ -580,7 +582,7 @@ def test_random_stop_strings(name, data):
             stops.append(data.draw(st.text(alphabet="ab lo.日😀\ufffd", min_size=1, max_size=4)))
     include = data.draw(st.booleans())
     rnd = random.Random(data.draw(st.integers(0, 2**32)))
-    hit = _first_stop(kind.stream_decode(lenient_ids(kind, ids, skip), skip), stops)
+    hit = _first_stop(kind.stream_decode(lenient_ids(kind, ids, skip), skip).rstrip("\ufffd"), stops)
     expect = sequence_text(kind, ids, skip, stops, include)
 
     def check(d, batch, pos, out):
@@ -718,14 +720,24 @@ def test_include_stop_str_in_output():
 
 
 def test_stop_found_at_flush():
-    # The match needs the lossy U+FFFD that only the end of the stream produces.
+    # A ByteFallback run that only the end closes can complete a stop string there.
+    sp = kinds()["sentencepiece"]
+    d = Detokenizer(sp.table)
+    d.add(1, stop=["AA"])
+    assert [x for x, _ in _feed_each(d, 1, [sp.byte_ids[0x41]] * 2)] == ["", ""]
+    assert d.flush(1) == "" and d.stop_reason(1) == "AA"
+    # The lossy U+FFFD an unfinished character would end in is no text (vLLM's): no stop sees it.
     kind = kinds()["byte_level"]
     b = kind.byte_ids
     d = Detokenizer(kind.table)
-    d.add(1, stop=["a\ufffd"])
-    assert [x for x, _ in _feed_each(d, 1, [b[0x61], b[0xE6]])] == ["", ""]
-    assert d.text(1) == "" and d.is_finished(1) is False
-    assert d.flush(1) == "" and d.stop_reason(1) == "a\ufffd"
+    d.add(2, stop=["a\ufffd", "\ufffd"])
+    assert [x for x, _ in _feed_each(d, 2, [b[0x61], b[0xE6]])] == ["", ""]  # "a" may start a stop
+    assert d.text(2) == "a" and d.is_finished(2) is False
+    assert d.flush(2) == "a" and d.stop_reason(2) is None
+    # Followed by text, it is text: then a stop string holding it matches.
+    d.add(3, stop=["\ufffdb"])
+    assert "".join(x for x, _ in _feed_each(d, 3, [b[0x61], b[0xE6], b[0x62]])) + d.flush(3) == "a"
+    assert d.stop_reason(3) == "\ufffdb"
 
 
 # ---------------------------------------------------------------------------------------- errors

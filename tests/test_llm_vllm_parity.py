@@ -691,3 +691,19 @@ def test_an_unfinished_character_at_the_end_is_dropped(llm: LLM, stream: bool) -
     mixed = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                                                 allowed_token_ids=[lead, tail]), use_tqdm=False)[0].outputs[0]
     assert mixed.text == tok.decode(mixed.token_ids).rstrip("\ufffd")
+
+
+def test_a_request_keeps_the_params_it_was_admitted_with(llm: LLM) -> None:
+    """As vLLM's processor copies them: params changed after add_request change neither the request
+    nor its later n > 1 samples (each forks at the first step), and a bad value assigned before
+    admission is refused there, leaving the engine clean."""
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, ignore_eos=True)
+    engine.add_request("kept", PROMPT, params)
+    params.stop = [""]  # invalid, and after admission: no effect
+    outs = [o for _ in range(20) for o in engine.step()]
+    assert [(c.finish_reason, c.stop_reason, len(c.token_ids)) for c in outs[-1].outputs] == [("length", None, 8)] * 3
+    with pytest.raises(ValueError, match="stop must be"):
+        llm.generate(PROMPT, params, use_tqdm=False)
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"] and not engine.has_unfinished_requests()

@@ -223,7 +223,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(valid_text(prompt))
         if isinstance(prompt, dict):
-            asked = [k for k in _REFUSED_PROMPT_KEYS if prompt.get(k) is not None]
+            asked = [k for k in _REFUSED_PROMPT_KEYS if prompt.get(k)]
             if asked:
                 raise ValueError(f"a prompt's {asked[0]!r} is not supported: {_REFUSED_PROMPT_KEYS[asked[0]]}")
             if "prompt_token_ids" in prompt:
@@ -262,13 +262,12 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids = truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len,
                                      params.truncation_side)
-        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary"
-            params = params.clone(**{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
-                                     if getattr(params, name) == -1})
+        # The request's own copy, checked again, as vLLM's processor takes one: what the caller
+        # assigns afterwards (stop, ...) changes neither this request nor its later n > 1 samples.
+        params = params.clone(**{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                                 if getattr(params, name) == -1})  # vLLM's -1: the whole vocabulary
         if params.bad_words and params.bad_words_token_ids is None:
-            # Tokenized here, on a copy (the caller's params may serve other prompts), unless the
-            # caller did it (the server, in its text workers).
-            params = params.clone()
+            # Tokenized here, unless the caller did it (the server, in its text workers).
             params.update_from_tokenizer(self.tokenizer)
         self.check_prompt(token_ids)
         self._check_params(params)
