@@ -27,9 +27,10 @@ cascade of streaming `str.replace`s, so the result equals the replacements appli
 text: `TokenTable.decode` only; a sequence's text has none, as vLLM's decoder, tokenizers'
 DecodeStream, applies none), then stop strings. A delta never contains text that a later token
 could still change or cut off, so the concatenated deltas plus `flush()` are
-`tokenizer.decode(all_tokens)` (without cleanup; cut at a stop string), or, for a sequence added with its prompt's ids, the text that decoding adds after the
-prompt's (as vLLM's decoder, which starts from the prompt: Strip and Metaspace's first-token rule
-then belong to the prompt) -- except at the end, where a sequence's text, as vLLM's, never ends in
+`tokenizer.decode(all_tokens)` (without cleanup; cut at a stop string), or, for a sequence added
+with its prompt's ids, the text that decoding adds after the prompt's (as vLLM's decoder, which
+starts from the prompt: Strip and Metaspace's first-token rule then belong to the prompt) --
+except at the end, where a sequence's text, as vLLM's, never ends in
 U+FFFD: trailing U+FFFDs (an unfinished character, invalid bytes) are held back until text follows
 them, and dropped by `flush()`; a ByteFallback run still open at the end that is not valid UTF-8
 keeps its valid beginning (vLLM had emitted it while the run was valid). `TokenTable.decode` is
