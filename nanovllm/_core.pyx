@@ -358,10 +358,7 @@ cdef class TokenTable:
             if full.endswith(u"\ufffd"):
                 continue
             clean = n  # the tail's tokens before its trailing parts of characters
-            while clean > 0:
-                self._token_string(tail[clean - 1])
-                if not self._token_partial[tail[clean - 1]]:
-                    break
+            while clean > 0 and self._partial_of(tail[clean - 1]):
                 clean -= 1
             prefix = self._decode_ids(tail[:clean]) if clean else u""
             if full.startswith(prefix):
@@ -371,6 +368,11 @@ cdef class TokenTable:
                 common += 1
             return full[common:]
         return u""
+
+    cdef bint _partial_of(self, int32_t tok):
+        """Whether decode_token(tok) ends in U+FFFD (`tok` already checked)."""
+        self._token_string(tok)  # makes both, once
+        return self._token_partial[tok]
 
     cdef object _decode_ids(self, list ids):
         """tokenizer.decode(ids) of checked ids."""

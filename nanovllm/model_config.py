@@ -171,6 +171,7 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
             f"num_key_value_heads ({num_kv_heads})"
         )
     num_layers = integer("num_hidden_layers", need("num_hidden_layers"), low=0)
+    max_positions = raw.get("max_position_embeddings") or int(defaults.get("max_position_embeddings", 2048))
     window = _sliding_window(raw, num_layers)
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"{where}: sliding_window must be null or a positive integer, got {window!r}")
@@ -187,10 +188,8 @@ def parse_model_config(raw: dict[str, Any], model_dir: Path) -> ModelConfig:
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=number("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=integer("max_position_embeddings", raw.get("max_position_embeddings")
-                                        or int(defaults.get("max_position_embeddings", 2048))),
-        rope=_parse_rope(raw, defaults.get("rope_theta", 10000.0),
-                         raw.get("max_position_embeddings") or int(defaults.get("max_position_embeddings", 2048))),
+        max_position_embeddings=integer("max_position_embeddings", max_positions),
+        rope=_parse_rope(raw, defaults.get("rope_theta", 10000.0), max_positions),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),

@@ -93,7 +93,7 @@ def build_entries(refs: Sequence[tuple[LogprobBlock, int]], table: TokenTable,
     entries = [block.entries(table)[row] for block, row in refs]
     if context is None:
         return entries
-    fix = [j for j, (block, row) in enumerate(refs) if block._partial and row in block._partial]
+    fix = [j for j, (block, row) in enumerate(refs) if block.partial(row)]
     if fix:
         ids = [int(block.chosen_ids[row]) for block, row in (*context, *refs)]
         for j in fix:
